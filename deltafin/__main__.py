@@ -1,0 +1,39 @@
+"""`python -m deltafin [overrides]`: compose the config, set up logging, build the app, serve it."""
+
+from __future__ import annotations
+
+import sys
+
+import hydra
+from omegaconf import DictConfig
+
+from deltafin.config import CONF_DIR, ConfigError, validate_config
+
+
+@hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
+def main(raw: DictConfig) -> None:
+    try:
+        config = validate_config(raw)
+    except ConfigError as exc:
+        print(f"deltafin: config error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+    import uvicorn
+
+    from deltafin.app import build_app
+    from deltafin.logging import configure_logging
+
+    configure_logging(config.server.log_level)
+    app = build_app(config)
+    uvicorn.run(
+        app,
+        host=config.server.host,
+        port=config.server.port,
+        log_level=config.server.log_level,
+        access_log=False,  # the request-context layer writes one richer line per request
+        timeout_graceful_shutdown=5,
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,44 @@
+"""The one exception handler: every error leaves as an OpenAI-shaped body with its real status."""
+
+from __future__ import annotations
+
+import structlog
+from litestar import Request, Response
+from litestar.exceptions import HTTPException, ValidationException
+
+from deltafin.errors import DeltafinError, InternalError, InvalidRequestError, error_for_status
+
+log = structlog.get_logger("deltafin.errors")
+
+
+def to_deltafin_error(exc: Exception) -> DeltafinError:
+    if isinstance(exc, DeltafinError):
+        return exc
+    if isinstance(exc, ValidationException):
+        return _validation_error(exc)
+    if isinstance(exc, HTTPException):
+        err = error_for_status(exc.status_code, exc.detail)
+        err.headers.update(exc.headers or {})
+        return err
+    log.exception("unhandled_error", exc_info=exc)
+    return InternalError("The server failed to handle this request; see the server log.")
+
+
+def _validation_error(exc: ValidationException) -> InvalidRequestError:
+    """Litestar reports body decoding problems as a list; the first one names the field."""
+    problems = exc.extra if isinstance(exc.extra, list) else []
+    if not problems:
+        return InvalidRequestError(exc.detail)
+    first = problems[0] if isinstance(problems[0], dict) else {"message": str(problems[0])}
+    key = first.get("key")
+    message = first.get("message", exc.detail)
+    if key in (None, "data", "body"):
+        if "JSON is malformed" in message or "malformed" in message.lower():
+            return InvalidRequestError(f"The request body is not valid JSON: {message}")
+        return InvalidRequestError(f"Invalid request body: {message}")
+    return InvalidRequestError(f"Invalid value for `{key}`: {message}", param=key)
+
+
+def handle_exception(request: Request, exc: Exception) -> Response:
+    err = to_deltafin_error(exc)
+    return Response(err.body(), status_code=err.status, headers=err.headers)

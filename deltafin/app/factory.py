@@ -1,0 +1,100 @@
+"""`build_app(config)`: the ASGI app. The server listens at once; the model loads on a thread meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from contextlib import asynccontextmanager
+from typing import Any, AsyncIterator
+
+import structlog
+from litestar import Litestar, Request, Response, get
+from litestar.datastructures import State
+from litestar.di import Provide
+from litestar.openapi import OpenAPIConfig
+
+from deltafin import __version__
+from deltafin.app.errors import handle_exception
+from deltafin.app.request_context import RequestContext
+from deltafin.app.routes import ROUTES
+from deltafin.app.services import Services
+from deltafin.config import DeltafinConfig
+from deltafin.errors import AuthenticationError, EngineUnavailableError
+from deltafin.metrics import Metrics
+
+log = structlog.get_logger("deltafin.app")
+
+
+class Readiness:
+    """Holds the services once loaded, or why loading failed."""
+
+    def __init__(self) -> None:
+        self.services: Services | None = None
+        self.error: str | None = None
+
+
+def _provide_services(request: Request, state: State) -> Services:
+    readiness: Readiness = state.readiness
+    keys = state.config.server.api_keys
+    if keys:
+        supplied = request.headers.get("authorization", "")
+        token = supplied[7:] if supplied.lower().startswith("bearer ") else ""
+        if not any(hmac.compare_digest(token, key) for key in keys):
+            raise AuthenticationError("Incorrect or missing API key (send `Authorization: Bearer <key>`).")
+    if readiness.services is None:
+        detail = f"the model failed to load: {readiness.error}" if readiness.error else "the model is still loading"
+        raise EngineUnavailableError(f"Service unavailable: {detail}.", headers={"Retry-After": "5"})
+    return readiness.services
+
+
+@get("/health", summary="200 when the model is loaded, 503 while loading", include_in_schema=True)
+async def health(state: State) -> Response:
+    readiness: Readiness = state.readiness
+    if readiness.services is not None:
+        return Response({"status": "ok", "model": state.config.model.name})
+    status = "failed" if readiness.error else "loading"
+    return Response({"status": status, "error": readiness.error}, status_code=503)
+
+
+@get("/metrics", summary="Prometheus metrics", media_type="text/plain; version=0.0.4")
+async def metrics(state: State) -> bytes:
+    return state.metrics.render()
+
+
+def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
+    """The ASGI app. With `services` given (tests) it is ready at once; else it loads in the background."""
+    readiness = Readiness()
+    app_metrics = Metrics()
+
+    @asynccontextmanager
+    async def load_in_background(app: Litestar) -> AsyncIterator[None]:
+        if services is not None:
+            readiness.services = services
+            yield
+            return
+
+        async def load() -> None:
+            try:
+                readiness.services = await asyncio.to_thread(Services.load, config)
+                log.info("ready", model=config.model.name)
+            except Exception as exc:  # shown by /health and 503s; the process stays up to say so
+                readiness.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+                log.error("model_load_failed", error=readiness.error)
+
+        task = asyncio.create_task(load())
+        try:
+            yield
+        finally:
+            task.cancel()
+
+    litestar_app = Litestar(
+        route_handlers=[*ROUTES, health, metrics],
+        dependencies={"services": Provide(_provide_services, sync_to_thread=False)},
+        exception_handlers={Exception: handle_exception},
+        lifespan=[load_in_background],
+        state=State({"readiness": readiness, "config": config, "metrics": app_metrics}),
+        request_max_body_size=config.server.max_body_bytes,
+        openapi_config=OpenAPIConfig(title="Deltafin", version=__version__, path="/schema"),
+        debug=False,
+    )
+    return RequestContext(litestar_app, app_metrics)

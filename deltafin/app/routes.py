@@ -1,0 +1,76 @@
+"""Thin HTTP routes: decode (Litestar + msgspec), call the serving layer, wrap JSON or SSE."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from litestar import Request, Response, get, post
+from litestar.di import NamedDependency
+from litestar.params import JSONBody
+from litestar.response import Stream
+
+from deltafin.app.disconnect import until_disconnected
+from deltafin.app.request_context import STATS_KEY
+from deltafin.app.services import Services
+from deltafin.protocol.chat import ChatCompletionRequest
+from deltafin.protocol.completions import CompletionRequest
+from deltafin.protocol.tokenize import DetokenizeRequest, TokenizeRequest
+from deltafin.serving.context import RequestStats
+from deltafin.serving.models import get_model, list_models
+from deltafin.serving.sse import StreamingResponse
+
+
+def _stats(request: Request) -> RequestStats:
+    stats = request.scope.get("state", {}).get(STATS_KEY)
+    return stats if stats is not None else RequestStats()
+
+
+def _close(result: Any) -> None:
+    if isinstance(result, StreamingResponse):
+        result.close()
+
+
+async def _respond(request: Request, work: Any) -> Response | Stream:
+    # Queue wait and non-streamed generation race the client's disconnect; a streamed body is
+    # cancelled by Litestar itself when the client goes.
+    result = await until_disconnected(request.receive, work, _close)
+    if isinstance(result, StreamingResponse):
+        return Stream(result.body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    return Response(result)
+
+
+@post(["/v1/chat/completions", "/chat/completions"], status_code=200, summary="Create a chat completion")
+async def chat_completions(
+    request: Request, data: JSONBody[ChatCompletionRequest], services: NamedDependency[Services]
+) -> Response | Stream:
+    return await _respond(request, services.chat.create(data, _stats(request)))
+
+
+@post(["/v1/completions", "/completions"], status_code=200, summary="Create a text completion")
+async def completions(
+    request: Request, data: JSONBody[CompletionRequest], services: NamedDependency[Services]
+) -> Response | Stream:
+    return await _respond(request, services.completions.create(data, _stats(request)))
+
+
+@get(["/v1/models", "/models"], summary="List the served model")
+async def models(services: NamedDependency[Services]) -> dict[str, Any]:
+    return list_models(services.ctx)
+
+
+@get(["/v1/models/{name:str}", "/models/{name:str}"], summary="Describe the served model")
+async def model(name: str, services: NamedDependency[Services]) -> dict[str, Any]:
+    return get_model(services.ctx, name)
+
+
+@post(["/tokenize", "/v1/tokenize"], status_code=200, summary="Tokenize a prompt or chat messages")
+async def tokenize(data: JSONBody[TokenizeRequest], services: NamedDependency[Services]) -> dict[str, Any]:
+    return services.tokenize.tokenize(data)
+
+
+@post(["/detokenize", "/v1/detokenize"], status_code=200, summary="Turn token ids back into text")
+async def detokenize(data: JSONBody[DetokenizeRequest], services: NamedDependency[Services]) -> dict[str, Any]:
+    return services.tokenize.detokenize(data)
+
+
+ROUTES = [chat_completions, completions, models, model, tokenize, detokenize]

@@ -1,0 +1,45 @@
+"""Builds everything the routes serve from a config: engine, chat format, endpoint services."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from deltafin.config import DeltafinConfig
+from deltafin.engine import Engine
+from deltafin.engine.loader import load_model
+from deltafin.prompt import build_chat_format
+from deltafin.serving.chat import ChatService
+from deltafin.serving.completions import CompletionService
+from deltafin.serving.context import ServingContext
+from deltafin.serving.tokenize import TokenizeService
+
+
+@dataclass
+class Services:
+    ctx: ServingContext
+    chat: ChatService
+    completions: CompletionService
+    tokenize: TokenizeService
+
+    @classmethod
+    def from_engine(cls, config: DeltafinConfig, engine: Engine) -> "Services":
+        chat_format = build_chat_format(
+            config.model.chat_format,
+            engine.tokenizer,
+            content_format=config.model.content_format,
+            default_kwargs=dict(config.model.chat_template_kwargs),
+        )
+        ctx = ServingContext(config=config, engine=engine, chat_format=chat_format)
+        chat = ChatService(ctx)
+        return cls(ctx=ctx, chat=chat, completions=CompletionService(ctx), tokenize=TokenizeService(ctx, chat))
+
+    @classmethod
+    def load(cls, config: DeltafinConfig) -> "Services":
+        loaded = load_model(config.model, config.placement)
+        engine = Engine(
+            loaded,
+            max_waiting=config.server.queue.max_waiting,
+            timeout_s=config.server.queue.timeout_s,
+            memo_entries=config.server.memo.entries,
+        )
+        return cls.from_engine(config, engine)

@@ -1,0 +1,25 @@
+"""Typed configuration: the schema and its validation after Hydra composes the YAML."""
+
+from deltafin.config.schema import (
+    CompatConfig,
+    DeltafinConfig,
+    MemoConfig,
+    ModelConfig,
+    PlacementConfig,
+    QueueConfig,
+    ServerConfig,
+)
+from deltafin.config.validate import ConfigError, CONF_DIR, validate_config
+
+__all__ = [
+    "CONF_DIR",
+    "CompatConfig",
+    "ConfigError",
+    "DeltafinConfig",
+    "MemoConfig",
+    "ModelConfig",
+    "PlacementConfig",
+    "QueueConfig",
+    "ServerConfig",
+    "validate_config",
+]

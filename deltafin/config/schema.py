@@ -1,0 +1,77 @@
+"""The typed schema every composed config is validated against (keys documented in conf/*.yaml)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING
+
+
+@dataclass
+class ModelConfig:
+    name: str = MISSING
+    family: str = MISSING
+    path: str = MISSING
+    aliases: list[str] = field(default_factory=list)
+    variant: Optional[str] = None
+    context_length: Optional[int] = None
+    chat_format: str = "template"
+    content_format: str = "string"
+    reasoning_parser: Optional[str] = None
+    tool_parser: Optional[str] = None
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+    cache_dir: Optional[str] = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class PlacementConfig:
+    device: str = "cpu"
+    dtype: str = "float32"
+    device_map: Optional[str] = None
+    max_memory: Optional[dict[str, str]] = None
+    offload_folder: Optional[str] = None
+    num_threads: Optional[int] = None
+    compile: bool = False
+
+
+@dataclass
+class CompatConfig:
+    # Keyed by rule name so `~compat.rules.NAME` and `compat.rules.NAME.value=...` work on the command line.
+    rules: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class QueueConfig:
+    max_waiting: int = 16
+    timeout_s: float = 5.0
+
+
+@dataclass
+class MemoConfig:
+    entries: int = 32
+
+
+@dataclass
+class ServerConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000
+    api_keys: list[str] = field(default_factory=list)
+    max_body_bytes: int = 4 * 1024 * 1024
+    completion_default_max_tokens: int = 256
+    max_n: int = 8
+    max_stop_sequences: int = 16
+    max_top_logprobs: int = 20
+    log_level: str = "info"
+    queue: QueueConfig = field(default_factory=QueueConfig)
+    memo: MemoConfig = field(default_factory=MemoConfig)
+
+
+@dataclass
+class DeltafinConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    compat: CompatConfig = field(default_factory=CompatConfig)
+    server: ServerConfig = field(default_factory=ServerConfig)

@@ -1,0 +1,59 @@
+"""Validate a composed config against the schema; every failure becomes one line naming the key."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from deltafin.config.schema import DeltafinConfig
+
+# conf/ sits beside the package in the repository (the product layout), found from here.
+CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
+
+_RANGES: dict[str, tuple[float, float]] = {
+    "server.port": (0, 65535),
+    "server.max_body_bytes": (1, 1 << 40),
+    "server.completion_default_max_tokens": (1, 1 << 30),
+    "server.max_n": (1, 128),
+    "server.max_stop_sequences": (0, 1024),
+    "server.max_top_logprobs": (0, 1000),
+    "server.queue.max_waiting": (0, 1 << 20),
+    "server.queue.timeout_s": (0, 86400),
+    "server.memo.entries": (0, 1 << 20),
+}
+_CHOICES: dict[str, tuple[str, ...]] = {
+    "model.chat_format": ("template",),
+    "model.content_format": ("string", "openai"),
+    "server.log_level": ("debug", "info", "warning", "error"),
+}
+
+
+class ConfigError(ValueError):
+    """A config that cannot be served; the message is one line that names the offending key."""
+
+
+def validate_config(cfg: DictConfig | dict[str, Any]) -> DeltafinConfig:
+    """Merge `cfg` into the typed schema and check ranges; returns a typed (structured) config."""
+    schema = OmegaConf.structured(DeltafinConfig)
+    try:
+        merged = OmegaConf.merge(schema, cfg)
+        missing = sorted(OmegaConf.missing_keys(merged))
+        if missing:
+            raise ConfigError(f"{missing[0]}: a value is required (set {missing[0]}=...)")
+        OmegaConf.resolve(merged)
+    except OmegaConfBaseException as exc:
+        key = getattr(exc, "full_key", None) or "config"
+        reason = str(exc).splitlines()[0]
+        raise ConfigError(f"{key}: {reason}") from None
+    for key, (low, high) in _RANGES.items():
+        value = OmegaConf.select(merged, key)
+        if not low <= value <= high:
+            raise ConfigError(f"{key}: {value} is outside [{low}, {high}]")
+    for key, allowed in _CHOICES.items():
+        value = OmegaConf.select(merged, key)
+        if value not in allowed:
+            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+    return merged  # type: ignore[return-value]

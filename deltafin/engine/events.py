@@ -1,0 +1,45 @@
+"""What goes into the engine (jobs) and what comes out of it (text deltas, then one Finished per choice)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from deltafin.protocol.sampling import SamplingParams
+
+FinishReason = Literal["stop", "length"]
+
+
+@dataclass(frozen=True)
+class GenerationJob:
+    prompt_ids: tuple[int, ...]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class TextDelta:
+    """New text of one choice; `text` may be empty while bytes or a possible stop string are held back."""
+
+    choice: int
+    text: str
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] = ()
+
+
+@dataclass(frozen=True)
+class Finished:
+    choice: int
+    reason: FinishReason
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+    stop_reason: str | int | None = None
+    memo_hit: bool = False
+    timings: dict[str, float] = field(default_factory=dict)

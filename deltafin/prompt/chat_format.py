@@ -1,0 +1,167 @@
+"""Chat formats: render OpenAI messages (and tools) to token ids with the checkpoint's Jinja template.
+
+Control tokens may come only from the template. Every piece of message text is swapped for a sentinel
+before rendering; the rendered string is then tokenized piece by piece: template text with special
+tokens recognised, message text with `split_special_tokens`, so `<|im_start|>` typed by a user stays text.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Protocol, Sequence
+
+from deltafin.errors import InvalidRequestError
+from deltafin.protocol.chat import ChatMessage, ImagePart, TextPart, ToolDefinition
+
+_SENTINEL = re.compile("\ue000(\\d+)\ue001")
+
+
+@dataclass(frozen=True)
+class RenderedPrompt:
+    token_ids: list[int]
+    text: str
+
+
+class ChatFormat(Protocol):
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[ToolDefinition] | None,
+        template_kwargs: dict[str, Any],
+        *,
+        add_generation_prompt: bool = True,
+    ) -> RenderedPrompt: ...
+
+
+class TemplateChatFormat:
+    """The checkpoint's own chat template (`tokenizer.chat_template`)."""
+
+    def __init__(self, tokenizer: Any, *, content_format: str, default_kwargs: dict[str, Any]) -> None:
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("model.chat_format=template but the checkpoint has no chat template")
+        self._tokenizer = tokenizer
+        self._content_format = content_format
+        self._default_kwargs = dict(default_kwargs)
+
+    def render(
+        self,
+        messages: Sequence[ChatMessage],
+        tools: Sequence[ToolDefinition] | None,
+        template_kwargs: dict[str, Any],
+        *,
+        add_generation_prompt: bool = True,
+    ) -> RenderedPrompt:
+        texts: list[str] = []
+        conversation = [self._template_message(i, m, texts) for i, m in enumerate(messages)]
+        kwargs = {**self._default_kwargs, **template_kwargs}
+        rendered = self._apply(conversation, tools, kwargs, add_generation_prompt)
+        pieces = _SENTINEL.split(rendered)
+        # split() alternates template text and captured sentinel numbers. A template may drop a text (e.g.
+        # reasoning in history) or repeat it, but one that cut into a sentinel leaves its marks behind.
+        if any("\ue000" in piece or "\ue001" in piece for piece in pieces[0::2]):
+            raise InvalidRequestError("the chat template altered message content; it cannot be rendered safely")
+        token_ids: list[int] = []
+        text_parts: list[str] = []
+        for index, piece in enumerate(pieces):
+            if index % 2 == 0:
+                token_ids += self._encode(piece, split_special_tokens=False)
+                text_parts.append(piece)
+            else:
+                content = texts[int(piece)]
+                token_ids += self._encode(content, split_special_tokens=True)
+                text_parts.append(content)
+        return RenderedPrompt(token_ids, "".join(text_parts))
+
+    def _encode(self, text: str, *, split_special_tokens: bool) -> list[int]:
+        if not text:
+            return []
+        return list(
+            self._tokenizer(text, add_special_tokens=False, split_special_tokens=split_special_tokens).input_ids
+        )
+
+    def _apply(
+        self, conversation: list[dict[str, Any]], tools: Sequence[ToolDefinition] | None, kwargs: dict[str, Any], gen: bool
+    ) -> str:
+        from jinja2 import TemplateError
+
+        tool_dicts = [_tool_dict(t) for t in tools] if tools else None
+        try:
+            return self._tokenizer.apply_chat_template(
+                conversation, tools=tool_dicts, add_generation_prompt=gen, tokenize=False, **kwargs
+            )
+        except (TemplateError, TypeError, ValueError, KeyError) as exc:
+            # Templates raise on conversations they do not support (e.g. role order); that is the client's input.
+            raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from None
+
+    def _template_message(self, index: int, message: ChatMessage, texts: list[str]) -> dict[str, Any]:
+        def placeholder(text: str) -> str:
+            texts.append(text)
+            return f"\ue000{len(texts) - 1}\ue001"
+
+        out: dict[str, Any] = {"role": message.role, "content": self._content(index, message, placeholder)}
+        if message.name is not None:
+            out["name"] = message.name
+        if message.tool_call_id is not None:
+            out["tool_call_id"] = message.tool_call_id
+        if message.reasoning_content is not None:
+            out["reasoning_content"] = placeholder(message.reasoning_content)
+        if message.tool_calls:
+            out["tool_calls"] = [
+                {
+                    "id": call.id,
+                    "type": "function",
+                    "function": {"name": call.function.name, "arguments": _arguments(call.function.arguments)},
+                }
+                for call in message.tool_calls
+            ]
+        return out
+
+    def _content(self, index: int, message: ChatMessage, placeholder: Callable[[str], str]) -> Any:
+        content = message.content
+        if content is None:
+            return ""
+        if isinstance(content, str):
+            return placeholder(content)
+        for j, part in enumerate(content):
+            if isinstance(part, ImagePart):
+                raise InvalidRequestError(
+                    "this model accepts text only; image_url content is not supported",
+                    param=f"messages[{index}].content[{j}]",
+                )
+        parts = [part.text for part in content if isinstance(part, TextPart)]
+        if self._content_format == "string":
+            return placeholder("\n".join(parts))
+        return [{"type": "text", "text": placeholder(text)} for text in parts]
+
+
+def _arguments(arguments: str | dict[str, Any]) -> dict[str, Any] | str:
+    """Templates index into arguments; give them an object when the client sent a JSON string of one."""
+    if isinstance(arguments, dict):
+        return arguments
+    try:
+        decoded = json.loads(arguments) if arguments else {}
+    except json.JSONDecodeError:
+        return arguments
+    return decoded if isinstance(decoded, dict) else arguments
+
+
+def _tool_dict(tool: ToolDefinition) -> dict[str, Any]:
+    function: dict[str, Any] = {"name": tool.function.name}
+    if tool.function.description is not None:
+        function["description"] = tool.function.description
+    function["parameters"] = tool.function.parameters or {"type": "object", "properties": {}}
+    return {"type": "function", "function": function}
+
+
+CHAT_FORMATS: dict[str, Callable[..., ChatFormat]] = {"template": TemplateChatFormat}
+
+
+def build_chat_format(name: str, tokenizer: Any, *, content_format: str, default_kwargs: dict[str, Any]) -> ChatFormat:
+    """The registered chat format called `name` (model.chat_format)."""
+    try:
+        factory = CHAT_FORMATS[name]
+    except KeyError:
+        raise ValueError(f"model.chat_format: unknown format {name!r} (known: {', '.join(CHAT_FORMATS)})") from None
+    return factory(tokenizer, content_format=content_format, default_kwargs=default_kwargs)

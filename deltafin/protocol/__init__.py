@@ -1,0 +1,1 @@
+"""Typed OpenAI requests and the engine-facing parameters they map to."""

@@ -1,0 +1,105 @@
+"""Typed /v1/chat/completions requests (unknown fields are tolerated, as OpenAI clients send extras)."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal, Optional, Union
+
+from msgspec import Meta, Struct
+
+from deltafin.errors import InvalidRequestError
+from deltafin.protocol.common import PositiveInt, SamplingFields
+
+Role = Literal["system", "developer", "user", "assistant", "tool"]
+
+
+class TextPart(Struct, tag="text", tag_field="type"):
+    text: str
+
+
+class ImageURL(Struct):
+    url: str
+    detail: Optional[str] = None
+
+
+class ImagePart(Struct, tag="image_url", tag_field="type"):
+    # A bare string is accepted as {"url": ...}; serving normalizes it.
+    image_url: Union[str, ImageURL]
+
+
+ContentPart = Union[TextPart, ImagePart]
+
+
+class FunctionCall(Struct):
+    name: str
+    # History may carry arguments as a JSON string (OpenAI) or an already-decoded object.
+    arguments: Union[str, dict[str, Any]] = ""
+
+
+class ToolCall(Struct, kw_only=True):
+    function: FunctionCall
+    id: Optional[str] = None
+    type: Literal["function"] = "function"
+
+
+class ChatMessage(Struct, kw_only=True):
+    role: Role
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+
+
+class FunctionDefinition(Struct, kw_only=True):
+    name: Annotated[str, Meta(min_length=1)]
+    description: Optional[str] = None
+    parameters: Optional[dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class ToolDefinition(Struct, kw_only=True):
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+
+
+class ChatCompletionRequest(SamplingFields, kw_only=True):
+    messages: Annotated[list[ChatMessage], Meta(min_length=1)]
+    max_tokens: Optional[PositiveInt] = None
+    max_completion_tokens: Optional[PositiveInt] = None
+    logprobs: bool = False
+    top_logprobs: Optional[Annotated[int, Meta(ge=0)]] = None
+    tools: Optional[list[ToolDefinition]] = None
+    tool_choice: Union[str, dict[str, Any], None] = None
+    parallel_tool_calls: Optional[bool] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    # Kimi's request field ({"type": "enabled" | "disabled"}), mapped by a compat rule.
+    thinking: Optional[dict[str, Any]] = None
+    reasoning_effort: Optional[str] = None
+
+    def requested_max_tokens(self) -> int | None:
+        """`max_completion_tokens` wins over the legacy `max_tokens` when both are given."""
+        if self.max_completion_tokens is not None:
+            return self.max_completion_tokens
+        return self.max_tokens
+
+    def check(self, *, max_n: int, max_stop: int, max_top_logprobs: int) -> None:
+        """Checks that need more than one field or a server limit (types were checked on decode)."""
+        if self.n > max_n:
+            raise InvalidRequestError(f"n must be at most {max_n}", param="n")
+        if len(self.stop_list()) > max_stop:
+            raise InvalidRequestError(f"at most {max_stop} stop sequences are allowed", param="stop")
+        if self.top_logprobs is not None:
+            if self.top_logprobs > max_top_logprobs:
+                raise InvalidRequestError(f"top_logprobs must be at most {max_top_logprobs}", param="top_logprobs")
+            if self.top_logprobs > 0 and not self.logprobs:
+                raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        for i, message in enumerate(self.messages):
+            if message.role == "tool" and message.content is None:
+                raise InvalidRequestError("a tool message needs content", param=f"messages[{i}].content")
+            if message.role in ("system", "developer", "user") and message.content is None:
+                raise InvalidRequestError(f"a {message.role} message needs content", param=f"messages[{i}].content")
+        if self.tool_choice is not None and isinstance(self.tool_choice, str):
+            if self.tool_choice not in ("none", "auto", "required"):
+                raise InvalidRequestError(
+                    "tool_choice must be 'none', 'auto', 'required' or a function object", param="tool_choice"
+                )

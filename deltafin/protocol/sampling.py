@@ -1,0 +1,36 @@
+"""The engine-facing generation parameters one choice is produced with."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Everything that decides which tokens come out; hashable so identical requests can be memoized."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = off
+    min_p: float = 0.0
+    seed: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+    top_logprobs: int = 0
+    ignore_eos: bool = False
+    extra: tuple[tuple[str, object], ...] = field(default=())
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    @property
+    def deterministic(self) -> bool:
+        """Greedy or seeded: the same prompt and parameters always give the same tokens."""
+        return self.greedy or self.seed is not None

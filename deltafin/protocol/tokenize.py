@@ -1,0 +1,27 @@
+"""Typed /tokenize and /detokenize requests."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Optional
+
+from msgspec import Meta, Struct
+
+from deltafin.protocol.chat import ChatMessage, ToolDefinition
+
+
+class TokenizeRequest(Struct, kw_only=True):
+    """Either a raw `prompt` or chat `messages` rendered exactly as /v1/chat/completions renders them."""
+
+    prompt: Optional[str] = None
+    messages: Optional[list[ChatMessage]] = None
+    tools: Optional[list[ToolDefinition]] = None
+    chat_template_kwargs: Optional[dict[str, Any]] = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+    return_token_strs: bool = False
+    model: Optional[str] = None
+
+
+class DetokenizeRequest(Struct, kw_only=True):
+    tokens: list[Annotated[int, Meta(ge=0)]]
+    model: Optional[str] = None

@@ -1,0 +1,127 @@
+"""/v1/completions: raw prompt in, text out (echo, logprobs), JSON or SSE."""
+
+from __future__ import annotations
+
+from typing import Any, AsyncIterator
+
+from deltafin.engine import Finished, GenerationJob, TextDelta, TokenLogprob
+from deltafin.engine.engine import GenerationStream
+from deltafin.protocol.completions import CompletionRequest
+from deltafin.serving.context import RequestStats, ServingContext, new_id
+from deltafin.serving.logprobs import completion_logprobs
+from deltafin.serving.sse import DONE, StreamingResponse, sse_event
+
+
+class CompletionService:
+    def __init__(self, ctx: ServingContext) -> None:
+        self.ctx = ctx
+
+    def jobs(self, request: CompletionRequest, prompt_ids: list[int]) -> list[GenerationJob]:
+        limits = self.ctx.config.server
+        request.check(max_n=limits.max_n, max_stop=limits.max_stop_sequences, max_top_logprobs=limits.max_top_logprobs)
+        # The seed's default for raw completions; an explicit value is always honoured.
+        max_tokens = limits.completion_default_max_tokens if request.max_tokens is None else request.max_tokens
+        room = self.ctx.check_context(len(prompt_ids), request.max_tokens, "prompt")
+        max_tokens = min(max_tokens, room)
+        ids = tuple(prompt_ids)
+        return [
+            GenerationJob(
+                ids,
+                request.sampling_params(
+                    max_tokens=max_tokens,
+                    vocab_size=self.ctx.engine.vocab_size,
+                    logprobs=request.logprobs is not None,
+                    top_logprobs=request.logprobs or 0,
+                    choice=i,
+                ),
+            )
+            for i in range(request.n)
+        ]
+
+    async def create(self, request: CompletionRequest, stats: RequestStats) -> dict[str, Any] | StreamingResponse:
+        self.ctx.check_model(request.model)
+        # A raw prompt is the client's whole input: special tokens in it are meant as such.
+        prompt_ids = list(self.ctx.engine.tokenizer(request.prompt).input_ids)
+        jobs = self.jobs(request, prompt_ids)
+        stats.prompt_tokens = len(prompt_ids)
+        stream = await self.ctx.engine.start(jobs)
+        stats.queue_wait_s = stream.queue_wait
+        if request.stream:
+            return StreamingResponse(self._chunks(request, stream, stats), stream.close)
+        return await self._collect(request, stream, stats)
+
+    def _base(self) -> dict[str, Any]:
+        return {"id": new_id("cmpl"), "object": "text_completion", "created": self.ctx.created_now(), "model": self.ctx.model_name}
+
+    async def _collect(self, request: CompletionRequest, stream: GenerationStream, stats: RequestStats) -> dict[str, Any]:
+        n = request.n
+        texts: list[list[str]] = [[] for _ in range(n)]
+        logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
+        finished: list[Finished | None] = [None] * n
+        async for event in stream:
+            if isinstance(event, TextDelta):
+                if event.text:
+                    stats.first_token()
+                texts[event.choice].append(event.text)
+                logprobs[event.choice].extend(event.logprobs)
+            else:
+                finished[event.choice] = event
+                stats.record(event)
+        prefix = request.prompt if request.echo else ""
+        choices = []
+        for index in range(n):
+            end = finished[index]
+            assert end is not None
+            choices.append(
+                {
+                    "index": index,
+                    "text": prefix + "".join(texts[index]),
+                    "logprobs": completion_logprobs(logprobs[index], self.ctx.token_text, len(prefix))
+                    if request.logprobs is not None
+                    else None,
+                    "finish_reason": end.reason,
+                }
+            )
+        usage = self.ctx.usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
+        return {**self._base(), "choices": choices, "usage": usage}
+
+    async def _chunks(self, request: CompletionRequest, stream: GenerationStream, stats: RequestStats) -> AsyncIterator[bytes]:
+        base = self._base()
+        include_usage = request.include_usage
+        offsets: dict[int, int] = {}
+
+        def chunk(index: int, text: str, *, finish: str | None = None, logprobs: Any = None) -> bytes:
+            body = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+            if include_usage:
+                body["usage"] = None
+            return sse_event(body)
+
+        pending: dict[int, list[TokenLogprob]] = {}
+        try:
+            async for event in stream:
+                index = event.choice
+                if index not in offsets:
+                    offsets[index] = 0
+                    if request.echo:
+                        offsets[index] = len(request.prompt)
+                        yield chunk(index, request.prompt)
+                if isinstance(event, TextDelta):
+                    pending.setdefault(index, []).extend(event.logprobs)
+                    if not event.text:
+                        continue
+                    stats.first_token()
+                    lp = None
+                    if request.logprobs is not None:
+                        lp = completion_logprobs(pending.pop(index, []), self.ctx.token_text, offsets[index])
+                    offsets[index] += len(event.text)
+                    yield chunk(index, event.text, logprobs=lp)
+                else:
+                    stats.record(event)
+                    yield chunk(index, "", finish=event.reason)
+            if include_usage:
+                usage = self.ctx.usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
+                yield sse_event({**base, "choices": [], "usage": usage})
+            yield DONE
+        finally:
+            stream.close()
+

@@ -1,0 +1,103 @@
+"""What every endpoint needs: the engine, the chat format, limits, the served model's names."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from deltafin.config import DeltafinConfig
+from deltafin.engine import Engine, Finished
+from deltafin.errors import ContextLengthError, ModelNotFoundError
+from deltafin.prompt import ChatFormat
+
+
+@dataclass
+class RequestStats:
+    """Filled in by serving, read by the access log line and the metrics."""
+
+    started: float = field(default_factory=time.perf_counter)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    queue_wait_s: float | None = None
+    ttft_s: float | None = None
+    memo_hit: bool = False
+    finish_reasons: list[str] = field(default_factory=list)
+    rules: list[str] = field(default_factory=list)
+
+    def record(self, finished: Finished) -> None:
+        self.completion_tokens += finished.completion_tokens
+        self.cached_tokens = max(self.cached_tokens, finished.cached_tokens)
+        self.memo_hit = self.memo_hit or finished.memo_hit
+        self.finish_reasons.append(finished.reason)
+
+    def first_token(self) -> None:
+        if self.ttft_s is None:
+            self.ttft_s = time.perf_counter() - self.started
+
+
+@dataclass
+class ServingContext:
+    config: DeltafinConfig
+    engine: Engine
+    chat_format: ChatFormat
+    created: int = field(default_factory=lambda: int(time.time()))
+    _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
+
+    fingerprint: str = "fp_deltafin"
+
+    @staticmethod
+    def created_now() -> int:
+        return int(time.time())
+
+    @property
+    def model_name(self) -> str:
+        return self.config.model.name
+
+    def check_model(self, requested: str | None) -> None:
+        """`model` is optional; when given it must name the served model or one of its aliases."""
+        if requested is None or requested == self.model_name or requested in self.config.model.aliases:
+            return
+        raise ModelNotFoundError(f"The model `{requested}` does not exist. This server serves `{self.model_name}`.", param="model")
+
+    def check_context(self, prompt_tokens: int, max_tokens: int | None, param: str) -> int:
+        """The completion budget left after the prompt; the wording matches what client-side detectors expect."""
+        limit = self.engine.context_length
+        if prompt_tokens >= limit:
+            raise ContextLengthError(
+                f"This model's maximum context length is {limit} tokens. However, your request has "
+                f"{prompt_tokens} input tokens. Please reduce the length of the input.",
+                context_length=limit,
+                prompt_tokens=prompt_tokens,
+                param=param,
+            )
+        if max_tokens is not None and prompt_tokens + max_tokens > limit:
+            raise ContextLengthError(
+                f"This model's maximum context length is {limit} tokens. However, you requested "
+                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the input, {max_tokens} in the "
+                f"completion). Please reduce the length of the input or completion.",
+                context_length=limit,
+                prompt_tokens=prompt_tokens,
+                param=param,
+            )
+        return limit - prompt_tokens
+
+    def token_text(self, token_id: int) -> str:
+        text = self._token_texts.get(token_id)
+        if text is None:
+            text = self._token_texts[token_id] = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens},
+        }
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}-{uuid.uuid4().hex}"

@@ -1,0 +1,30 @@
+"""/v1/models: the one served model (and its aliases, which name the same weights)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deltafin.errors import ModelNotFoundError
+from deltafin.serving.context import ServingContext
+
+
+def _card(ctx: ServingContext, name: str) -> dict[str, Any]:
+    return {
+        "id": name,
+        "object": "model",
+        "created": ctx.created,
+        "owned_by": "deltafin",
+        "root": ctx.model_name,
+        "max_model_len": ctx.engine.context_length,
+    }
+
+
+def list_models(ctx: ServingContext) -> dict[str, Any]:
+    names = [ctx.model_name, *ctx.config.model.aliases]
+    return {"object": "list", "data": [_card(ctx, name) for name in names]}
+
+
+def get_model(ctx: ServingContext, name: str) -> dict[str, Any]:
+    if name != ctx.model_name and name not in ctx.config.model.aliases:
+        raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model")
+    return _card(ctx, name)

@@ -1,0 +1,50 @@
+"""/tokenize and /detokenize: the exact token ids a prompt or a chat request becomes, and back."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deltafin.errors import InvalidRequestError
+from deltafin.protocol.chat import ChatCompletionRequest
+from deltafin.protocol.tokenize import DetokenizeRequest, TokenizeRequest
+from deltafin.serving.chat import ChatService
+from deltafin.serving.context import ServingContext
+
+
+class TokenizeService:
+    def __init__(self, ctx: ServingContext, chat: ChatService) -> None:
+        self.ctx = ctx
+        self.chat = chat
+
+    def as_chat_request(self, request: TokenizeRequest) -> ChatCompletionRequest:
+        if request.messages is None:
+            raise InvalidRequestError("give either `prompt` or `messages`", param="prompt")
+        if not request.messages:
+            raise InvalidRequestError("messages must not be empty", param="messages")
+        return ChatCompletionRequest(
+            messages=request.messages, tools=request.tools, chat_template_kwargs=request.chat_template_kwargs
+        )
+
+    def tokenize(self, request: TokenizeRequest, chat_request: ChatCompletionRequest | None = None) -> dict[str, Any]:
+        """`chat_request`: the messages form after the request rules ran (so the prompt is the one chat sees)."""
+        self.ctx.check_model(request.model)
+        if request.prompt is not None and request.messages is not None:
+            raise InvalidRequestError("give either `prompt` or `messages`, not both", param="prompt")
+        if request.prompt is not None:
+            tokenizer = self.ctx.engine.tokenizer
+            ids = list(tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids)
+        else:
+            chat_request = chat_request or self.as_chat_request(request)
+            ids = self.chat.render(chat_request, add_generation_prompt=request.add_generation_prompt).token_ids
+        body: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": self.ctx.engine.context_length}
+        if request.return_token_strs:
+            body["token_strs"] = self.ctx.engine.tokenizer.convert_ids_to_tokens(ids)
+        return body
+
+    def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
+        self.ctx.check_model(request.model)
+        vocab = len(self.ctx.engine.tokenizer)
+        for i, token in enumerate(request.tokens):
+            if token >= vocab:
+                raise InvalidRequestError(f"token {token} is outside the vocabulary (size {vocab})", param=f"tokens[{i}]")
+        return {"prompt": self.ctx.engine.tokenizer.decode(request.tokens, skip_special_tokens=False)}
