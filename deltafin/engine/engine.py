@@ -18,7 +18,7 @@ from transformers import DynamicCache
 
 from deltafin.engine.detokenizer import IncrementalDetokenizer
 from deltafin.engine.events import Finished, GenerationJob, TextDelta
-from deltafin.engine.generator import generate_tokens
+from deltafin.engine.generator import cache_argument, generate_tokens
 from deltafin.engine.loader import LoadedModel
 from deltafin.engine.memo import ResponseMemo
 from deltafin.engine.prefix_cache import PrefixCache
@@ -48,6 +48,7 @@ class Engine:
         self.memo = ResponseMemo(memo_entries)
         self.prefix_cache = PrefixCache(lambda: DynamicCache(config=self.model.config))
         self.device = next(self.model.parameters()).device
+        self.cache_arg = cache_argument(self.model)
 
     async def start(self, jobs: Sequence[GenerationJob]) -> "GenerationStream":
         replays = [self.memo.get(job) if job.params.deterministic else None for job in jobs]
@@ -85,9 +86,13 @@ class Engine:
             log.exception("generation_failed")
             stream.emit(GenerationFailed(str(exc)))
         finally:
-            stream.emit(_END)
+            # Free the slot before the consumer can see the end, so "done" always means "engine free".
             if release is not None:
-                stream.loop.call_soon_threadsafe(release)
+                try:
+                    stream.loop.call_soon_threadsafe(release)
+                except RuntimeError:  # loop already closed (shutdown): nothing waits on the slot any more
+                    pass
+            stream.emit(_END)
 
     def _generate(self, job: GenerationJob, choice: int, stream: "GenerationStream") -> list[Event] | None:
         """Runs one job; returns its events for the memo, or None if it was cancelled."""
@@ -121,6 +126,7 @@ class Engine:
             max_new_tokens=max_new,
             stop_token_ids=stop_ids,
             cancel=stream.cancelled,
+            cache_arg=self.cache_arg,
             on_prefilled=prefilled,
         )
         for step in steps:

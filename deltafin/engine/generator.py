@@ -6,6 +6,7 @@ Named steps after gpt-fast: `prefill` and `decode_one_token` run the model, `gen
 
 from __future__ import annotations
 
+import inspect
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Sequence
@@ -24,17 +25,23 @@ class TokenStep:
     is_stop_token: bool
 
 
-def prefill(model: Any, input_ids: torch.Tensor, cache: Any, start: int) -> torch.Tensor:
-    """input_ids: [1, S] new prompt tokens at positions start..start+S; returns logits [V] of the last one."""
-    positions = torch.arange(start, start + input_ids.shape[1], device=input_ids.device)
-    out = model(input_ids=input_ids, past_key_values=cache, use_cache=True, cache_position=positions, logits_to_keep=1)
+# Positions follow from the cache's length, so a cache cropped to a shared prefix continues correctly.
+
+
+def cache_argument(model: Any) -> str:
+    """transformers 5 renamed `past_key_values` to `cache`; remote-code models may still use the old name."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def prefill(model: Any, input_ids: torch.Tensor, cache: dict[str, Any]) -> torch.Tensor:
+    """input_ids: [1, S] prompt tokens not yet in the cache; returns logits [V] of the last one."""
+    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **cache)
     return out.logits[0, -1]
 
 
-def decode_one_token(model: Any, token: torch.Tensor, cache: Any, position: int) -> torch.Tensor:
+def decode_one_token(model: Any, token: torch.Tensor, cache: dict[str, Any]) -> torch.Tensor:
     """token: [1, 1]; returns logits [V] for the next position."""
-    positions = torch.tensor([position], device=token.device)
-    out = model(input_ids=token, past_key_values=cache, use_cache=True, cache_position=positions)
+    out = model(input_ids=token, use_cache=True, **cache)
     return out.logits[0, -1]
 
 
@@ -47,13 +54,15 @@ def generate_tokens(
     max_new_tokens: int,
     stop_token_ids: frozenset[int],
     cancel: threading.Event,
+    cache_arg: str = "cache",
     on_prefilled: Callable[[int], None] = lambda cached: None,
 ) -> Iterator[TokenStep]:
     device = next(model.parameters()).device
     cache, cached = prefix_cache.take(prompt_ids)
+    cache_kw = {cache_arg: cache}
     ids = list(prompt_ids)
     with torch.inference_mode():
-        logits = prefill(model, torch.tensor([ids[cached:]], device=device), cache, cached)
+        logits = prefill(model, torch.tensor([ids[cached:]], device=device), cache_kw)
         on_prefilled(cached)
         for step in range(max_new_tokens):
             if cancel.is_set():
@@ -66,6 +75,6 @@ def generate_tokens(
                 break
             sampler.observe(token_id)
             ids.append(token_id)
-            logits = decode_one_token(model, torch.tensor([[token_id]], device=device), cache, len(ids) - 1)
+            logits = decode_one_token(model, torch.tensor([[token_id]], device=device), cache_kw)
     # Only the tokens whose keys/values are in the cache are offered to the next request.
     prefix_cache.give_back(cache, ids)

@@ -21,9 +21,11 @@ class PrefixCache:
         shared = _common_prefix(ids, prompt_ids)
         # At least one prompt token must be run to get the next logits.
         shared = min(shared, len(prompt_ids) - 1)
-        if cache is None or shared < self._min_reuse:
+        if cache is None or shared < self._min_reuse or not getattr(cache, "is_croppable", True):
             return self._new_cache(), 0
-        cache.crop(shared)
+        surplus = len(ids) - shared
+        if surplus:
+            cache.crop(-surplus)  # transformers 5: a negative count removes that many trailing tokens
         return cache, shared
 
     def give_back(self, cache: Any, ids: list[int]) -> None:

@@ -1,0 +1,125 @@
+"""Shared fixtures: the composed default config, the real default model loaded once, a live server."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Iterator
+
+import httpx
+import pytest
+from hydra import compose, initialize_config_dir
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from deltafin.config import CONF_DIR, DeltafinConfig, validate_config  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def compose_config(overrides: list[str] | None = None) -> DeltafinConfig:
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
+        return validate_config(compose("config", overrides=overrides or []))
+
+
+@pytest.fixture(scope="session")
+def config() -> DeltafinConfig:
+    return compose_config()
+
+
+@pytest.fixture(scope="session")
+def loaded_model(config: DeltafinConfig):
+    """The real embedded model, loaded once for the session (weights shared by every engine below)."""
+    from deltafin.engine.loader import load_model
+
+    return load_model(config.model, config.placement)
+
+
+def make_engine(loaded_model, *, max_waiting: int = 4, timeout_s: float = 5.0, memo_entries: int = 32):
+    from deltafin.engine import Engine
+
+    return Engine(loaded_model, max_waiting=max_waiting, timeout_s=timeout_s, memo_entries=memo_entries)
+
+
+@pytest.fixture(scope="module")
+def engine(loaded_model):
+    """A fresh engine per module: its slot belongs to one event loop, and modules use different loops."""
+    return make_engine(loaded_model)
+
+
+@pytest.fixture(scope="module")
+def loop() -> Iterator[asyncio.AbstractEventLoop]:
+    loop = asyncio.new_event_loop()
+    yield loop
+    loop.close()
+
+
+@pytest.fixture(scope="module")
+def services(config: DeltafinConfig, loaded_model):
+    from deltafin.app.services import Services
+
+    return Services.from_engine(config, make_engine(loaded_model))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LiveServer:
+    """`python -m deltafin` as a real process on a free loopback port."""
+
+    def __init__(self, overrides: list[str]) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"deltafin-test-{self.port}.log"
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "deltafin", f"server.port={self.port}", *overrides],
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"},
+        )
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready in {timeout} s:\n{self.log_path.read_text()[-3000:]}")
+
+    def log_lines(self) -> list[str]:
+        self._log.flush()
+        return self.log_path.read_text().splitlines()
+
+    def stop(self) -> None:
+        self.process.terminate()
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+        self._log.close()
+
+
+@pytest.fixture(scope="session")
+def live_server() -> Iterator[LiveServer]:
+    # A short queue so the 429 tests take seconds; everything else runs one request at a time.
+    server = LiveServer(["server.queue.timeout_s=1.0", "server.queue.max_waiting=1"])
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()
