@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import structlog
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, ValidationException
@@ -9,6 +11,8 @@ from litestar.exceptions import HTTPException, ValidationException
 from deltafin.errors import DeltafinError, InternalError, InvalidRequestError, error_for_status
 
 log = structlog.get_logger("deltafin.errors")
+
+_MISSING_FIELD = re.compile(r"missing required field `([^`]+)`")
 
 
 def to_deltafin_error(exc: Exception) -> DeltafinError:
@@ -32,6 +36,10 @@ def _validation_error(exc: ValidationException) -> InvalidRequestError:
     first = problems[0] if isinstance(problems[0], dict) else {"message": str(problems[0])}
     key = first.get("key")
     message = first.get("message", exc.detail)
+    missing = _MISSING_FIELD.search(message)
+    if missing:
+        parent = "" if key in (None, "data", "body") else f"{key}."
+        return InvalidRequestError(f"Missing required field `{parent}{missing.group(1)}`", param=parent + missing.group(1))
     if key in (None, "data", "body"):
         if "JSON is malformed" in message or "malformed" in message.lower():
             return InvalidRequestError(f"The request body is not valid JSON: {message}")

