@@ -78,10 +78,15 @@ class RequestContext:
             prompt_tokens=stats.prompt_tokens,
             completion_tokens=stats.completion_tokens,
             cached_tokens=stats.cached_tokens,
-            queue_wait_ms=None if stats.queue_wait_s is None else round(stats.queue_wait_s * 1000, 2),
-            ttft_ms=None if stats.ttft_s is None else round(stats.ttft_s * 1000, 2),
+            queue_wait_ms=_ms(stats.queue_wait_s),
+            ttft_ms=_ms(stats.ttft_s),
+            prefill_ms=_ms(stats.prefill_s),
             total_ms=round(total * 1000, 2),
             memo_hit=stats.memo_hit,
             finish_reasons=stats.finish_reasons or None,
             rules=stats.rules,
         )
+
+
+def _ms(seconds: float | None) -> float | None:
+    return None if seconds is None else round(seconds * 1000, 2)

@@ -41,5 +41,6 @@ class Services:
             max_waiting=config.server.queue.max_waiting,
             timeout_s=config.server.queue.timeout_s,
             memo_entries=config.server.memo.entries,
+            prefix_cache_min_tokens=config.server.prefix_cache.min_tokens if config.server.prefix_cache.enabled else None,
         )
         return cls.from_engine(config, engine)

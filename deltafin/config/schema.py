@@ -55,6 +55,12 @@ class MemoConfig:
 
 
 @dataclass
+class PrefixCacheConfig:
+    enabled: bool = True
+    min_tokens: int = 16
+
+
+@dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -67,6 +73,7 @@ class ServerConfig:
     log_level: str = "info"
     queue: QueueConfig = field(default_factory=QueueConfig)
     memo: MemoConfig = field(default_factory=MemoConfig)
+    prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
 
 
 @dataclass

@@ -23,6 +23,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "server.queue.max_waiting": (0, 1 << 20),
     "server.queue.timeout_s": (0, 86400),
     "server.memo.entries": (0, 1 << 20),
+    "server.prefix_cache.min_tokens": (1, 1 << 30),
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.chat_format": ("template",),

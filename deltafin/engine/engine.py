@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Sequence
 
 import structlog
@@ -38,7 +39,15 @@ class GenerationFailed(Exception):
 
 
 class Engine:
-    def __init__(self, loaded: LoadedModel, *, max_waiting: int, timeout_s: float, memo_entries: int) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_waiting: int,
+        timeout_s: float,
+        memo_entries: int,
+        prefix_cache_min_tokens: int | None = 16,
+    ) -> None:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.context_length = loaded.context_length
@@ -46,9 +55,16 @@ class Engine:
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
         self.slot = EngineSlot(max_waiting=max_waiting, timeout_s=timeout_s)
         self.memo = ResponseMemo(memo_entries)
-        self.prefix_cache = PrefixCache(lambda: DynamicCache(config=self.model.config))
+        # min_tokens None turns reuse off: every prompt is prefilled from scratch.
+        self.prefix_cache = PrefixCache(
+            lambda: DynamicCache(config=self.model.config),
+            min_reuse=prefix_cache_min_tokens if prefix_cache_min_tokens is not None else 1 << 62,
+        )
         self.device = next(self.model.parameters()).device
         self.cache_arg = cache_argument(self.model)
+        # One long-lived thread runs every generation: torch's per-thread state (the OpenMP team) is
+        # built once instead of per request. Replays of memo hits run there too, in order.
+        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltafin-engine")
 
     async def start(self, jobs: Sequence[GenerationJob]) -> "GenerationStream":
         replays = [self.memo.get(job) if job.params.deterministic else None for job in jobs]
@@ -57,11 +73,11 @@ class Engine:
         if needs_model:
             await self.slot.acquire()
         stream = GenerationStream(asyncio.get_running_loop(), queue_wait=time.perf_counter() - queued_at)
-        release = self.slot.release if needs_model else None
-        thread = threading.Thread(
-            target=self._run, args=(jobs, replays, stream, release), name="deltafin-generate", daemon=True
-        )
-        thread.start()
+        if needs_model:
+            self._worker.submit(self._run, jobs, replays, stream, self.slot.release)
+        else:
+            # Every choice is a memo hit: replay on the event loop, never queued behind a generation.
+            self._run(jobs, replays, stream, None)
         return stream
 
     def _run(

@@ -23,6 +23,7 @@ class RequestStats:
     cached_tokens: int = 0
     queue_wait_s: float | None = None
     ttft_s: float | None = None
+    prefill_s: float | None = None
     memo_hit: bool = False
     finish_reasons: list[str] = field(default_factory=list)
     rules: list[str] = field(default_factory=list)
@@ -32,6 +33,8 @@ class RequestStats:
         self.cached_tokens = max(self.cached_tokens, finished.cached_tokens)
         self.memo_hit = self.memo_hit or finished.memo_hit
         self.finish_reasons.append(finished.reason)
+        if self.prefill_s is None and "prefill_s" in finished.timings:
+            self.prefill_s = finished.timings["prefill_s"]
 
     def first_token(self) -> None:
         if self.ttft_s is None:
