@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import socket
 import subprocess
@@ -104,6 +105,17 @@ class LiveServer:
     def log_lines(self) -> list[str]:
         self._log.flush()
         return self.log_path.read_text().splitlines()
+
+    def request_log(self, request_id: str, timeout: float = 5.0) -> dict:
+        """The access-log line of one request (written just after its response, so poll for it)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.log_lines():
+                if line.startswith("{") and f'"request_id": "{request_id}"' in line and '"event": "request"' in line:
+                    return json.loads(line)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no log line for request {request_id}")
+            time.sleep(0.05)
 
     def stop(self) -> None:
         self.process.terminate()
