@@ -8,12 +8,14 @@ import hydra
 from omegaconf import DictConfig
 
 from deltafin.config import CONF_DIR, ConfigError, validate_config
+from deltafin.rules import build_pipeline
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
 def main(raw: DictConfig) -> None:
     try:
         config = validate_config(raw)
+        build_pipeline(config.compat.rules, config.model.family)  # fail fast on a bad rule, before serving
     except ConfigError as exc:
         print(f"deltafin: config error: {exc}", file=sys.stderr)
         sys.exit(2)

@@ -64,8 +64,10 @@ async def model(name: FromPath[str], services: NamedDependency[Services]) -> dic
 
 
 @post(["/tokenize", "/v1/tokenize"], status_code=200, summary="Tokenize a prompt or chat messages")
-async def tokenize(data: JSONBody[TokenizeRequest], services: NamedDependency[Services]) -> dict[str, Any]:
-    return services.tokenize.tokenize(data)
+async def tokenize(
+    request: Request, data: JSONBody[TokenizeRequest], services: NamedDependency[Services]
+) -> dict[str, Any]:
+    return services.tokenize.tokenize(data, _stats(request))
 
 
 @post(["/detokenize", "/v1/detokenize"], status_code=200, summary="Turn token ids back into text")

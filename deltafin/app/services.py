@@ -8,6 +8,7 @@ from deltafin.config import DeltafinConfig
 from deltafin.engine import Engine
 from deltafin.engine.loader import load_model
 from deltafin.prompt import build_chat_format
+from deltafin.rules import build_pipeline
 from deltafin.serving.chat import ChatService
 from deltafin.serving.completions import CompletionService
 from deltafin.serving.context import ServingContext
@@ -29,7 +30,8 @@ class Services:
             content_format=config.model.content_format,
             default_kwargs=dict(config.model.chat_template_kwargs),
         )
-        ctx = ServingContext(config=config, engine=engine, chat_format=chat_format)
+        rules = build_pipeline(config.compat.rules, config.model.family)
+        ctx = ServingContext(config=config, engine=engine, chat_format=chat_format, rules=rules)
         chat = ChatService(ctx)
         return cls(ctx=ctx, chat=chat, completions=CompletionService(ctx), tokenize=TokenizeService(ctx, chat))
 

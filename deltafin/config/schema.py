@@ -7,6 +7,10 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
+#: Model families Deltafin knows; `model.family` and a rule's `families` must name one of these.
+#: `generic` is any chat model served with plain OpenAI semantics.
+KNOWN_FAMILIES = frozenset({"generic", "smollm2", "kimi_k2", "kimi_k3", "glm"})
+
 
 @dataclass
 class ModelConfig:

@@ -8,7 +8,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from deltafin.config.schema import DeltafinConfig
+from deltafin.config.schema import KNOWN_FAMILIES, DeltafinConfig
 
 # conf/ sits beside the package in the repository (the product layout), found from here.
 CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
@@ -53,6 +53,9 @@ def validate_config(cfg: DictConfig | dict[str, Any]) -> DeltafinConfig:
         value = OmegaConf.select(merged, key)
         if not low <= value <= high:
             raise ConfigError(f"{key}: {value} is outside [{low}, {high}]")
+    if merged.model.family not in KNOWN_FAMILIES:
+        known = ", ".join(sorted(KNOWN_FAMILIES))
+        raise ConfigError(f"model.family: {merged.model.family!r} is not a known family ({known})")
     for key, allowed in _CHOICES.items():
         value = OmegaConf.select(merged, key)
         if value not in allowed:

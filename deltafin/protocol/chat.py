@@ -41,7 +41,7 @@ class ToolCall(Struct, kw_only=True):
     type: Literal["function"] = "function"
 
 
-class ChatMessage(Struct, kw_only=True):
+class ChatMessage(Struct, kw_only=True, omit_defaults=True):
     role: Role
     content: Union[str, list[ContentPart], None] = None
     name: Optional[str] = None

@@ -40,6 +40,9 @@ class SamplingFields(Struct, kw_only=True):
     stop_token_ids: Optional[list[Annotated[int, Meta(ge=0)]]] = None
     ignore_eos: bool = False
     user: Optional[str] = None
+    # A default set by the server's rules (chat_default_max_tokens, max_tokens_cap), not a client request:
+    # bounded by the room the prompt leaves instead of failing the context check.
+    max_tokens_default: Optional[PositiveInt] = None
 
     @property
     def include_usage(self) -> bool:

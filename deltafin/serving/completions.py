@@ -9,7 +9,9 @@ from deltafin.engine.engine import GenerationStream
 from deltafin.protocol.completions import CompletionRequest
 from deltafin.serving.context import RequestStats, ServingContext, new_id
 from deltafin.serving.logprobs import completion_logprobs
-from deltafin.serving.sse import DONE, StreamingResponse, sse_event
+from deltafin.rules import RuleContext
+from deltafin.serving.ruled import serve_with_rules
+from deltafin.serving.sse import ChunkStream, StreamingResponse
 
 
 class CompletionService:
@@ -19,10 +21,13 @@ class CompletionService:
     def jobs(self, request: CompletionRequest, prompt_ids: list[int]) -> list[GenerationJob]:
         limits = self.ctx.config.server
         request.check(max_n=limits.max_n, max_stop=limits.max_stop_sequences, max_top_logprobs=limits.max_top_logprobs)
-        # The seed's default for raw completions; an explicit value is always honoured.
-        max_tokens = limits.completion_default_max_tokens if request.max_tokens is None else request.max_tokens
         room = self.ctx.check_context(len(prompt_ids), request.max_tokens, "prompt")
-        max_tokens = min(max_tokens, room)
+        if request.max_tokens is not None:
+            max_tokens = request.max_tokens  # an explicit value is always honoured
+        else:
+            # The seed's default for raw completions (256), or a rule's, bounded by the room left.
+            default = request.max_tokens_default or limits.completion_default_max_tokens
+            max_tokens = min(default, room)
         ids = tuple(prompt_ids)
         return [
             GenerationJob(
@@ -39,16 +44,27 @@ class CompletionService:
         ]
 
     async def create(self, request: CompletionRequest, stats: RequestStats) -> dict[str, Any] | StreamingResponse:
-        self.ctx.check_model(request.model)
-        # A raw prompt is the client's whole input: special tokens in it are meant as such.
-        prompt_ids = list(self.ctx.engine.tokenizer(request.prompt).input_ids)
-        jobs = self.jobs(request, prompt_ids)
-        stats.prompt_tokens = len(prompt_ids)
-        stream = await self.ctx.engine.start(jobs)
-        stats.queue_wait_s = stream.queue_wait
-        if request.stream:
-            return StreamingResponse(self._chunks(request, stream, stats), stream.close)
-        return await self._collect(request, stream, stats)
+        rule_ctx = RuleContext(
+            family=self.ctx.config.model.family,
+            endpoint="completions",
+            context_length=self.ctx.engine.context_length,
+            stream=request.stream,
+            include_usage=request.include_usage,
+        )
+
+        async def produce(request: CompletionRequest) -> dict[str, Any] | ChunkStream:
+            self.ctx.check_model(request.model)
+            # A raw prompt is the client's whole input: special tokens in it are meant as such.
+            prompt_ids = list(self.ctx.engine.tokenizer(request.prompt).input_ids)
+            jobs = self.jobs(request, prompt_ids)
+            stats.prompt_tokens = len(prompt_ids)
+            stream = await self.ctx.engine.start(jobs)
+            stats.queue_wait_s = stream.queue_wait
+            if request.stream:
+                return ChunkStream(self._chunks(request, stream, stats), stream.close)
+            return await self._collect(request, stream, stats)
+
+        return await serve_with_rules(self.ctx, request, rule_ctx, stats, produce)
 
     def _base(self) -> dict[str, Any]:
         return {"id": new_id("cmpl"), "object": "text_completion", "created": self.ctx.created_now(), "model": self.ctx.model_name}
@@ -85,43 +101,40 @@ class CompletionService:
         usage = self.ctx.usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
         return {**self._base(), "choices": choices, "usage": usage}
 
-    async def _chunks(self, request: CompletionRequest, stream: GenerationStream, stats: RequestStats) -> AsyncIterator[bytes]:
+    async def _chunks(
+        self, request: CompletionRequest, stream: GenerationStream, stats: RequestStats
+    ) -> AsyncIterator[dict[str, Any]]:
         base = self._base()
         include_usage = request.include_usage
         offsets: dict[int, int] = {}
 
-        def chunk(index: int, text: str, *, finish: str | None = None, logprobs: Any = None) -> bytes:
+        def chunk(index: int, text: str, *, finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
             body = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
             if include_usage:
                 body["usage"] = None
-            return sse_event(body)
+            return body
 
         pending: dict[int, list[TokenLogprob]] = {}
-        try:
-            async for event in stream:
-                index = event.choice
-                if index not in offsets:
-                    offsets[index] = 0
-                    if request.echo:
-                        offsets[index] = len(request.prompt)
-                        yield chunk(index, request.prompt)
-                if isinstance(event, TextDelta):
-                    pending.setdefault(index, []).extend(event.logprobs)
-                    if not event.text:
-                        continue
-                    stats.first_token()
-                    lp = None
-                    if request.logprobs is not None:
-                        lp = completion_logprobs(pending.pop(index, []), self.ctx.token_text, offsets[index])
-                    offsets[index] += len(event.text)
-                    yield chunk(index, event.text, logprobs=lp)
-                else:
-                    stats.record(event)
-                    yield chunk(index, "", finish=event.reason)
-            if include_usage:
-                usage = self.ctx.usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
-                yield sse_event({**base, "choices": [], "usage": usage})
-            yield DONE
-        finally:
-            stream.close()
-
+        async for event in stream:
+            index = event.choice
+            if index not in offsets:
+                offsets[index] = 0
+                if request.echo:
+                    offsets[index] = len(request.prompt)
+                    yield chunk(index, request.prompt)
+            if isinstance(event, TextDelta):
+                pending.setdefault(index, []).extend(event.logprobs)
+                if not event.text:
+                    continue
+                stats.first_token()
+                lp = None
+                if request.logprobs is not None:
+                    lp = completion_logprobs(pending.pop(index, []), self.ctx.token_text, offsets[index])
+                offsets[index] += len(event.text)
+                yield chunk(index, event.text, logprobs=lp)
+            else:
+                stats.record(event)
+                yield chunk(index, "", finish=event.reason)
+        if include_usage:
+            usage = self.ctx.usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
+            yield {**base, "choices": [], "usage": usage}

@@ -11,6 +11,7 @@ from deltafin.config import DeltafinConfig
 from deltafin.engine import Engine, Finished
 from deltafin.errors import ContextLengthError, ModelNotFoundError
 from deltafin.prompt import ChatFormat
+from deltafin.rules import RulePipeline
 
 
 @dataclass
@@ -46,6 +47,7 @@ class ServingContext:
     config: DeltafinConfig
     engine: Engine
     chat_format: ChatFormat
+    rules: RulePipeline = field(default_factory=RulePipeline)
     created: int = field(default_factory=lambda: int(time.time()))
     _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
 

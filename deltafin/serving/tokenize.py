@@ -8,7 +8,7 @@ from deltafin.errors import InvalidRequestError
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from deltafin.serving.chat import ChatService
-from deltafin.serving.context import ServingContext
+from deltafin.serving.context import RequestStats, ServingContext
 
 
 class TokenizeService:
@@ -25,8 +25,8 @@ class TokenizeService:
             messages=request.messages, tools=request.tools, chat_template_kwargs=request.chat_template_kwargs
         )
 
-    def tokenize(self, request: TokenizeRequest, chat_request: ChatCompletionRequest | None = None) -> dict[str, Any]:
-        """`chat_request`: the messages form after the request rules ran (so the prompt is the one chat sees)."""
+    def tokenize(self, request: TokenizeRequest, stats: RequestStats) -> dict[str, Any]:
+        """With `messages`, the chat request rules run first, so the prompt is exactly the one chat would see."""
         self.ctx.check_model(request.model)
         if request.prompt is not None and request.messages is not None:
             raise InvalidRequestError("give either `prompt` or `messages`, not both", param="prompt")
@@ -34,7 +34,10 @@ class TokenizeService:
             tokenizer = self.ctx.engine.tokenizer
             ids = list(tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids)
         else:
-            chat_request = chat_request or self.as_chat_request(request)
+            chat_request = self.as_chat_request(request)
+            chat_request = self.ctx.rules.on_request(
+                chat_request, self.chat.rule_context(chat_request, "tokenize"), stats.rules
+            )
             ids = self.chat.render(chat_request, add_generation_prompt=request.add_generation_prompt).token_ids
         body: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": self.ctx.engine.context_length}
         if request.return_token_strs:

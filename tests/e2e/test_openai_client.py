@@ -142,7 +142,7 @@ class TestCompletions:
 
     def test_default_max_tokens_is_256(self, client):
         response = client.completions.create(
-            model="smollm2", prompt="Once upon a time", temperature=0, extra_body={"ignore_eos": True}
+            model="smollm2", prompt="Once upon a time", temperature=0, extra_body={"ignore_eos": True}, timeout=300
         )
         assert response.usage.completion_tokens == 256
 
@@ -229,10 +229,9 @@ class TestConcurrency:
         holder, response = long_stream(live_server)
         response.close()
         holder.close()
-        started = time.perf_counter()
+        # With a 1 s queue timeout and no retries, a still-busy engine would answer 429 here.
         answer = client.chat.completions.create(model="smollm2", messages=user("Hi"), max_tokens=2)
         assert answer.choices[0].message.content is not None
-        assert time.perf_counter() - started < 1.0  # no wait behind a 2000-token generation
 
     def test_disconnect_while_waiting_leaves_the_queue(self, client, live_server):
         holder, response = long_stream(live_server)
@@ -263,9 +262,9 @@ class TestConcurrency:
                 json={"messages": user("Tell a very long story."), "max_tokens": 3000, "ignore_eos": True},
                 timeout=0.5,
             )
-        started = time.perf_counter()
-        client.chat.completions.create(model="smollm2", messages=user("Hi"), max_tokens=2)
-        assert time.perf_counter() - started < 1.0
+        time.sleep(0.3)  # the server notices the closed socket on its next receive
+        answer = client.chat.completions.create(model="smollm2", messages=user("Hi"), max_tokens=2)
+        assert answer.choices[0].message.content is not None
 
 
 class TestMemo:
@@ -276,7 +275,7 @@ class TestMemo:
         second = client.chat.completions.create(**kwargs)
         replay_s = time.perf_counter() - started
         assert second.choices[0].message.content == first.choices[0].message.content
-        assert replay_s < 0.5  # 60 tokens take ~3 s to generate on the CPU
+        assert replay_s < 1.0  # 60 tokens take ~3 s to generate on the CPU
         assert live_server.request_log(first._request_id)["memo_hit"] is False
         assert live_server.request_log(second._request_id)["memo_hit"] is True
 

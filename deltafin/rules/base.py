@@ -1,0 +1,53 @@
+"""The rule protocol: up to four optional hooks, configured only through the constructor.
+
+Conventions every rule follows (and the pipeline relies on):
+- Pure: no I/O, no globals, no engine. A hook sees the typed request or plain response dicts and a
+  `RuleContext` (model family, endpoint, context length, counts the serving layer filled in).
+- A hook that does not act returns its input object itself; one that acts returns a new object
+  (`msgspec.structs.replace`, a new dict). Identity is how the pipeline knows which rules changed a request.
+- A hook rejects a request by raising a `DeltafinError`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import AsyncIterator, ClassVar, Union
+
+from deltafin.errors import DeltafinError
+from deltafin.protocol.chat import ChatCompletionRequest
+from deltafin.protocol.completions import CompletionRequest
+
+Request = Union[ChatCompletionRequest, CompletionRequest]
+Chunk = dict
+
+
+@dataclass
+class RuleContext:
+    """What a rule may know about the request beyond its body. Filled by the serving layer."""
+
+    family: str
+    endpoint: str  # "chat" | "completions" | "tokenize"
+    context_length: int
+    stream: bool = False
+    include_usage: bool = False
+    reasoning_tokens: int = 0
+
+
+class Rule:
+    """Base class: every hook leaves its input alone."""
+
+    #: Hold a streamed response's HTTP status until its first chunk exists (see streaming_error_preflight).
+    preflight: ClassVar[bool] = False
+
+    def request(self, request: Request, ctx: RuleContext) -> Request:
+        return request
+
+    def response(self, body: dict, ctx: RuleContext) -> dict:
+        return body
+
+    def stream(self, chunks: AsyncIterator[Chunk], ctx: RuleContext) -> AsyncIterator[Chunk] | None:
+        """Return a wrapping iterator to act on this stream, or None to leave it alone."""
+        return None
+
+    def error(self, error: DeltafinError, ctx: RuleContext) -> DeltafinError:
+        return error

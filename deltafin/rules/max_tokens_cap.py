@@ -1,0 +1,36 @@
+"""max_tokens_cap: bounds the completion tokens of every chat and completion request (0 = off).
+
+Acts on: an explicit max tokens above `value` (lowered to `value`), and requests without one (their default,
+run-to-EOS for chat or 256 for completions, is bounded by `value`). Leaves alone: explicit values at or below
+the cap, and everything when `value` is 0.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from deltafin.protocol.chat import ChatCompletionRequest
+from deltafin.rules.base import Request, Rule, RuleContext
+
+
+class MaxTokensCap(Rule):
+    def __init__(self, value: int) -> None:
+        if value < 0:
+            raise ValueError(f"value must be 0 (off) or positive, got {value}")
+        self.value = value
+
+    def request(self, request: Request, ctx: RuleContext) -> Request:
+        if self.value == 0:
+            return request
+        if isinstance(request, ChatCompletionRequest):
+            if request.max_completion_tokens is not None:
+                if request.max_completion_tokens <= self.value:
+                    return request
+                return msgspec.structs.replace(request, max_completion_tokens=self.value)
+        if request.max_tokens is not None:
+            if request.max_tokens <= self.value:
+                return request
+            return msgspec.structs.replace(request, max_tokens=self.value)
+        if request.max_tokens_default is not None and request.max_tokens_default <= self.value:
+            return request
+        return msgspec.structs.replace(request, max_tokens_default=self.value)

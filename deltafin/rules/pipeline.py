@@ -1,0 +1,116 @@
+"""Builds the rules named in `compat.rules` and runs their hooks around a request.
+
+Order: request hooks run in config order; response, stream and error hooks run in reverse config order,
+so the rule listed first sees the request first and the response last (like nested middleware).
+Rules whose `families` do not include the served model's family are dropped when the pipeline is built.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field
+from typing import Any, AsyncIterator, Mapping
+
+from hydra.errors import InstantiationException
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from deltafin.config import ConfigError
+from deltafin.config.schema import KNOWN_FAMILIES
+from deltafin.errors import DeltafinError
+from deltafin.rules.base import Chunk, Request, Rule, RuleContext
+
+
+@dataclass(frozen=True)
+class NamedRule:
+    name: str
+    rule: Rule
+
+
+@dataclass
+class RulePipeline:
+    rules: list[NamedRule] = field(default_factory=list)
+
+    @property
+    def names(self) -> list[str]:
+        return [r.name for r in self.rules]
+
+    @property
+    def preflight(self) -> list[str]:
+        """Names of the rules that hold a stream's status until its first chunk."""
+        return [r.name for r in self.rules if r.rule.preflight]
+
+    def on_request(self, request: Request, ctx: RuleContext, changed: list[str]) -> Request:
+        if not self.rules:
+            return request
+        request = copy.deepcopy(request)  # once: rules then never touch the client's own object
+        for named in self.rules:
+            result = named.rule.request(request, ctx)
+            if result is not request:
+                _mark(changed, named.name)
+                request = result
+        return request
+
+    def on_response(self, body: dict, ctx: RuleContext, changed: list[str]) -> dict:
+        for named in reversed(self.rules):
+            result = named.rule.response(body, ctx)
+            if result is not body:
+                _mark(changed, named.name)
+                body = result
+        return body
+
+    def on_stream(self, chunks: AsyncIterator[Chunk], ctx: RuleContext, changed: list[str]) -> AsyncIterator[Chunk]:
+        for named in reversed(self.rules):
+            wrapped = named.rule.stream(chunks, ctx)
+            if wrapped is not None:
+                _mark(changed, named.name)
+                chunks = wrapped
+        return chunks
+
+    def on_error(self, error: DeltafinError, ctx: RuleContext, changed: list[str]) -> DeltafinError:
+        for named in reversed(self.rules):
+            result = named.rule.error(error, ctx)
+            if result is not error:
+                _mark(changed, named.name)
+                error = result
+        return error
+
+
+def _mark(changed: list[str], name: str) -> None:
+    if name not in changed:
+        changed.append(name)
+
+
+def build_pipeline(rules: Mapping[str, Any] | DictConfig, family: str) -> RulePipeline:
+    """Instantiate `compat.rules` node by node; any problem is a ConfigError naming the rule."""
+    nodes = OmegaConf.to_container(rules, resolve=True) if isinstance(rules, DictConfig) else dict(rules)
+    built: list[NamedRule] = []
+    for name, node in nodes.items():
+        where = f"compat.rules.{name}"
+        if not isinstance(node, dict) or "_target_" not in node:
+            raise ConfigError(f"{where}: a rule needs `_target_` (the rule's class) and its arguments")
+        node = dict(node)
+        families = node.pop("families", None)
+        if families is not None:
+            if isinstance(families, str) or not all(isinstance(f, str) for f in families):
+                raise ConfigError(f"{where}.families: a list of family names, e.g. [glm]")
+            unknown = sorted(set(families) - KNOWN_FAMILIES)
+            if unknown:
+                raise ConfigError(
+                    f"{where}.families: unknown family {unknown[0]!r} (known: {', '.join(sorted(KNOWN_FAMILIES))})"
+                )
+            if family not in families:
+                continue
+        try:
+            rule = instantiate(node, _convert_="all")
+        except InstantiationException as exc:
+            cause = exc.__cause__
+            reason = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
+            reason = " ".join(reason.split(', set env var HYDRA_FULL_ERROR')[0].split())
+            raise ConfigError(f"{where}: {reason}") from None
+        except Exception as exc:  # a rule's constructor validating its own arguments
+            raise ConfigError(f"{where}: {exc}") from None
+        if not isinstance(rule, Rule):
+            raise ConfigError(f"{where}: {node['_target_']} is not a deltafin Rule")
+        built.append(NamedRule(name, rule))
+    return RulePipeline(built)
