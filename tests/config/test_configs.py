@@ -6,6 +6,7 @@ import sys
 import pytest
 
 from deltafin.config import CONF_DIR, ConfigError
+from deltafin.rules import build_pipeline
 from tests.conftest import REPO, compose_config
 
 
@@ -19,7 +20,8 @@ class TestShippedConfigs:
     def test_model_and_compat_compose(self, model, compat):
         overrides = [f"model={model}", f"compat={compat}"]
         cfg = compose_config(overrides + (["model.path=/models/x"] if model != "smollm2" else []))
-        assert cfg.model.family
+        pipeline = build_pipeline(cfg.compat.rules, cfg.model.family)
+        assert all(named.name in cfg.compat.rules for named in pipeline.rules)
 
     @pytest.mark.parametrize("placement", shipped("placement"))
     def test_placement_composes(self, placement):
@@ -64,6 +66,11 @@ class TestCommandLine:
         assert result.returncode != 0
         assert "server.port" in result.stderr and "Traceback" not in result.stderr
         assert len(result.stderr.strip().splitlines()) == 1
+
+    def test_bad_rule_exits_nonzero_naming_the_rule(self):
+        result = self.run("compat=para", "compat.rules.max_tokens_cap.value=-1")
+        assert result.returncode == 2 and "compat.rules.max_tokens_cap" in result.stderr
+        assert "Traceback" not in result.stderr
 
     def test_cfg_job_prints_the_resolved_config(self):
         result = self.run("--cfg", "job", "server.port=9001")

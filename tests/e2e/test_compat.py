@@ -1,0 +1,185 @@
+"""compat=para against compat=none through real servers and the openai client.
+
+The family-scoped rules run on the embedded model with `model.family` overridden (a test model config of
+that family), until the tiny Kimi/GLM models exist.
+"""
+
+import httpx
+import openai
+import pytest
+
+from tests.conftest import LiveServer
+
+pytestmark = pytest.mark.e2e
+
+LONG = "word " * 9000
+
+
+def start(overrides):
+    server = LiveServer(overrides)
+    server.wait_ready()
+    return server
+
+
+@pytest.fixture(scope="module")
+def glm_para():
+    server = start(["compat=para", "model.family=glm", "compat.rules.chat_default_max_tokens.value=5"])
+    yield server
+    server.stop()
+
+
+@pytest.fixture(scope="module")
+def kimi_para():
+    server = start(["compat=para", "model.family=kimi_k3"])
+    yield server
+    server.stop()
+
+
+def client_for(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def user(text="Say hello."):
+    return [{"role": "user", "content": text}]
+
+
+def rules_header(response) -> list[str]:
+    value = response.headers.get("x-deltafin-rules", "")
+    return [name for name in value.split(",") if name]
+
+
+class TestContextOverflow:
+    def test_none_answers_400(self, live_server):
+        with pytest.raises(openai.BadRequestError):
+            client_for(live_server).chat.completions.create(model="smollm2", messages=user(LONG))
+
+    def test_glm_para_answers_413(self, glm_para):
+        with pytest.raises(openai.APIStatusError) as info:
+            client_for(glm_para).chat.completions.create(model="smollm2", messages=user(LONG))
+        assert info.value.status_code == 413
+        assert info.value.body["type"] == "PayloadTooLargeError"
+        assert "maximum context length is 8192 tokens" in info.value.message
+        assert "glm_context_413" in rules_header(info.value.response)
+
+    def test_glm_para_answers_413_when_streaming(self, glm_para):
+        with pytest.raises(openai.APIStatusError) as info:
+            client_for(glm_para).chat.completions.create(model="smollm2", messages=user(LONG), stream=True)
+        assert info.value.status_code == 413
+
+    def test_kimi_para_keeps_400(self, kimi_para):
+        with pytest.raises(openai.BadRequestError):
+            client_for(kimi_para).chat.completions.create(model="smollm2", messages=user(LONG))
+
+
+class TestDefaultMaxTokens:
+    def test_para_default_applies_without_max_tokens(self, glm_para):
+        raw = client_for(glm_para).chat.completions.with_raw_response.create(
+            model="smollm2", messages=user("Write a long story."), temperature=0, extra_body={"ignore_eos": True}
+        )
+        response = raw.parse()
+        assert response.usage.completion_tokens == 5 and response.choices[0].finish_reason == "length"
+        assert "chat_default_max_tokens" in rules_header(raw)
+
+    def test_explicit_max_tokens_is_untouched(self, glm_para):
+        raw = client_for(glm_para).chat.completions.with_raw_response.create(
+            model="smollm2", messages=user("Write a long story."), temperature=0, max_tokens=7,
+            extra_body={"ignore_eos": True},
+        )
+        assert raw.parse().usage.completion_tokens == 7 and "chat_default_max_tokens" not in rules_header(raw)
+
+    def test_none_has_no_rules_header(self, live_server):
+        raw = client_for(live_server).chat.completions.with_raw_response.create(
+            model="smollm2", messages=user(), max_tokens=2
+        )
+        assert "x-deltafin-rules" not in raw.headers
+
+
+class TestToolChoice:
+    TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
+
+    def test_required_is_served_as_auto(self, glm_para):
+        raw = client_for(glm_para).chat.completions.with_raw_response.create(
+            model="smollm2", messages=user(), tools=self.TOOLS, tool_choice="required", max_tokens=2
+        )
+        # force_tool_choice_auto comes first in para.yaml and already made it "auto": the GLM rule has
+        # nothing left to do (request hooks run in config order).
+        rules = rules_header(raw)
+        assert "force_tool_choice_auto" in rules and "glm_tool_choice_required" not in rules
+
+    def test_auto_is_left_alone(self, glm_para):
+        raw = client_for(glm_para).chat.completions.with_raw_response.create(
+            model="smollm2", messages=user(), tools=self.TOOLS, tool_choice="auto", max_tokens=2
+        )
+        assert "force_tool_choice_auto" not in rules_header(raw)
+
+
+class TestReasoningUsage:
+    def test_glm_usage_has_reasoning_tokens(self, glm_para):
+        response = client_for(glm_para).chat.completions.create(model="smollm2", messages=user(), max_tokens=3)
+        assert response.usage.completion_tokens_details.reasoning_tokens == 0
+
+    def test_glm_stream_usage_has_reasoning_tokens(self, glm_para):
+        chunks = list(client_for(glm_para).chat.completions.create(
+            model="smollm2", messages=user(), max_tokens=3, stream=True, stream_options={"include_usage": True}
+        ))
+        assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 0
+
+    def test_none_usage_has_no_details(self, live_server):
+        response = client_for(live_server).chat.completions.create(model="smollm2", messages=user(), max_tokens=3)
+        assert response.usage.completion_tokens_details is None
+
+
+class TestSamplingPins:
+    def test_kimi_para_serves_one_choice(self, kimi_para):
+        raw = client_for(kimi_para).chat.completions.with_raw_response.create(
+            model="smollm2", messages=user(), n=3, max_tokens=2, top_p=0.5
+        )
+        assert len(raw.parse().choices) == 1 and "kimi_sampling_pins" in rules_header(raw)
+
+    def test_glm_para_leaves_sampling_alone(self, glm_para):
+        response = client_for(glm_para).chat.completions.create(model="smollm2", messages=user(), n=3, max_tokens=2)
+        assert len(response.choices) == 3
+
+
+class TestKimiThinking:
+    def test_thinking_field_is_mapped(self, kimi_para):
+        raw = client_for(kimi_para).chat.completions.with_raw_response.create(
+            model="smollm2", messages=user(), max_tokens=2, extra_body={"thinking": {"type": "disabled"}}
+        )
+        assert "kimi_thinking" in rules_header(raw)
+
+
+class TestFlattenToolText:
+    MESSAGES = [
+        {"role": "user", "content": "time?"},
+        {"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "12:"}, {"type": "text", "text": "00"}]},
+    ]
+
+    def tokens(self, server, messages):
+        response = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages})
+        return response.json()["tokens"], rules_header(response)
+
+    def with_tool_content(self, content):
+        return self.MESSAGES[:2] + [{**self.MESSAGES[2], "content": content}]
+
+    def test_para_joins_tool_text_parts_with_nothing(self, glm_para):
+        tokens, rules = self.tokens(glm_para, self.MESSAGES)
+        assert tokens == self.tokens(glm_para, self.with_tool_content("12:00"))[0]
+        assert "flatten_tool_text" in rules
+
+    def test_none_passes_the_parts_to_the_template(self, live_server):
+        tokens, _ = self.tokens(live_server, self.MESSAGES)
+        # smollm2 reads string content, so Deltafin joins parts with "\n" for it
+        assert tokens == self.tokens(live_server, self.with_tool_content("12:\n00"))[0]
+        assert tokens != self.tokens(live_server, self.with_tool_content("12:00"))[0]
+
+
+class TestImageUrl:
+    @pytest.mark.parametrize("image_url", ["http://x/cat.png", {"url": "http://x/cat.png"}])
+    def test_bare_string_and_object_get_the_same_400(self, live_server, image_url):
+        content = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": image_url}]
+        with pytest.raises(openai.BadRequestError) as info:
+            client_for(live_server).chat.completions.create(model="smollm2", messages=[{"role": "user", "content": content}])
+        assert "accepts text only" in info.value.message and info.value.body["param"] == "messages[0].content[1]"
