@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import copy
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Mapping
+from typing import Any, AsyncIterator, Iterable, Mapping
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -44,20 +44,13 @@ class RulePipeline:
         if not self.rules:
             return request
         request = copy.deepcopy(request)  # once: rules then never touch the client's own object
-        for named in self.rules:
-            result = named.rule.request(request, ctx)
-            if result is not request:
-                _mark(changed, named.name)
-                request = result
-        return request
+        return self._fold("request", self.rules, request, ctx, changed)
 
     def on_response(self, body: dict, ctx: RuleContext, changed: list[str]) -> dict:
-        for named in reversed(self.rules):
-            result = named.rule.response(body, ctx)
-            if result is not body:
-                _mark(changed, named.name)
-                body = result
-        return body
+        return self._fold("response", reversed(self.rules), body, ctx, changed)
+
+    def on_error(self, error: DeltafinError, ctx: RuleContext, changed: list[str]) -> DeltafinError:
+        return self._fold("error", reversed(self.rules), error, ctx, changed)
 
     def on_stream(self, chunks: AsyncIterator[Chunk], ctx: RuleContext, changed: list[str]) -> AsyncIterator[Chunk]:
         for named in reversed(self.rules):
@@ -67,13 +60,15 @@ class RulePipeline:
                 chunks = wrapped
         return chunks
 
-    def on_error(self, error: DeltafinError, ctx: RuleContext, changed: list[str]) -> DeltafinError:
-        for named in reversed(self.rules):
-            result = named.rule.error(error, ctx)
-            if result is not error:
+    @staticmethod
+    def _fold(hook: str, rules: Iterable[NamedRule], value: Any, ctx: RuleContext, changed: list[str]) -> Any:
+        """Pass `value` through each rule's `hook`; a rule that returns a new object changed it."""
+        for named in rules:
+            result = getattr(named.rule, hook)(value, ctx)
+            if result is not value:
                 _mark(changed, named.name)
-                error = result
-        return error
+                value = result
+        return value
 
 
 def _mark(changed: list[str], name: str) -> None:

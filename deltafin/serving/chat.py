@@ -134,12 +134,17 @@ class ChatService:
                 {"index": index, "message": message, "logprobs": logprobs, "finish_reason": choice.finished.reason}
             )
         return {
-            "id": new_id("chatcmpl"),
-            "object": "chat.completion",
-            "created": self.ctx.created_now(),
-            "model": self.ctx.model_name,
+            **self._envelope("chat.completion"),
             "choices": body_choices,
             "usage": self.ctx.usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens),
+        }
+
+    def _envelope(self, kind: str) -> dict[str, Any]:
+        return {
+            "id": new_id("chatcmpl"),
+            "object": kind,
+            "created": self.ctx.created_now(),
+            "model": self.ctx.model_name,
             "system_fingerprint": self.ctx.fingerprint,
         }
 
@@ -151,13 +156,7 @@ class ChatService:
         stats: RequestStats,
         rule_ctx: RuleContext,
     ) -> AsyncIterator[dict[str, Any]]:
-        base = {
-            "id": new_id("chatcmpl"),
-            "object": "chat.completion.chunk",
-            "created": self.ctx.created_now(),
-            "model": self.ctx.model_name,
-            "system_fingerprint": self.ctx.fingerprint,
-        }
+        base = self._envelope("chat.completion.chunk")
         include_usage = request.include_usage
 
         def chunk(index: int, delta: dict[str, Any], *, finish: str | None = None, logprobs: Any = None) -> dict:
