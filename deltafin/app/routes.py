@@ -14,6 +14,7 @@ from deltafin.app.request_context import STATS_KEY
 from deltafin.app.services import Services
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.completions import CompletionRequest
+from deltafin.protocol.parse import ParseRequest
 from deltafin.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from deltafin.serving.context import RequestStats
 from deltafin.serving.models import get_model, list_models
@@ -75,4 +76,9 @@ async def detokenize(data: JSONBody[DetokenizeRequest], services: NamedDependenc
     return services.tokenize.detokenize(data)
 
 
-ROUTES = [chat_completions, completions, models, model, tokenize, detokenize]
+@post(["/parse", "/v1/parse"], status_code=200, summary="Parse raw model output with the served model's parsers")
+async def parse(data: JSONBody[ParseRequest], services: NamedDependency[Services]) -> dict[str, Any]:
+    return services.parse.parse(data)
+
+
+ROUTES = [chat_completions, completions, models, model, tokenize, detokenize, parse]

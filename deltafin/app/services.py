@@ -12,6 +12,7 @@ from deltafin.rules import build_pipeline
 from deltafin.serving.chat import ChatService
 from deltafin.serving.completions import CompletionService
 from deltafin.serving.context import ServingContext
+from deltafin.serving.parse import ParseService
 from deltafin.serving.tokenize import TokenizeService
 
 
@@ -21,6 +22,7 @@ class Services:
     chat: ChatService
     completions: CompletionService
     tokenize: TokenizeService
+    parse: ParseService
 
     @classmethod
     def from_engine(cls, config: DeltafinConfig, engine: Engine) -> "Services":
@@ -33,7 +35,13 @@ class Services:
         rules = build_pipeline(config.compat.rules, config.model.family)
         ctx = ServingContext(config=config, engine=engine, chat_format=chat_format, rules=rules)
         chat = ChatService(ctx)
-        return cls(ctx=ctx, chat=chat, completions=CompletionService(ctx), tokenize=TokenizeService(ctx, chat))
+        return cls(
+            ctx=ctx,
+            chat=chat,
+            completions=CompletionService(ctx),
+            tokenize=TokenizeService(ctx, chat),
+            parse=ParseService(chat),
+        )
 
     @classmethod
     def load(cls, config: DeltafinConfig) -> "Services":

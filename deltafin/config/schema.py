@@ -24,6 +24,7 @@ class ModelConfig:
     content_format: str = "string"
     reasoning_parser: Optional[str] = None
     tool_parser: Optional[str] = None
+    thinking_kwarg: Optional[str] = None
     trust_remote_code: bool = False
     dtype: str = "auto"
     cache_dir: Optional[str] = None

@@ -26,7 +26,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "server.prefix_cache.min_tokens": (1, 1 << 30),
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
-    "model.chat_format": ("template",),
+    "model.chat_format": ("template", "xtml"),
     "model.content_format": ("string", "openai"),
     "server.log_level": ("debug", "info", "warning", "error"),
 }

@@ -119,21 +119,26 @@ class TemplateChatFormat:
         return out
 
     def _content(self, index: int, message: ChatMessage, placeholder: Callable[[str], str]) -> Any:
-        content = message.content
-        if content is None:
-            return ""
-        if isinstance(content, str):
-            return placeholder(content)
-        for j, part in enumerate(content):
-            if isinstance(part, ImagePart):
-                raise InvalidRequestError(
-                    "this model accepts text only; image_url content is not supported",
-                    param=f"messages[{index}].content[{j}]",
-                )
-        parts = [part.text for part in content if isinstance(part, TextPart)]
-        if self._content_format == "string":
-            return placeholder("\n".join(parts))
-        return [{"type": "text", "text": placeholder(text)} for text in parts]
+        if self._content_format == "string" or not isinstance(message.content, list):
+            return placeholder(message_text(index, message)) if message.content is not None else ""
+        message_text(index, message)  # refuses images
+        return [{"type": "text", "text": placeholder(part.text)} for part in message.content if isinstance(part, TextPart)]
+
+
+def message_text(index: int, message: ChatMessage) -> str:
+    """A message's content as one string (text parts joined by "\n"); images are refused (text-only models)."""
+    content = message.content
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    for j, part in enumerate(content):
+        if isinstance(part, ImagePart):
+            raise InvalidRequestError(
+                "this model accepts text only; image_url content is not supported",
+                param=f"messages[{index}].content[{j}]",
+            )
+    return "\n".join(part.text for part in content if isinstance(part, TextPart))
 
 
 def _arguments(arguments: str | dict[str, Any]) -> dict[str, Any] | str:
@@ -155,7 +160,13 @@ def _tool_dict(tool: ToolDefinition) -> dict[str, Any]:
     return {"type": "function", "function": function}
 
 
-CHAT_FORMATS: dict[str, Callable[..., ChatFormat]] = {"template": TemplateChatFormat}
+def _xtml(*args: Any, **kwargs: Any) -> ChatFormat:
+    from deltafin.prompt.xtml import XtmlChatFormat
+
+    return XtmlChatFormat(*args, **kwargs)
+
+
+CHAT_FORMATS: dict[str, Callable[..., ChatFormat]] = {"template": TemplateChatFormat, "xtml": _xtml}
 
 
 def build_chat_format(name: str, tokenizer: Any, *, content_format: str, default_kwargs: dict[str, Any]) -> ChatFormat:

@@ -19,16 +19,62 @@ from deltafin.serving.sse import ChunkStream, StreamingResponse
 
 @dataclass
 class _Choice:
+    """One choice's parser and everything it produced so far."""
+
     parser: OutputParser
     content: list[str] = field(default_factory=list)
     reasoning: list[str] = field(default_factory=list)
+    tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    retracted: bool = False
     finished: Finished | None = None
 
     def add(self, parsed: ParsedDelta) -> ParsedDelta:
+        if parsed.reasoning_retracted:
+            self.retracted = True
+            self.reasoning = []
         self.content.append(parsed.content)
         self.reasoning.append(parsed.reasoning)
+        for delta in parsed.tool_calls:
+            call = self.tool_calls.setdefault(
+                delta.index, {"id": delta.id, "type": "function", "function": {"name": delta.name, "arguments": ""}}
+            )
+            call["function"]["arguments"] += delta.arguments
         return parsed
+
+    @property
+    def finish_reason(self) -> str:
+        assert self.finished is not None
+        if self.tool_calls and self.finished.reason == "stop":
+            return "tool_calls"
+        return self.finished.reason
+
+    def message(self) -> dict[str, Any]:
+        content = "".join(self.content)
+        message: dict[str, Any] = {"role": "assistant", "content": content if content or not self.tool_calls else None}
+        reasoning = "".join(self.reasoning)
+        if reasoning:
+            message["reasoning_content"] = reasoning
+        if self.tool_calls:
+            message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        return message
+
+
+def tool_call_deltas(parsed: ParsedDelta) -> list[dict[str, Any]]:
+    """OpenAI tool-call deltas: the first of a call has index, id, type, name and empty arguments; later ones
+    index and argument fragments (adjacent fragments of one call are merged)."""
+    out: list[dict[str, Any]] = []
+    for delta in parsed.tool_calls:
+        if delta.id is not None:
+            out.append(
+                {"index": delta.index, "id": delta.id, "type": "function",
+                 "function": {"name": delta.name, "arguments": delta.arguments}}
+            )
+        elif out and out[-1]["index"] == delta.index:
+            out[-1]["function"]["arguments"] += delta.arguments
+        else:
+            out.append({"index": delta.index, "function": {"arguments": delta.arguments}})
+    return out
 
 
 class ChatService:
@@ -79,6 +125,17 @@ class ChatService:
             for i in range(request.n)
         ]
 
+    def output_parser(self, request: ChatCompletionRequest, prompt_text: str) -> OutputParser:
+        """Tool calls are parsed only when the request declares tools and allows calls."""
+        model = self.ctx.config.model
+        calls_allowed = bool(request.tools) and request.tool_choice != "none"
+        return build_output_parser(
+            model.reasoning_parser,
+            model.tool_parser if calls_allowed else None,
+            prompt_text=prompt_text,
+            tool_schemas=request.tools,
+        )
+
     async def create(self, request: ChatCompletionRequest, stats: RequestStats) -> dict[str, Any] | StreamingResponse:
         rule_ctx = self.rule_context(request)
 
@@ -89,7 +146,7 @@ class ChatService:
             stats.prompt_tokens = len(prompt.token_ids)
             stream = await self.ctx.engine.start(jobs)
             stats.queue_wait_s = stream.queue_wait
-            choices = [_Choice(build_output_parser(self.ctx.config.model.tool_parser)) for _ in jobs]
+            choices = [_Choice(self.output_parser(request, prompt.text)) for _ in jobs]
             if request.stream:
                 return ChunkStream(self._chunks(request, stream, choices, stats, rule_ctx), stream.close)
             return await self._collect(request, stream, choices, stats, rule_ctx)
@@ -97,7 +154,7 @@ class ChatService:
         return await serve_with_rules(self.ctx, request, rule_ctx, stats, produce)
 
     def _finish(self, choice: _Choice, event: Finished, stats: RequestStats, rule_ctx: RuleContext) -> ParsedDelta:
-        parsed = choice.add(choice.parser.finish())
+        parsed = choice.add(choice.parser.finish(event.reason))
         choice.finished = event
         stats.record(event)
         reasoning = "".join(choice.reasoning)
@@ -124,14 +181,9 @@ class ChatService:
                 self._finish(choice, event, stats, rule_ctx)
         body_choices = []
         for index, choice in enumerate(choices):
-            assert choice.finished is not None
-            message: dict[str, Any] = {"role": "assistant", "content": "".join(choice.content)}
-            reasoning = "".join(choice.reasoning)
-            if reasoning:
-                message["reasoning_content"] = reasoning
             logprobs = {"content": chat_logprobs(choice.logprobs, self.ctx.token_text)} if request.logprobs else None
             body_choices.append(
-                {"index": index, "message": message, "logprobs": logprobs, "finish_reason": choice.finished.reason}
+                {"index": index, "message": choice.message(), "logprobs": logprobs, "finish_reason": choice.finish_reason}
             )
         return {
             **self._envelope("chat.completion"),
@@ -171,6 +223,8 @@ class ChatService:
                 delta["reasoning_content"] = parsed.reasoning
             if parsed.content:
                 delta["content"] = parsed.content
+            if parsed.tool_calls:
+                delta["tool_calls"] = tool_call_deltas(parsed)
             logprobs = None
             if request.logprobs:
                 logprobs = {"content": chat_logprobs(pending.pop(index, []), self.ctx.token_text)}
@@ -189,13 +243,13 @@ class ChatService:
                     continue
                 stats.first_token()
                 parsed = choices[index].add(choices[index].parser.feed(event.text))
-                if parsed:
+                if parsed.content or parsed.reasoning or parsed.tool_calls:
                     yield delta_chunk(index, parsed)
             else:
                 parsed = self._finish(choices[index], event, stats, rule_ctx)
-                if parsed:
+                if parsed.content or parsed.reasoning or parsed.tool_calls:
                     yield delta_chunk(index, parsed)
-                yield chunk(index, {}, finish=event.reason)
+                yield chunk(index, {}, finish=choices[index].finish_reason)
         if include_usage:
             usage = self.ctx.usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
             yield {**base, "choices": [], "usage": usage}

@@ -1,0 +1,146 @@
+"""GLM tool calls. GLM-4.5/4.6 put a newline after the name; GLM-4.7/5 do not, allow zero-argument calls
+(`<tool_call>now</tool_call>`) and text between and after calls:
+
+    <tool_call>get_weather
+    <arg_key>city</arg_key>
+    <arg_value>Paris</arg_value>
+    </tool_call>
+
+Values are raw text, typed from the tool's JSON schema: strings stay raw (whitespace kept, never
+stripped), other types are decoded as JSON. Names and keys are stripped. Arguments stream as OpenAI JSON
+fragments: string values character by character, other values when complete.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from deltafin.prompt.parsers.base import IdFactory, ParsedDelta, ToolCallDelta, is_partial_marker, random_call_id, split_at_marker
+
+CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
+KEY_BEGIN, KEY_END = "<arg_key>", "</arg_key>"
+VALUE_BEGIN, VALUE_END = "<arg_value>", "</arg_value>"
+ALL_MARKERS = (CALL_BEGIN, CALL_END, KEY_BEGIN, KEY_END, VALUE_BEGIN, VALUE_END)
+
+_TEXT, _NAME, _BETWEEN, _KEY, _BEFORE_VALUE, _VALUE = "text", "name", "between", "key", "before_value", "value"
+
+
+def _json_fragment(text: str) -> str:
+    return json.dumps(text, ensure_ascii=False)[1:-1]
+
+
+def typed_value(raw: str, kind: str | None) -> Any:
+    """A raw GLM value as the schema types it; undeclared arguments are JSON if they parse, else text."""
+    if kind == "string":
+        return raw
+    try:
+        return json.loads(raw)
+    except (json.JSONDecodeError, ValueError):
+        return raw
+
+
+class GlmToolParser:
+    def __init__(
+        self, *, newline_after_name: bool, types: dict[str, dict[str, str]] | None = None, new_id: IdFactory = random_call_id
+    ) -> None:
+        self._name_ends = (KEY_BEGIN, CALL_END, "\n") if newline_after_name else (KEY_BEGIN, CALL_END)
+        self._types = types or {}
+        self._new_id = new_id
+        self._state = _TEXT
+        self._held = ""
+        self._index = -1
+        self._name = ""
+        self._key = ""
+        self._value = ""
+        self._args = 0
+
+    def _kind(self) -> str | None:
+        return self._types.get(self._name, {}).get(self._key)
+
+    def feed(self, text: str) -> ParsedDelta:
+        out = ParsedDelta()
+        buffer = self._held + text
+        self._held = ""
+        while buffer:
+            state = self._state
+            if state == _TEXT:
+                before, marker, buffer = split_at_marker(buffer, (CALL_BEGIN,))
+                out.content += before
+                if marker is None:
+                    self._held = buffer
+                    return out
+                self._state, self._name = _NAME, ""
+            elif state == _NAME:
+                before, marker, after = split_at_marker(buffer, self._name_ends)
+                self._name += before
+                if marker is None:
+                    self._held = after
+                    return out
+                self._index += 1
+                self._name, self._args = self._name.strip(), 0
+                out.tool_calls.append(ToolCallDelta(self._index, self._new_id(self._index), self._name, ""))
+                # A newline ends a 4.5 name; the tag that ended a 4.7 name is handled in the next state.
+                buffer = after if marker == "\n" else marker + after
+                self._state = _BETWEEN
+            elif state == _BETWEEN:
+                stripped = buffer.lstrip()
+                if not stripped:
+                    return out
+                before, marker, after = split_at_marker(stripped, (KEY_BEGIN, CALL_END))
+                if marker is None:
+                    self._held = stripped
+                    return out
+                buffer = after
+                if marker == KEY_BEGIN:
+                    self._state, self._key = _KEY, ""
+                else:
+                    out.tool_calls.append(ToolCallDelta(self._index, arguments="}" if self._args else "{}"))
+                    self._state = _TEXT
+            elif state == _KEY:
+                before, marker, after = split_at_marker(buffer, (KEY_END,))
+                self._key += before
+                if marker is None:
+                    self._held = after
+                    return out
+                self._key = self._key.strip()
+                buffer = after
+                self._state = _BEFORE_VALUE
+            elif state == _BEFORE_VALUE:
+                stripped = buffer.lstrip()
+                if not stripped:
+                    return out
+                before, marker, after = split_at_marker(stripped, (VALUE_BEGIN,))
+                if marker is None:
+                    self._held = stripped
+                    return out
+                opening = "{" if self._args == 0 else ", "
+                self._args += 1
+                quote = '"' if self._kind() == "string" else ""
+                out.tool_calls.append(ToolCallDelta(self._index, arguments=f"{opening}{json.dumps(self._key)}: {quote}"))
+                buffer, self._value = after, ""
+                self._state = _VALUE
+            else:  # _VALUE: raw text, never stripped
+                before, marker, after = split_at_marker(buffer, (VALUE_END,))
+                if self._kind() == "string":
+                    if before:
+                        out.tool_calls.append(ToolCallDelta(self._index, arguments=_json_fragment(before)))
+                else:
+                    self._value += before
+                if marker is None:
+                    self._held = after
+                    return out
+                if self._kind() == "string":
+                    closing = '"'
+                else:
+                    closing = json.dumps(typed_value(self._value, self._kind()), ensure_ascii=False)
+                out.tool_calls.append(ToolCallDelta(self._index, arguments=closing))
+                buffer = after
+                self._state = _BETWEEN
+        return out
+
+    def finish(self, finish_reason: str) -> ParsedDelta:
+        held, self._held = self._held, ""
+        if self._state == _TEXT and not is_partial_marker(held, ALL_MARKERS):
+            return ParsedDelta(content=held)
+        return ParsedDelta()  # a call cut off mid-way: its arguments stay incomplete (finish_reason length)

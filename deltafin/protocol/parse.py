@@ -1,0 +1,18 @@
+"""Typed /parse requests: raw model output to run through the served model's parsers."""
+
+from __future__ import annotations
+
+from typing import Literal, Optional
+
+from msgspec import Struct
+
+from deltafin.protocol.chat import ToolDefinition
+
+
+class ParseRequest(Struct, kw_only=True):
+    text: str
+    tools: Optional[list[ToolDefinition]] = None
+    # None: the model's default; true/false: as if the prompt had thinking on/off.
+    thinking: Optional[bool] = None
+    finish_reason: Literal["stop", "length"] = "stop"
+    model: Optional[str] = None
