@@ -67,6 +67,29 @@ def services(config: DeltafinConfig, loaded_model):
     return Services.from_engine(config, make_engine(loaded_model))
 
 
+TINY_FAMILIES = ("kimi_k3", "kimi_k2", "glm45", "glm47")
+#: family -> the Hydra overrides that serve its tiny model
+TINY_OVERRIDES = {
+    "kimi_k3": ["model=kimi_k3"],
+    "kimi_k2": ["model=kimi_k2"],
+    "glm45": ["model=glm", "model.variant=glm45"],
+    "glm47": ["model=glm", "model.variant=glm47"],
+}
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, Path]:
+    """A tiny random-weight model of every family, written once per session."""
+    from deltafin.tiny import write_tiny_model
+
+    root = tmp_path_factory.mktemp("tiny")
+    return {family: write_tiny_model(family, root / family) for family in TINY_FAMILIES}
+
+
+def tiny_config(family: str, path: Path, extra: list[str] | None = None) -> DeltafinConfig:
+    return compose_config([*TINY_OVERRIDES[family], f"model.path={path}", *(extra or [])])
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

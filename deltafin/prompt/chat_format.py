@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import json
 import re
+import secrets
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 from deltafin.errors import InvalidRequestError
 from deltafin.protocol.chat import ChatMessage, ImagePart, TextPart, ToolDefinition
 
-_SENTINEL = re.compile("\ue000(\\d+)\ue001")
 
 
 @dataclass(frozen=True)
@@ -53,14 +53,17 @@ class TemplateChatFormat:
         *,
         add_generation_prompt: bool = True,
     ) -> RenderedPrompt:
+        # Plain ASCII sentinels survive whatever a template does to a string (repr of a dict, tojson); the
+        # per-render nonce keeps a client from typing one.
+        nonce = secrets.token_hex(6)
         texts: list[str] = []
-        conversation = [self._template_message(i, m, texts) for i, m in enumerate(messages)]
+        conversation = [self._template_message(i, m, texts, nonce) for i, m in enumerate(messages)]
         kwargs = {**self._default_kwargs, **template_kwargs}
         rendered = self._apply(conversation, tools, kwargs, add_generation_prompt)
-        pieces = _SENTINEL.split(rendered)
+        pieces = re.split(f"<<dfx{nonce}:(\\d+)>>", rendered)
         # split() alternates template text and captured sentinel numbers. A template may drop a text (e.g.
-        # reasoning in history) or repeat it, but one that cut into a sentinel leaves its marks behind.
-        if any("\ue000" in piece or "\ue001" in piece for piece in pieces[0::2]):
+        # reasoning in history) or repeat it, but one that cut into a sentinel leaves its nonce behind.
+        if any(nonce in piece for piece in pieces[0::2]):
             raise InvalidRequestError("the chat template altered message content; it cannot be rendered safely")
         token_ids: list[int] = []
         text_parts: list[str] = []
@@ -95,10 +98,10 @@ class TemplateChatFormat:
             # Templates raise on conversations they do not support (e.g. role order); that is the client's input.
             raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from None
 
-    def _template_message(self, index: int, message: ChatMessage, texts: list[str]) -> dict[str, Any]:
+    def _template_message(self, index: int, message: ChatMessage, texts: list[str], nonce: str) -> dict[str, Any]:
         def placeholder(text: str) -> str:
             texts.append(text)
-            return f"\ue000{len(texts) - 1}\ue001"
+            return f"<<dfx{nonce}:{len(texts) - 1}>>"
 
         out: dict[str, Any] = {"role": message.role, "content": self._content(index, message, placeholder)}
         if message.name is not None:

@@ -53,20 +53,20 @@ class _Segments:
         if text:
             self.parts.append((text, False))
 
-    def open(self, name: str, **attrs: Any) -> None:
+    def open(self, channel: str, /, **attrs: Any) -> None:
         self.control(OPEN)
-        self.text(name + "".join(f' {k}="{escape(str(v))}"' for k, v in attrs.items()))
+        self.text(channel + "".join(f' {k}="{escape(str(v))}"' for k, v in attrs.items()))
         self.control(SEP)
 
-    def close(self, name: str) -> None:
+    def close(self, channel: str) -> None:
         self.control(CLOSE)
-        self.text(name)
+        self.text(channel)
         self.control(SEP)
 
-    def span(self, name: str, body: str, **attrs: Any) -> None:
-        self.open(name, **attrs)
+    def span(self, channel: str, body: str, /, **attrs: Any) -> None:
+        self.open(channel, **attrs)
         self.text(body)
-        self.close(name)
+        self.close(channel)
 
     def end_message(self) -> None:
         self.close("message")

@@ -134,6 +134,7 @@ class ChatService:
             model.tool_parser if calls_allowed else None,
             prompt_text=prompt_text,
             tool_schemas=request.tools,
+            history_calls=sum(len(m.tool_calls or ()) for m in request.messages),
         )
 
     async def create(self, request: ChatCompletionRequest, stats: RequestStats) -> dict[str, Any] | StreamingResponse:

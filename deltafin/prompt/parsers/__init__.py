@@ -7,6 +7,7 @@ from typing import Any, Callable, Sequence
 
 from deltafin.prompt.parsers.base import (
     IdFactory,
+    kimi_call_ids,
     OutputParser,
     ParsedDelta,
     PlainOutputParser,
@@ -51,6 +52,9 @@ TOOL_PARSERS: dict[str, Callable[[Sequence[Any], IdFactory], Any]] = {
 
 #: formats whose reasoning and tool calls are one grammar, parsed together
 COMBINED_PARSERS = {"kimi_k3"}
+
+#: formats whose tool-call ids are Kimi's `functions.NAME:IDX` (others get random `call_...` ids)
+KIMI_ID_FORMATS = {"kimi_k2", "kimi_k3"}
 
 
 class ChainedParser:
@@ -102,10 +106,14 @@ def build_output_parser(
     *,
     prompt_text: str = "",
     tool_schemas: Sequence[Any] | None = None,
-    new_id: IdFactory = random_call_id,
+    history_calls: int = 0,
+    new_id: IdFactory | None = None,
 ) -> OutputParser:
-    """A fresh parser for one choice. `prompt_text` tells where output starts (inside reasoning or not)."""
+    """A fresh parser for one choice. `prompt_text` tells where output starts (inside reasoning or not);
+    `history_calls` (tool calls in earlier assistant messages) numbers Kimi-style ids."""
     check_parser_names(reasoning, tools)
+    if new_id is None:
+        new_id = kimi_call_ids(history_calls) if tools in KIMI_ID_FORMATS else random_call_id
     if reasoning in COMBINED_PARSERS or tools in COMBINED_PARSERS:
         return KimiK3Parser(channels=starting_channels(prompt_text), new_id=new_id)
     if reasoning is None and tools is None:

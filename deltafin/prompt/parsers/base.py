@@ -48,11 +48,17 @@ class OutputParser(Protocol):
     def finish(self, finish_reason: str) -> ParsedDelta: ...
 
 
-def random_call_id(index: int) -> str:
+def random_call_id(index: int, name: str) -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-IdFactory = Callable[[int], str]
+def kimi_call_ids(offset: int) -> "IdFactory":
+    """Kimi's `functions.NAME:IDX`, IDX counted over the whole conversation (calls in history + position)."""
+    return lambda index, name: f"functions.{name}:{offset + index}"
+
+
+#: (index of the call in this answer, function name) -> tool call id
+IdFactory = Callable[[int, str], str]
 
 
 def split_at_marker(buffer: str, markers: Sequence[str]) -> tuple[str, str | None, str]:

@@ -79,7 +79,7 @@ class GlmToolParser:
                     return out
                 self._index += 1
                 self._name, self._args = self._name.strip(), 0
-                out.tool_calls.append(ToolCallDelta(self._index, self._new_id(self._index), self._name, ""))
+                out.tool_calls.append(ToolCallDelta(self._index, self._new_id(self._index, self._name), self._name, ""))
                 # A newline ends a 4.5 name; the tag that ended a 4.7 name is handled in the next state.
                 buffer = after if marker == "\n" else marker + after
                 self._state = _BETWEEN

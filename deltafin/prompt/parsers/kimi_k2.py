@@ -78,8 +78,8 @@ class KimiK2ToolParser:
                     return out
                 buffer = after
                 self._index += 1
-                call_id = self._id.strip() or self._new_id(self._index)
-                name = name_from_id(call_id, self._tool_names)
+                name = name_from_id(self._id.strip(), self._tool_names) if self._id.strip() else ""
+                call_id = self._id.strip() or self._new_id(self._index, name)
                 out.tool_calls.append(ToolCallDelta(self._index, call_id, name, ""))
                 self._state = _ARGS
             else:  # _ARGS

@@ -99,7 +99,8 @@ class KimiK3Parser:
         if name == "call":
             self._index += 1
             self._args = 0
-            out.tool_calls.append(ToolCallDelta(self._index, self._new_id(self._index), attrs.get("tool", ""), ""))
+            name = attrs.get("tool", "")
+            out.tool_calls.append(ToolCallDelta(self._index, self._new_id(self._index, name), name, ""))
         elif name == "argument":
             self._arg_type = attrs.get("type", "string")
             self._value = ""
