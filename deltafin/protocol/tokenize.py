@@ -16,6 +16,7 @@ class TokenizeRequest(Struct, kw_only=True):
     messages: Optional[list[ChatMessage]] = None
     tools: Optional[list[ToolDefinition]] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
+    thinking: Optional[dict[str, Any]] = None  # Kimi's request field, as chat takes it (see kimi_thinking)
     add_special_tokens: bool = True
     add_generation_prompt: bool = True
     return_token_strs: bool = False

@@ -22,7 +22,10 @@ class TokenizeService:
         if not request.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
         return ChatCompletionRequest(
-            messages=request.messages, tools=request.tools, chat_template_kwargs=request.chat_template_kwargs
+            messages=request.messages,
+            tools=request.tools,
+            chat_template_kwargs=request.chat_template_kwargs,
+            thinking=request.thinking,
         )
 
     def tokenize(self, request: TokenizeRequest, stats: RequestStats) -> dict[str, Any]:

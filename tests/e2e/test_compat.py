@@ -1,14 +1,14 @@
 """compat=para against compat=none through real servers and the openai client.
 
-The family-scoped rules run on the embedded model with `model.family` overridden (a test model config of
-that family), until the tiny Kimi/GLM models exist.
+Family-scoped rules run on the tiny GLM-4.7 and Kimi K3 models (random weights, 4096-token context);
+compat=none runs on the embedded default model (the session's live server).
 """
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import LiveServer
+from tests.conftest import TINY_OVERRIDES, LiveServer
 
 pytestmark = pytest.mark.e2e
 
@@ -22,17 +22,21 @@ def start(overrides):
 
 
 @pytest.fixture(scope="module")
-def glm_para():
-    server = start(["compat=para", "model.family=glm", "compat.rules.chat_default_max_tokens.value=5"])
+def glm_para(tiny_models):
+    server = start([*TINY_OVERRIDES["glm47"], f"model.path={tiny_models['glm47']}", "compat=para",
+                    "compat.rules.chat_default_max_tokens.value=5"])
     yield server
     server.stop()
 
 
 @pytest.fixture(scope="module")
-def kimi_para():
-    server = start(["compat=para", "model.family=kimi_k3"])
+def kimi_para(tiny_models):
+    server = start([*TINY_OVERRIDES["kimi_k3"], f"model.path={tiny_models['kimi_k3']}", "compat=para"])
     yield server
     server.stop()
+
+
+MODEL = None  # the served model's own name: `model` is optional
 
 
 def client_for(server):
@@ -51,30 +55,30 @@ def rules_header(response) -> list[str]:
 class TestContextOverflow:
     def test_none_answers_400(self, live_server):
         with pytest.raises(openai.BadRequestError):
-            client_for(live_server).chat.completions.create(model="smollm2", messages=user(LONG))
+            client_for(live_server).chat.completions.create(model=MODEL, messages=user(LONG))
 
     def test_glm_para_answers_413(self, glm_para):
         with pytest.raises(openai.APIStatusError) as info:
-            client_for(glm_para).chat.completions.create(model="smollm2", messages=user(LONG))
+            client_for(glm_para).chat.completions.create(model=MODEL, messages=user(LONG))
         assert info.value.status_code == 413
         assert info.value.body["type"] == "PayloadTooLargeError"
-        assert "maximum context length is 8192 tokens" in info.value.message
+        assert "maximum context length is 4096 tokens" in info.value.message
         assert "glm_context_413" in rules_header(info.value.response)
 
     def test_glm_para_answers_413_when_streaming(self, glm_para):
         with pytest.raises(openai.APIStatusError) as info:
-            client_for(glm_para).chat.completions.create(model="smollm2", messages=user(LONG), stream=True)
+            client_for(glm_para).chat.completions.create(model=MODEL, messages=user(LONG), stream=True)
         assert info.value.status_code == 413
 
     def test_kimi_para_keeps_400(self, kimi_para):
         with pytest.raises(openai.BadRequestError):
-            client_for(kimi_para).chat.completions.create(model="smollm2", messages=user(LONG))
+            client_for(kimi_para).chat.completions.create(model=MODEL, messages=user(LONG))
 
 
 class TestDefaultMaxTokens:
     def test_para_default_applies_without_max_tokens(self, glm_para):
         raw = client_for(glm_para).chat.completions.with_raw_response.create(
-            model="smollm2", messages=user("Write a long story."), temperature=0, extra_body={"ignore_eos": True}
+            model=MODEL, messages=user("Write a long story."), temperature=0, extra_body={"ignore_eos": True}
         )
         response = raw.parse()
         assert response.usage.completion_tokens == 5 and response.choices[0].finish_reason == "length"
@@ -82,14 +86,14 @@ class TestDefaultMaxTokens:
 
     def test_explicit_max_tokens_is_untouched(self, glm_para):
         raw = client_for(glm_para).chat.completions.with_raw_response.create(
-            model="smollm2", messages=user("Write a long story."), temperature=0, max_tokens=7,
+            model=MODEL, messages=user("Write a long story."), temperature=0, max_tokens=7,
             extra_body={"ignore_eos": True},
         )
         assert raw.parse().usage.completion_tokens == 7 and "chat_default_max_tokens" not in rules_header(raw)
 
     def test_none_has_no_rules_header(self, live_server):
         raw = client_for(live_server).chat.completions.with_raw_response.create(
-            model="smollm2", messages=user(), max_tokens=2
+            model=MODEL, messages=user(), max_tokens=2
         )
         assert "x-deltafin-rules" not in raw.headers
 
@@ -99,7 +103,7 @@ class TestToolChoice:
 
     def test_required_is_served_as_auto(self, glm_para):
         raw = client_for(glm_para).chat.completions.with_raw_response.create(
-            model="smollm2", messages=user(), tools=self.TOOLS, tool_choice="required", max_tokens=2
+            model=MODEL, messages=user(), tools=self.TOOLS, tool_choice="required", max_tokens=2
         )
         # force_tool_choice_auto comes first in para.yaml and already made it "auto": the GLM rule has
         # nothing left to do (request hooks run in config order).
@@ -108,45 +112,59 @@ class TestToolChoice:
 
     def test_auto_is_left_alone(self, glm_para):
         raw = client_for(glm_para).chat.completions.with_raw_response.create(
-            model="smollm2", messages=user(), tools=self.TOOLS, tool_choice="auto", max_tokens=2
+            model=MODEL, messages=user(), tools=self.TOOLS, tool_choice="auto", max_tokens=2
         )
         assert "force_tool_choice_auto" not in rules_header(raw)
 
 
 class TestReasoningUsage:
+    """GLM-4.7 prefills <think>: a short greedy answer cut by max_tokens is all reasoning."""
+
     def test_glm_usage_has_reasoning_tokens(self, glm_para):
-        response = client_for(glm_para).chat.completions.create(model="smollm2", messages=user(), max_tokens=3)
-        assert response.usage.completion_tokens_details.reasoning_tokens == 0
+        response = client_for(glm_para).chat.completions.create(
+            model="glm", messages=user(), max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+        )
+        details = response.usage.completion_tokens_details
+        assert response.choices[0].message.reasoning_content
+        assert 0 < details.reasoning_tokens <= response.usage.completion_tokens
 
     def test_glm_stream_usage_has_reasoning_tokens(self, glm_para):
         chunks = list(client_for(glm_para).chat.completions.create(
-            model="smollm2", messages=user(), max_tokens=3, stream=True, stream_options={"include_usage": True}
+            model="glm", messages=user(), max_tokens=6, temperature=0, stream=True, seed=3,
+            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
         ))
-        assert chunks[-1].usage.completion_tokens_details.reasoning_tokens == 0
+        assert chunks[-1].usage.completion_tokens_details.reasoning_tokens > 0
 
     def test_none_usage_has_no_details(self, live_server):
-        response = client_for(live_server).chat.completions.create(model="smollm2", messages=user(), max_tokens=3)
+        response = client_for(live_server).chat.completions.create(model=MODEL, messages=user(), max_tokens=3)
         assert response.usage.completion_tokens_details is None
 
 
 class TestSamplingPins:
     def test_kimi_para_serves_one_choice(self, kimi_para):
         raw = client_for(kimi_para).chat.completions.with_raw_response.create(
-            model="smollm2", messages=user(), n=3, max_tokens=2, top_p=0.5
+            model=MODEL, messages=user(), n=3, max_tokens=2, top_p=0.5
         )
         assert len(raw.parse().choices) == 1 and "kimi_sampling_pins" in rules_header(raw)
 
     def test_glm_para_leaves_sampling_alone(self, glm_para):
-        response = client_for(glm_para).chat.completions.create(model="smollm2", messages=user(), n=3, max_tokens=2)
+        response = client_for(glm_para).chat.completions.create(model=MODEL, messages=user(), n=3, max_tokens=2)
         assert len(response.choices) == 3
 
 
 class TestKimiThinking:
     def test_thinking_field_is_mapped(self, kimi_para):
         raw = client_for(kimi_para).chat.completions.with_raw_response.create(
-            model="smollm2", messages=user(), max_tokens=2, extra_body={"thinking": {"type": "disabled"}}
+            model="kimi-k3", messages=user(), max_tokens=2, extra_body={"thinking": {"type": "disabled"}}
         )
         assert "kimi_thinking" in rules_header(raw)
+
+    @pytest.mark.parametrize("kind,channel", [("disabled", "response"), ("enabled", "think")])
+    def test_the_prompt_opens_the_matching_channel(self, kimi_para, kind, channel):
+        base = kimi_para.base_url
+        tokens = httpx.post(f"{base}/tokenize", json={"messages": user(), "thinking": {"type": kind}}).json()["tokens"]
+        prompt = httpx.post(f"{base}/detokenize", json={"tokens": tokens}).json()["prompt"]
+        assert prompt.endswith(f'<|open|>message role="assistant"<|sep|><|open|>{channel}<|sep|>')
 
 
 class TestFlattenToolText:
@@ -181,5 +199,5 @@ class TestImageUrl:
     def test_bare_string_and_object_get_the_same_400(self, live_server, image_url):
         content = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": image_url}]
         with pytest.raises(openai.BadRequestError) as info:
-            client_for(live_server).chat.completions.create(model="smollm2", messages=[{"role": "user", "content": content}])
+            client_for(live_server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}])
         assert "accepts text only" in info.value.message and info.value.body["param"] == "messages[0].content[1]"

@@ -1,0 +1,35 @@
+"""`python -m deltafin.tiny` writes a servable tiny model of each family."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+from transformers import AutoConfig, AutoTokenizer
+
+from tests.conftest import REPO, TINY_FAMILIES
+
+ARCHITECTURE = {"kimi_k3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
+                "glm45": "Glm4MoeForCausalLM", "glm47": "Glm4MoeForCausalLM"}
+MARKERS = {"kimi_k3": "<|open|>", "kimi_k2": "<|tool_call_begin|>", "glm45": "<arg_value>", "glm47": "<|observation|>"}
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_tiny_model_has_the_family_architecture_tokens_and_small_context(tiny_models, family):
+    path = tiny_models[family]
+    config = AutoConfig.from_pretrained(path)
+    assert config.architectures == [ARCHITECTURE[family]] and config.max_position_embeddings == 4096
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    marker = MARKERS[family]
+    assert tokenizer(marker, add_special_tokens=False).input_ids == [tokenizer.convert_tokens_to_ids(marker)]
+    assert (path / "model.safetensors").exists()
+    assert bool(tokenizer.chat_template) == (family != "kimi_k3")  # K3's prompt is rendered by Deltafin
+
+
+def test_command_line(tmp_path):
+    result = subprocess.run(
+        [sys.executable, "-m", "deltafin.tiny", "--family", "glm47", "--out", str(tmp_path / "m")],
+        cwd=REPO, capture_output=True, text=True, timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert json.loads((tmp_path / "m" / "deltafin_tiny.json").read_text())["family"] == "glm47"
