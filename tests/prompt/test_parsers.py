@@ -66,6 +66,9 @@ CASES = {
     "kimi_k2_odd_section_inside_reasoning": ("kimi_k2", "<|im_middle|><think>",
         "thinking<|tool_call_section_begin|><|tool_call_begin|>functionsget_weather5<|tool_call_argument_begin|>"
         '{"city": "Oslo"}<|tool_call_end|><|tool_call_section_end|>'),
+    "kimi_k2_placeholder_content": ("kimi_k2", "<|im_middle|><think></think>",
+        "(no content)<|tool_calls_section_begin|><|tool_call_begin|>functions.now:0<|tool_call_argument_begin|>{}"
+        "<|tool_call_end|><|tool_calls_section_end|>"),
     "glm45_tool_call": ("glm45", "<|assistant|>",
         "\n<think>hmm</think>\nI will check.\n<tool_call>get_weather\n<arg_key>city</arg_key>\n"
         "<arg_value>  New York \n</arg_value>\n<arg_key> days </arg_key>\n<arg_value>3</arg_value>\n</tool_call>"),
@@ -129,6 +132,14 @@ class TestKimiK2:
         ("functions.get_weather:0", "get_weather"), ("call00003", "call"), ("functionsnow5", "now"), ("get_weather:2", "get_weather")])
     def test_name_from_id(self, call_id, name):
         assert name_from_id(call_id, ["get_weather", "now"] if call_id != "call00003" else []) == name
+
+    def test_placeholder_content_before_a_call_is_dropped(self):
+        result = parse_whole(*CASES["kimi_k2_placeholder_content"])
+        assert result["content"] == "" and result["calls"][0]["name"] == "now"
+
+    @pytest.mark.parametrize("text", ["(no content)", "(no content) but more", "(no"])
+    def test_placeholder_like_text_without_a_call_stays(self, text):
+        assert parse_whole("kimi_k2", "<|im_middle|><think></think>", text)["content"] == text
 
     def test_thinking_off_prompt_starts_in_content(self):
         result = parse_whole("kimi_k2", "<|im_middle|><think></think>", "Plain answer.")

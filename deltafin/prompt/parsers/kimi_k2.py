@@ -4,7 +4,8 @@
 
 The id is reported verbatim (it is rendered back in later turns). Tolerated deviations seen in the wild: the
 singular `<|tool_call_section_begin|>`, a call without a section, ids like `call00003` or `functionsexec5`
-(the name is then recovered from the declared tools). Arguments stream as the model writes them.
+(the name is then recovered from the declared tools), and the placeholder content `(no content)` written
+before a tool section (dropped: the message has no content). Arguments stream as the model writes them.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ ALL_MARKERS = (*SECTION_BEGIN, *SECTION_END, CALL_BEGIN, ARGS_BEGIN, CALL_END)
 _ID = re.compile(r"^(?:functions\.)?(?P<name>.+?)(?::\d+)?$")
 
 _TEXT, _SECTION, _ID_STATE, _ARGS = "text", "section", "id", "args"
+PLACEHOLDER = "(no content)"
 
 
 def name_from_id(call_id: str, tool_names: Sequence[str]) -> str:
@@ -46,11 +48,32 @@ class KimiK2ToolParser:
         self._held = ""
         self._id = ""
         self._index = -1
+        self._at_start = True
+
+    def _placeholder(self, buffer: str) -> str | None:
+        """At the start of the answer: None while it may still be `(no content)` before a section;
+        else what to go on with (the placeholder dropped when a section follows it)."""
+        stripped = buffer.lstrip()
+        if len(stripped) < len(PLACEHOLDER):
+            return None if PLACEHOLDER.startswith(stripped) else buffer
+        if not stripped.startswith(PLACEHOLDER):
+            return buffer
+        rest = stripped[len(PLACEHOLDER) :].lstrip()
+        starts = (*SECTION_BEGIN, CALL_BEGIN)
+        if not rest or any(m.startswith(rest) for m in starts):
+            return None
+        return rest if rest.startswith(starts) else buffer
 
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
         buffer = self._held + text
         self._held = ""
+        if self._at_start:
+            decided = self._placeholder(buffer)
+            if decided is None:
+                self._held = buffer
+                return out
+            self._at_start, buffer = False, decided
         while buffer:
             if self._state == _TEXT:
                 before, marker, buffer = split_at_marker(buffer, (*SECTION_BEGIN, CALL_BEGIN))
