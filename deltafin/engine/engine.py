@@ -8,6 +8,7 @@ stream (the client left) stops generation at the next token; the slot is freed w
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -18,7 +19,7 @@ import torch
 from transformers import DynamicCache
 
 from deltafin.engine.detokenizer import IncrementalDetokenizer
-from deltafin.engine.events import Finished, GenerationJob, TextDelta
+from deltafin.engine.events import Finished, GenerationJob, PromptLogprobs, TextDelta
 from deltafin.engine.generator import cache_argument, generate_tokens
 from deltafin.engine.loader import LoadedModel
 from deltafin.engine.memo import ResponseMemo
@@ -30,7 +31,7 @@ from deltafin.errors import InternalError
 
 log = structlog.get_logger("deltafin.engine")
 
-Event = TextDelta | Finished
+Event = TextDelta | PromptLogprobs | Finished
 _END = object()
 
 
@@ -63,7 +64,7 @@ class Engine:
         self.device = next(self.model.parameters()).device
         self.cache_arg = cache_argument(self.model)
         # One long-lived thread runs every generation: torch's per-thread state (the OpenMP team) is
-        # built once instead of per request. Replays of memo hits run there too, in order.
+        # built once instead of per request. Requests whose every choice is a memo hit never go there.
         self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltafin-engine")
 
     async def start(self, jobs: Sequence[GenerationJob]) -> "GenerationStream":
@@ -133,6 +134,9 @@ class Engine:
             events.append(event)
             stream.emit(event)
 
+        def prompt_logprobs(entries: list) -> None:
+            emit(PromptLogprobs(choice, tuple(job.prompt_ids), tuple(entries)))
+
         count, reason, stop_reason = 0, "length", None
         steps = generate_tokens(
             self.model,
@@ -144,6 +148,7 @@ class Engine:
             cancel=stream.cancelled,
             cache_arg=self.cache_arg,
             on_prefilled=prefilled,
+            on_prompt_logprobs=prompt_logprobs,
         )
         for step in steps:
             count += 1
@@ -175,12 +180,10 @@ class Engine:
 
 def _with_choice(event: object, choice: int) -> object:
     """A memo entry replays under the choice index of the request that asked for it."""
-    if isinstance(event, TextDelta):
-        return TextDelta(choice, event.text, event.token_ids, event.logprobs)
     if isinstance(event, Finished):
-        return Finished(
-            choice, event.reason, event.prompt_tokens, event.completion_tokens, 0, event.stop_reason, True, {}
-        )
+        return dataclasses.replace(event, choice=choice, cached_tokens=0, memo_hit=True, timings={})
+    if isinstance(event, (TextDelta, PromptLogprobs)):
+        return dataclasses.replace(event, choice=choice)
     return event
 
 

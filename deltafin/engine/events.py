@@ -34,6 +34,15 @@ class TextDelta:
 
 
 @dataclass(frozen=True)
+class PromptLogprobs:
+    """Log-probabilities of the prompt tokens (the first has none), sent before the choice's text."""
+
+    choice: int
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob | None, ...]
+
+
+@dataclass(frozen=True)
 class Finished:
     choice: int
     reason: FinishReason

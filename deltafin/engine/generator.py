@@ -33,10 +33,10 @@ def cache_argument(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def prefill(model: Any, input_ids: torch.Tensor, cache: dict[str, Any]) -> torch.Tensor:
-    """input_ids: [1, S] prompt tokens not yet in the cache; returns logits [V] of the last one."""
-    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=1, **cache)
-    return out.logits[0, -1]
+def prefill(model: Any, input_ids: torch.Tensor, cache: dict[str, Any], *, all_logits: bool = False) -> torch.Tensor:
+    """input_ids: [1, S] prompt tokens not yet in the cache; returns logits [S, V] (all_logits) or [1, V]."""
+    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=0 if all_logits else 1, **cache)
+    return out.logits[0]
 
 
 def decode_one_token(model: Any, token: torch.Tensor, cache: dict[str, Any]) -> torch.Tensor:
@@ -56,14 +56,22 @@ def generate_tokens(
     cancel: threading.Event,
     cache_arg: str = "cache",
     on_prefilled: Callable[[int], None] = lambda cached: None,
+    on_prompt_logprobs: Callable[[list[TokenLogprob | None]], None] = lambda entries: None,
 ) -> Iterator[TokenStep]:
     device = next(model.parameters()).device
-    cache, cached = prefix_cache.take(prompt_ids)
+    want_prompt = sampler.params.prompt_logprobs is not None
+    # Prompt logprobs need logits at every prompt position, so nothing may come from the cache.
+    cache, cached = prefix_cache.take(() if want_prompt else prompt_ids)
     cache_kw = {cache_arg: cache}
     ids = list(prompt_ids)
     with torch.inference_mode():
-        logits = prefill(model, torch.tensor([ids[cached:]], device=device), cache_kw)
+        all_logits = prefill(model, torch.tensor([ids[cached:]], device=device), cache_kw, all_logits=want_prompt)
+        logits = all_logits[-1]
         on_prefilled(cached)
+        if want_prompt:
+            # logits[i] predicts token i+1: [None, lp(t1 | t0), lp(t2 | t0 t1), ...]
+            on_prompt_logprobs([None] + [sampler.logprob(all_logits[i], ids[i + 1], sampler.params.prompt_logprobs)
+                                         for i in range(len(ids) - 1)])
         for step in range(max_new_tokens):
             if cancel.is_set():
                 break

@@ -20,7 +20,7 @@ class PrefixCache:
         self._cache, self._ids = None, []  # taken: a generation that dies mid-way leaves nothing behind
         shared = _common_prefix(ids, prompt_ids)
         # At least one prompt token must be run to get the next logits.
-        shared = min(shared, len(prompt_ids) - 1)
+        shared = min(shared, max(len(prompt_ids) - 1, 0))
         if cache is None or shared < self._min_reuse or not getattr(cache, "is_croppable", True):
             return self._new_cache(), 0
         surplus = len(ids) - shared

@@ -38,12 +38,14 @@ class Sampler:
         if self._seen is not None:
             self._seen[token_id] = True
 
-    def logprob(self, logits: torch.Tensor, token_id: int) -> TokenLogprob:
-        """Log-probability of the chosen token under the model's own distribution (before sampling knobs)."""
+    def logprob(self, logits: torch.Tensor, token_id: int, top_k: int | None = None) -> TokenLogprob:
+        """Log-probability of `token_id` under the model's own distribution (before sampling knobs),
+        with the `top_k` (default: top_logprobs) most likely alternatives."""
         logprobs = torch.log_softmax(logits.float(), dim=-1)
         top: tuple[tuple[int, float], ...] = ()
-        if self.params.top_logprobs:
-            values, ids = torch.topk(logprobs, self.params.top_logprobs)
+        k = self.params.top_logprobs if top_k is None else top_k
+        if k:
+            values, ids = torch.topk(logprobs, k)
             top = tuple(zip(ids.tolist(), values.tolist()))
         return TokenLogprob(token_id, float(logprobs[token_id]), top)
 

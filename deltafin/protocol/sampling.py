@@ -23,6 +23,8 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     logprobs: bool = False
     top_logprobs: int = 0
+    # Logprobs of the prompt's own tokens (completions with echo + logprobs); None = not asked.
+    prompt_logprobs: int | None = None
     ignore_eos: bool = False
     extra: tuple[tuple[str, object], ...] = field(default=())
 

@@ -145,9 +145,9 @@ class ChatService:
             prompt = self.render(request)
             jobs = self.jobs(request, prompt)
             stats.prompt_tokens = len(prompt.token_ids)
+            choices = [_Choice(self.output_parser(request, prompt.text)) for _ in jobs]
             stream = await self.ctx.engine.start(jobs)
             stats.queue_wait_s = stream.queue_wait
-            choices = [_Choice(self.output_parser(request, prompt.text)) for _ in jobs]
             if request.stream:
                 return ChunkStream(self._chunks(request, stream, choices, stats, rule_ctx), stream.close)
             return await self._collect(request, stream, choices, stats, rule_ctx)
@@ -178,7 +178,7 @@ class ChatService:
                     stats.first_token()
                     choice.add(choice.parser.feed(event.text))
                 choice.logprobs.extend(event.logprobs)
-            else:
+            elif isinstance(event, Finished):
                 self._finish(choice, event, stats, rule_ctx)
         body_choices = []
         for index, choice in enumerate(choices):
@@ -246,7 +246,7 @@ class ChatService:
                 parsed = choices[index].add(choices[index].parser.feed(event.text))
                 if parsed.content or parsed.reasoning or parsed.tool_calls:
                     yield delta_chunk(index, parsed)
-            else:
+            elif isinstance(event, Finished):
                 parsed = self._finish(choices[index], event, stats, rule_ctx)
                 if parsed.content or parsed.reasoning or parsed.tool_calls:
                     yield delta_chunk(index, parsed)

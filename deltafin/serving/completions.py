@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, AsyncIterator
 
-from deltafin.engine import Finished, GenerationJob, TextDelta, TokenLogprob
+from deltafin.engine import Finished, GenerationJob, PromptLogprobs, TextDelta, TokenLogprob
 from deltafin.engine.engine import GenerationStream
 from deltafin.protocol.completions import CompletionRequest
 from deltafin.serving.context import RequestStats, ServingContext, new_id
@@ -29,15 +31,20 @@ class CompletionService:
             default = request.max_tokens_default or limits.completion_default_max_tokens
             max_tokens = min(default, room)
         ids = tuple(prompt_ids)
+        # echo + logprobs reports the prompt's tokens too, as OpenAI does.
+        prompt_logprobs = request.logprobs if request.echo else None
         return [
             GenerationJob(
                 ids,
-                request.sampling_params(
-                    max_tokens=max_tokens,
-                    vocab_size=self.ctx.engine.vocab_size,
-                    logprobs=request.logprobs is not None,
-                    top_logprobs=request.logprobs or 0,
-                    choice=i,
+                dataclasses.replace(
+                    request.sampling_params(
+                        max_tokens=max_tokens,
+                        vocab_size=self.ctx.engine.vocab_size,
+                        logprobs=request.logprobs is not None,
+                        top_logprobs=request.logprobs or 0,
+                        choice=i,
+                    ),
+                    prompt_logprobs=prompt_logprobs,
                 ),
             )
             for i in range(request.n)
@@ -74,12 +81,15 @@ class CompletionService:
         texts: list[list[str]] = [[] for _ in range(n)]
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
         finished: list[Finished | None] = [None] * n
+        prompts: list[PromptLogprobs | None] = [None] * n
         async for event in stream:
             if isinstance(event, TextDelta):
                 if event.text:
                     stats.first_token()
                 texts[event.choice].append(event.text)
                 logprobs[event.choice].extend(event.logprobs)
+            elif isinstance(event, PromptLogprobs):
+                prompts[event.choice] = event
             else:
                 finished[event.choice] = event
                 stats.record(event)
@@ -92,7 +102,7 @@ class CompletionService:
                 {
                     "index": index,
                     "text": prefix + "".join(texts[index]),
-                    "logprobs": completion_logprobs(logprobs[index], self.ctx.token_text, len(prefix))
+                    "logprobs": completion_logprobs(logprobs[index], self.ctx.token_text, len(prefix), prompts[index])
                     if request.logprobs is not None
                     else None,
                     "finish_reason": end.reason,
@@ -121,7 +131,12 @@ class CompletionService:
                 offsets[index] = 0
                 if request.echo:
                     offsets[index] = len(request.prompt)
-                    yield chunk(index, request.prompt)
+                    prompt_lp = None
+                    if isinstance(event, PromptLogprobs):
+                        prompt_lp = completion_logprobs((), self.ctx.token_text, 0, event)
+                    yield chunk(index, request.prompt, logprobs=prompt_lp)
+            if isinstance(event, PromptLogprobs):
+                continue
             if isinstance(event, TextDelta):
                 pending.setdefault(index, []).extend(event.logprobs)
                 if not event.text:

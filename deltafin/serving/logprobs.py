@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable
 
-from deltafin.engine import TokenLogprob
+from deltafin.engine import PromptLogprobs, TokenLogprob
 
 TokenText = Callable[[int], str]
 
@@ -22,13 +22,24 @@ def chat_logprobs(items: Iterable[TokenLogprob], token_text: TokenText) -> list[
     return out
 
 
-def completion_logprobs(items: Iterable[TokenLogprob], token_text: TokenText, offset: int) -> dict[str, Any]:
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    for item in items:
-        text = token_text(item.token_id)
+def completion_logprobs(
+    items: Iterable[TokenLogprob], token_text: TokenText, offset: int, prompt: PromptLogprobs | None = None
+) -> dict[str, Any]:
+    """Legacy completions logprobs; with `prompt` (echo), the prompt's tokens come first, the first with null."""
+    tokens: list[str] = []
+    token_logprobs: list[float | None] = []
+    tops: list[dict[str, float] | None] = []
+    offsets: list[int] = []
+    pairs: list[tuple[int, TokenLogprob | None]] = []
+    if prompt is not None:
+        pairs += list(zip(prompt.token_ids, prompt.logprobs))
+        offset = 0
+    pairs += [(item.token_id, item) for item in items]
+    for token_id, item in pairs:
+        text = token_text(token_id)
         tokens.append(text)
-        token_logprobs.append(item.logprob)
-        tops.append({token_text(t): lp for t, lp in item.top} if item.top else None)
+        token_logprobs.append(None if item is None else item.logprob)
+        tops.append({token_text(t): lp for t, lp in item.top} if item is not None and item.top else None)
         offsets.append(offset)
         offset += len(text)
     return {"tokens": tokens, "token_logprobs": token_logprobs, "top_logprobs": tops, "text_offset": offsets}

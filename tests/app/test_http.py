@@ -133,13 +133,14 @@ class TestEndpoints:
         assert_openai_error(client.post("/detokenize", json={"tokens": [10**7]}), 400, "tokens[0]")
 
 
-class TestApiKeys:
-    @pytest.fixture(scope="class")
-    def keyed(self, services):
-        config = compose_config(["server.api_keys=[sekrit]"])
-        with TestClient(build_app(config, services)) as client:
-            yield client
+@pytest.fixture(scope="module")
+def keyed(services):
+    config = compose_config(["server.api_keys=[sekrit]"])
+    with TestClient(build_app(config, services)) as client:
+        yield client
 
+
+class TestApiKeys:
     def test_missing_key_is_401(self, keyed):
         assert_openai_error(keyed.get("/v1/models"), 401)
 

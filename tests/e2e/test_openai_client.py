@@ -146,13 +146,32 @@ class TestCompletions:
         )
         assert response.usage.completion_tokens == 256
 
-    def test_echo_and_logprobs(self, client):
+    def test_logprobs(self, client):
+        prompt = "The capital of France is"
+        response = client.completions.create(model="smollm2", prompt=prompt, max_tokens=3, temperature=0, logprobs=2)
+        choice = response.choices[0]
+        assert len(choice.logprobs.tokens) == 3 and all(len(t) == 2 for t in choice.logprobs.top_logprobs)
+        assert "".join(choice.logprobs.tokens) == choice.text
+        assert choice.logprobs.text_offset[0] == 0
+
+    def test_echo_with_logprobs_reports_the_prompt_tokens(self, client):
         prompt = "The capital of France is"
         response = client.completions.create(model="smollm2", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
         choice = response.choices[0]
-        assert choice.text.startswith(prompt)
-        assert len(choice.logprobs.tokens) == 3 and all(len(t) == 2 for t in choice.logprobs.top_logprobs)
-        assert choice.logprobs.text_offset[0] == len(prompt)
+        prompt_tokens = response.usage.prompt_tokens
+        assert choice.text.startswith(prompt) and "".join(choice.logprobs.tokens) == choice.text
+        assert len(choice.logprobs.tokens) == prompt_tokens + 3
+        assert choice.logprobs.token_logprobs[0] is None and choice.logprobs.top_logprobs[0] is None
+        assert all(lp <= 0 for lp in choice.logprobs.token_logprobs[1:])
+        assert choice.logprobs.text_offset[prompt_tokens] == len(prompt)
+
+    def test_streamed_echo_with_logprobs(self, client):
+        prompt = "The capital of France is"
+        chunks = list(client.completions.create(
+            model="smollm2", prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=1, stream=True))
+        first = chunks[0].choices[0]
+        assert first.text == prompt and first.logprobs.token_logprobs[0] is None
+        assert "".join(first.logprobs.tokens) == prompt
 
     def test_streamed_completion_matches(self, client):
         kwargs = dict(model="smollm2", prompt="Water is", max_tokens=6, temperature=0)

@@ -122,3 +122,24 @@ class TestEngine:
     def test_budget_is_exact(self, engine, generate, run, max_tokens):
         _, end = generate(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
         assert end.completion_tokens == max_tokens
+
+
+class TestPromptLogprobs:
+    def test_match_a_direct_forward_pass(self, engine, run):
+        import torch
+
+        from deltafin.engine import PromptLogprobs
+
+        ids = tuple(engine.tokenizer("The capital of France is Paris").input_ids)
+        job = GenerationJob(ids, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=2))
+
+        async def events():
+            return [e async for e in await engine.start([job])]
+
+        (prompt,) = [e for e in run(events()) if isinstance(e, PromptLogprobs)]
+        with torch.inference_mode():
+            expected = torch.log_softmax(engine.model(torch.tensor([ids])).logits[0].float(), -1)
+        assert prompt.token_ids == ids and prompt.logprobs[0] is None
+        for i, entry in enumerate(prompt.logprobs[1:]):
+            assert abs(entry.logprob - float(expected[i, ids[i + 1]])) < 1e-4
+            assert len(entry.top) == 2
