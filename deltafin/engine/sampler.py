@@ -15,7 +15,8 @@ class Sampler:
         self.params = params
         self._generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
-            self._generator = torch.Generator(device=device).manual_seed(params.seed)
+            # seed + choice index can leave the int64 range, which torch refuses: fold it back in.
+            self._generator = torch.Generator(device=device).manual_seed(params.seed % (1 << 63))
         self._bias: torch.Tensor | None = None
         if params.logit_bias:
             self._bias = torch.zeros(vocab_size, device=device)

@@ -9,6 +9,9 @@ from msgspec import Meta, Struct
 from deltafin.errors import InvalidRequestError
 from deltafin.protocol.sampling import SamplingParams
 
+MAX_STOP_CHARS = 1024
+GREEDY_BELOW = 1e-5
+
 PositiveInt = Annotated[int, Meta(ge=1)]
 Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 UnitOpenLeft = Annotated[float, Meta(gt=0.0, le=1.0)]
@@ -28,7 +31,7 @@ class SamplingFields(Struct, kw_only=True):
     stream: bool = False
     stream_options: Optional[StreamOptions] = None
     stop: Union[str, list[str], None] = None
-    seed: Optional[int] = None
+    seed: Optional[Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]] = None
     temperature: Optional[Temperature] = None
     top_p: Optional[UnitOpenLeft] = None
     top_k: Optional[Annotated[int, Meta(ge=-1)]] = None
@@ -54,6 +57,9 @@ class SamplingFields(Struct, kw_only=True):
         stops = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop)
         if any(s == "" for s in stops):
             raise InvalidRequestError("stop sequences must be non-empty strings", param="stop")
+        # Matching is checked after every token: a huge stop string would let one request slow the engine.
+        if any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise InvalidRequestError(f"stop sequences may be at most {MAX_STOP_CHARS} characters", param="stop")
         return stops
 
     def sampling_params(
@@ -74,9 +80,11 @@ class SamplingFields(Struct, kw_only=True):
                 raise InvalidRequestError(f"stop_token_ids: {token} is outside the vocabulary", param="stop_token_ids")
         # n > 1 with a seed: each choice gets its own stream of randomness, reproducibly.
         seed = None if self.seed is None else self.seed + choice
+        temperature = 1.0 if self.temperature is None else self.temperature
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
+            # Below this, dividing logits by the temperature overflows; it means greedy anyway.
+            temperature=0.0 if temperature < GREEDY_BELOW else temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=0 if self.top_k is None or self.top_k < 0 else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,

@@ -85,6 +85,31 @@ class TestErrors:
         assert_openai_error(client.post(CHAT, json={"messages": [{"role": "user", "content": content}]}), 400)
 
 
+class TestHostileInputs:
+    """Inputs that reach the sampler or the matcher: an answer or a 400, never a 500."""
+
+    @pytest.mark.parametrize(
+        "extra,status",
+        [
+            ({"temperature": 1e-30}, 200),
+            ({"seed": 2**63 - 1, "n": 2, "temperature": 1.0}, 200),
+            ({"seed": -(2**63)}, 200),
+            ({"seed": 2**70}, 400),
+            ({"stop": ["x" * 2000]}, 400),
+            ({"top_k": 10**9, "temperature": 1.0}, 200),
+            ({"min_p": 1.0, "top_p": 1e-9, "temperature": 2.0}, 200),
+            ({"logit_bias": {str(i): -100 for i in range(50)}, "temperature": 1.0}, 200),
+            ({"max_tokens": 2**62}, 400),
+            ({"messages": [{"role": "user", "content": [{"type": "text", "text": 5}]}]}, 400),
+            ({"messages": [{"role": "user", "content": "x" * 100, "tool_calls": [{"function": {}}]}]}, 400),
+        ],
+    )
+    def test_no_500(self, client, extra, status):
+        body = {"messages": user(), "max_tokens": 3, **extra}
+        response = client.post(CHAT, json=body)
+        assert response.status_code == status, response.text
+
+
 class TestHeaders:
     def test_request_id_is_generated(self, client):
         assert len(client.get("/v1/models").headers["x-request-id"]) >= 16
