@@ -213,3 +213,32 @@ class TestSplitAtMarker:
 
     def test_finds_the_earliest(self):
         assert split_at_marker("a</x>b<y>", ["<y>", "</x>"]) == ("a", "</x>", "b<y>")
+
+
+class TestFuzz:
+    """Random soups of markers and text: never an exception, and streamed always equals whole."""
+
+    PIECES = {
+        "kimi_k3": ["<|open|>", "<|close|>", "<|sep|>", "think", "response", "tools", 'call tool="now" index="1"',
+                    'argument key="k" type="string"', 'argument key="n" type="integer"', "argument", "call", "message",
+                    "x", " ", "\n", "12", '"', "&quot;"],
+        "kimi_k2": ["<think>", "</think>", "<|tool_calls_section_begin|>", "<|tool_call_section_end|>",
+                    "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>", "functions.now:1",
+                    "(no content)", "{", "}", "x", " ", "\n"],
+        "glm47": ["<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
+                  "</arg_value>", "get_weather", "city", "days", "3", "x", " ", "\n", "{\"a\": 1}"],
+    }
+    PROMPTS = {"kimi_k3": K3_THINK, "kimi_k2": "<|im_middle|><think>", "glm47": "<|assistant|><think>"}
+
+    @pytest.mark.parametrize("fmt", sorted(PIECES))
+    def test_random_soups(self, fmt):
+        import random
+
+        rng = random.Random(1234)
+        for _ in range(150):
+            text = "".join(rng.choice(self.PIECES[fmt]) for _ in range(rng.randint(1, 30)))
+            finish = rng.choice(["stop", "length"])
+            whole = parse_whole(fmt, self.PROMPTS[fmt], text, finish)
+            cuts = sorted(rng.sample(range(1, len(text)), min(4, len(text) - 1))) if len(text) > 1 else []
+            pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+            assert collect(make(fmt, self.PROMPTS[fmt]), pieces, finish) == whole, text
