@@ -8,6 +8,7 @@ stream (the client left) stops generation at the next token; the slot is freed w
 from __future__ import annotations
 
 import asyncio
+import copy
 import dataclasses
 import threading
 import time
@@ -51,6 +52,9 @@ class Engine:
     ) -> None:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
+        # The generation thread decodes with its own copy: encoding with split_special_tokens flips state
+        # on the Rust tokenizer, and the event loop encodes prompts while a generation decodes.
+        self._thread_tokenizer = copy.deepcopy(loaded.tokenizer)
         self.context_length = loaded.context_length
         self.stop_token_ids = loaded.stop_token_ids
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
@@ -117,7 +121,7 @@ class Engine:
         prompt_len = len(job.prompt_ids)
         max_new = min(params.max_tokens, self.context_length - prompt_len)
         sampler = Sampler(params, self.vocab_size, self.device, job.prompt_ids)
-        detokenizer = IncrementalDetokenizer(self.tokenizer)
+        detokenizer = IncrementalDetokenizer(self._thread_tokenizer)
         stops = StopMatcher(params.stop)
         stop_ids = self.stop_token_ids | frozenset(params.stop_token_ids)
         events: list[Event] = []
