@@ -23,8 +23,10 @@ def start(overrides):
 
 @pytest.fixture(scope="module")
 def glm_para(tiny_models):
+    # Without force_tool_choice_auto, so the GLM rule for "required" is the one that acts; with the cap on.
     server = start([*TINY_OVERRIDES["glm47"], f"model.path={tiny_models['glm47']}", "compat=para",
-                    "compat.rules.chat_default_max_tokens.value=5"])
+                    "compat.rules.chat_default_max_tokens.value=5", "compat.rules.max_tokens_cap.value=6",
+                    "~compat.rules.force_tool_choice_auto"])
     yield server
     server.stop()
 
@@ -86,10 +88,32 @@ class TestDefaultMaxTokens:
 
     def test_explicit_max_tokens_is_untouched(self, glm_para):
         raw = client_for(glm_para).chat.completions.with_raw_response.create(
-            model=MODEL, messages=user("Write a long story."), temperature=0, max_tokens=7,
+            model=MODEL, messages=user("Write a long story."), temperature=0, max_tokens=3,
             extra_body={"ignore_eos": True},
         )
-        assert raw.parse().usage.completion_tokens == 7 and "chat_default_max_tokens" not in rules_header(raw)
+        rules = rules_header(raw)
+        assert raw.parse().usage.completion_tokens == 3
+        assert "chat_default_max_tokens" not in rules and "max_tokens_cap" not in rules
+
+
+class TestMaxTokensCap:
+    def test_chat_over_the_cap_is_lowered(self, glm_para):
+        raw = client_for(glm_para).chat.completions.with_raw_response.create(
+            model=MODEL, messages=user(), max_tokens=50, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert raw.parse().usage.completion_tokens == 6 and "max_tokens_cap" in rules_header(raw)
+
+    def test_completion_default_is_bounded(self, glm_para):
+        raw = client_for(glm_para).completions.with_raw_response.create(
+            model=MODEL, prompt="Once upon a time", temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert raw.parse().usage.completion_tokens == 6 and rules_header(raw) == ["max_tokens_cap"]
+
+    def test_none_has_no_cap(self, live_server):
+        response = client_for(live_server).chat.completions.create(
+            model=MODEL, messages=user(), max_tokens=9, temperature=0, extra_body={"ignore_eos": True}
+        )
+        assert response.usage.completion_tokens == 9
 
     def test_none_has_no_rules_header(self, live_server):
         raw = client_for(live_server).chat.completions.with_raw_response.create(
@@ -101,17 +125,27 @@ class TestDefaultMaxTokens:
 class TestToolChoice:
     TOOLS = [{"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}]
 
-    def test_required_is_served_as_auto(self, glm_para):
+    def test_glm_required_is_served_as_auto(self, glm_para):
         raw = client_for(glm_para).chat.completions.with_raw_response.create(
             model=MODEL, messages=user(), tools=self.TOOLS, tool_choice="required", max_tokens=2
         )
-        # force_tool_choice_auto comes first in para.yaml and already made it "auto": the GLM rule has
-        # nothing left to do (request hooks run in config order).
-        rules = rules_header(raw)
-        assert "force_tool_choice_auto" in rules and "glm_tool_choice_required" not in rules
+        assert "glm_tool_choice_required" in rules_header(raw)
 
-    def test_auto_is_left_alone(self, glm_para):
+    def test_glm_none_stays_none(self, glm_para):
         raw = client_for(glm_para).chat.completions.with_raw_response.create(
+            model=MODEL, messages=user(), tools=self.TOOLS, tool_choice="none", max_tokens=2
+        )
+        assert "glm_tool_choice_required" not in rules_header(raw)
+
+    @pytest.mark.parametrize("choice", ["required", "none", {"type": "function", "function": {"name": "get_time"}}])
+    def test_force_auto_serves_any_explicit_choice_as_auto(self, kimi_para, choice):
+        raw = client_for(kimi_para).chat.completions.with_raw_response.create(
+            model=MODEL, messages=user(), tools=self.TOOLS, tool_choice=choice, max_tokens=2
+        )
+        assert "force_tool_choice_auto" in rules_header(raw)
+
+    def test_auto_is_left_alone(self, kimi_para):
+        raw = client_for(kimi_para).chat.completions.with_raw_response.create(
             model=MODEL, messages=user(), tools=self.TOOLS, tool_choice="auto", max_tokens=2
         )
         assert "force_tool_choice_auto" not in rules_header(raw)

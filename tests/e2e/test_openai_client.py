@@ -200,6 +200,11 @@ class TestErrors:
         with pytest.raises(openai.BadRequestError):
             client.chat.completions.create(model="smollm2", messages=user("word " * 9000), stream=True)
 
+    def test_body_over_the_limit_is_413(self, client):
+        with pytest.raises(openai.APIStatusError) as info:
+            client.chat.completions.create(model="smollm2", messages=user("x" * (5 * 1024 * 1024)), max_tokens=2)
+        assert info.value.status_code == 413 and info.value.body["type"] == "PayloadTooLargeError"
+
     def test_wrong_method_and_route(self, live_server):
         assert httpx.get(f"{live_server.base_url}/v1/chat/completions").status_code == 405
         assert httpx.post(f"{live_server.base_url}/v2/anything", json={}).status_code == 404
