@@ -62,10 +62,15 @@ def default_cache_dir() -> Path:
     return Path(base) / "deltafin"
 
 
-def _gguf_cache_key(gguf: Path) -> str:
-    stat = gguf.stat()
-    ident = f"{gguf.resolve()}:{stat.st_size}:{stat.st_mtime_ns}"
-    return f"{gguf.stem}-{hashlib.sha256(ident.encode()).hexdigest()[:12]}"
+def _gguf_cache_key(gguf: Path, sample: int = 4 << 20) -> str:
+    """Keyed on the file's content (size, first and last 4 MiB), not its path: two virtualenvs holding the
+    same wheel share one converted copy, and hashing stays cheap for multi-GB files."""
+    digest = hashlib.sha256(str(gguf.stat().st_size).encode())
+    with gguf.open("rb") as handle:
+        digest.update(handle.read(sample))
+        handle.seek(max(0, gguf.stat().st_size - sample))
+        digest.update(handle.read(sample))
+    return f"{gguf.stem}-{digest.hexdigest()[:12]}"
 
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
