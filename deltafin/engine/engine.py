@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from typing import Any, AsyncIterator, Callable, Sequence
 
 import structlog
-import torch
 from transformers import DynamicCache
 
 from deltafin.engine.detokenizer import IncrementalDetokenizer
