@@ -195,12 +195,16 @@ class GenerationStream:
 
     def __init__(self, loop: asyncio.AbstractEventLoop, *, queue_wait: float) -> None:
         self.loop = loop
+        self._loop_thread = threading.get_ident()  # created on the loop's thread
         self.queue_wait = queue_wait
         self.cancelled = threading.Event()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
 
     def emit(self, event: object) -> None:
-        """Called from the generation thread."""
+        """Called from the generation thread, or from the loop itself for memo replays."""
+        if threading.get_ident() == self._loop_thread:
+            self._queue.put_nowait(event)  # no cross-thread wake-up needed
+            return
         try:
             self.loop.call_soon_threadsafe(self._queue.put_nowait, event)
         except RuntimeError:  # the loop is gone (shutdown): nobody is listening any more
