@@ -8,6 +8,7 @@ import hydra
 from omegaconf import DictConfig
 
 from deltafin.config import CONF_DIR, ConfigError, validate_config
+from deltafin.engine.loader import ModelLoadError, resolve_model_path
 from deltafin.prompt.parsers import check_parser_names
 from deltafin.rules import build_pipeline
 
@@ -19,7 +20,8 @@ def main(raw: DictConfig) -> None:
         # Fail fast, before serving: a bad rule or parser name is a one-line config error.
         build_pipeline(config.compat.rules, config.model.family)
         check_parser_names(config.model.reasoning_parser, config.model.tool_parser)
-    except ConfigError as exc:
+        resolve_model_path(config.model.path)
+    except (ConfigError, ModelLoadError) as exc:
         print(f"deltafin: config error: {exc}", file=sys.stderr)
         sys.exit(2)
 

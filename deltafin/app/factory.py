@@ -42,8 +42,11 @@ def _provide_services(request: Request, state: State) -> Services:
         if not any(hmac.compare_digest(token, key) for key in keys):
             raise AuthenticationError("Incorrect or missing API key (send `Authorization: Bearer <key>`).")
     if readiness.services is None:
-        detail = f"the model failed to load: {readiness.error}" if readiness.error else "the model is still loading"
-        raise EngineUnavailableError(f"Service unavailable: {detail}.", headers={"Retry-After": "5"})
+        if readiness.error:
+            raise EngineUnavailableError(
+                f"Service unavailable: the model failed to load: {readiness.error}.", code="model_load_failed"
+            )
+        raise EngineUnavailableError("Service unavailable: the model is still loading.", headers={"Retry-After": "5"})
     return readiness.services
 
 

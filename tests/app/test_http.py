@@ -180,6 +180,25 @@ class TestApiKeys:
 
 
 class TestLoading:
+    def test_a_failed_load_is_reported_not_hidden(self, config, monkeypatch):
+        from deltafin.app.services import Services
+
+        def broken(cls, cfg):
+            raise RuntimeError("safetensors header is corrupt")
+
+        monkeypatch.setattr(Services, "load", classmethod(broken))
+        with TestClient(build_app(config)) as client:
+            import time
+
+            for _ in range(50):
+                health = client.get("/health")
+                if health.json()["status"] == "failed":
+                    break
+                time.sleep(0.05)
+            assert health.status_code == 503 and "corrupt" in health.json()["error"]
+            error = assert_openai_error(client.post(CHAT, json={"messages": user()}), 503)
+            assert error["code"] == "model_load_failed"
+
     def test_health_and_endpoints_are_503_while_loading(self, config, monkeypatch):
         import threading
 

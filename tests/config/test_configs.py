@@ -72,6 +72,10 @@ class TestCommandLine:
         assert result.returncode == 2 and "compat.rules.max_tokens_cap" in result.stderr
         assert "Traceback" not in result.stderr
 
+    def test_missing_model_path_exits_before_serving(self):
+        result = self.run("model=kimi_k3", "model.path=/nonexistent/k3")
+        assert result.returncode == 2 and "model.path: /nonexistent/k3 does not exist" in result.stderr
+
     def test_cfg_job_prints_the_resolved_config(self):
         result = self.run("--cfg", "job", "server.port=9001")
         assert result.returncode == 0
