@@ -18,7 +18,7 @@ from deltafin.serving.sse import ChunkStream, StreamingResponse
 
 
 @dataclass
-class _Choice:
+class ChoiceAssembly:
     """One choice's parser and everything it produced so far."""
 
     parser: OutputParser
@@ -145,7 +145,7 @@ class ChatService:
             prompt = self.render(request)
             jobs = self.jobs(request, prompt)
             stats.prompt_tokens = len(prompt.token_ids)
-            choices = [_Choice(self.output_parser(request, prompt.text)) for _ in jobs]
+            choices = [ChoiceAssembly(self.output_parser(request, prompt.text)) for _ in jobs]
             stream = await self.ctx.engine.start(jobs)
             stats.queue_wait_s = stream.queue_wait
             if request.stream:
@@ -154,7 +154,7 @@ class ChatService:
 
         return await serve_with_rules(self.ctx, request, rule_ctx, stats, produce)
 
-    def _finish(self, choice: _Choice, event: Finished, stats: RequestStats, rule_ctx: RuleContext) -> ParsedDelta:
+    def _finish(self, choice: ChoiceAssembly, event: Finished, stats: RequestStats, rule_ctx: RuleContext) -> ParsedDelta:
         parsed = choice.add(choice.parser.finish(event.reason))
         choice.finished = event
         stats.record(event)
@@ -167,7 +167,7 @@ class ChatService:
         self,
         request: ChatCompletionRequest,
         stream: GenerationStream,
-        choices: list[_Choice],
+        choices: list[ChoiceAssembly],
         stats: RequestStats,
         rule_ctx: RuleContext,
     ) -> dict[str, Any]:
@@ -205,7 +205,7 @@ class ChatService:
         self,
         request: ChatCompletionRequest,
         stream: GenerationStream,
-        choices: list[_Choice],
+        choices: list[ChoiceAssembly],
         stats: RequestStats,
         rule_ctx: RuleContext,
     ) -> AsyncIterator[dict[str, Any]]:

@@ -11,7 +11,7 @@ from typing import Any
 
 from deltafin.protocol.chat import ChatCompletionRequest, ChatMessage
 from deltafin.protocol.parse import ParseRequest
-from deltafin.serving.chat import ChatService, _Choice
+from deltafin.serving.chat import ChatService, ChoiceAssembly
 from deltafin.engine import Finished
 
 
@@ -30,7 +30,7 @@ class ParseService:
             messages=[ChatMessage(role="user", content="x")], tools=request.tools, chat_template_kwargs=kwargs
         )
         prompt = self.chat.render(probe)
-        choice = _Choice(self.chat.output_parser(probe, prompt.text))
+        choice = ChoiceAssembly(self.chat.output_parser(probe, prompt.text))
         choice.add(choice.parser.feed(request.text))
         choice.add(choice.parser.finish(request.finish_reason))
         choice.finished = Finished(0, request.finish_reason, 0, 0)
