@@ -70,8 +70,8 @@ def tool_call_deltas(parsed: ParsedDelta) -> list[dict[str, Any]]:
                 {"index": delta.index, "id": delta.id, "type": "function",
                  "function": {"name": delta.name, "arguments": delta.arguments}}
             )
-        elif out and out[-1]["index"] == delta.index:
-            out[-1]["function"]["arguments"] += delta.arguments
+        elif out and out[-1]["index"] == delta.index and "id" not in out[-1]:
+            out[-1]["function"]["arguments"] += delta.arguments  # never into a head: its arguments stay ""
         else:
             out.append({"index": delta.index, "function": {"arguments": delta.arguments}})
     return out
