@@ -68,17 +68,17 @@ async def model(name: FromPath[str], services: NamedDependency[Services]) -> dic
 async def tokenize(
     request: Request, data: JSONBody[TokenizeRequest], services: NamedDependency[Services]
 ) -> dict[str, Any]:
-    return services.tokenize.tokenize(data, _stats(request))
+    return await services.ctx.off_loop(services.tokenize.tokenize, data, _stats(request))
 
 
 @post(["/detokenize", "/v1/detokenize"], status_code=200, summary="Turn token ids back into text")
 async def detokenize(data: JSONBody[DetokenizeRequest], services: NamedDependency[Services]) -> dict[str, Any]:
-    return services.tokenize.detokenize(data)
+    return await services.ctx.off_loop(services.tokenize.detokenize, data)
 
 
 @post(["/parse", "/v1/parse"], status_code=200, summary="Parse raw model output with the served model's parsers")
 async def parse(data: JSONBody[ParseRequest], services: NamedDependency[Services]) -> dict[str, Any]:
-    return services.parse.parse(data)
+    return await services.ctx.off_loop(services.parse.parse, data)
 
 
 ROUTES = [chat_completions, completions, models, model, tokenize, detokenize, parse]

@@ -177,9 +177,6 @@ class Engine:
         emit(Finished(choice, reason, prompt_len, count, cached, stop_reason, timings=timings))
         return events
 
-    def count_tokens(self, text: str) -> int:
-        return len(self.tokenizer(text, add_special_tokens=False).input_ids)
-
 
 def _with_choice(event: object, choice: int) -> object:
     """A memo entry replays under the choice index of the request that asked for it."""

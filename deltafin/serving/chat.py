@@ -142,7 +142,7 @@ class ChatService:
 
         async def produce(request: ChatCompletionRequest) -> dict[str, Any] | ChunkStream:
             self.ctx.check_model(request.model)
-            prompt = self.render(request)
+            prompt = await self.ctx.off_loop(self.render, request)
             jobs = self.jobs(request, prompt)
             stats.prompt_tokens = len(prompt.token_ids)
             choices = [ChoiceAssembly(self.output_parser(request, prompt.text)) for _ in jobs]
@@ -160,7 +160,7 @@ class ChatService:
         stats.record(event)
         reasoning = "".join(choice.reasoning)
         if reasoning:  # reasoning tokens are part of completion_tokens; rules may report them separately
-            rule_ctx.reasoning_tokens += self.ctx.engine.count_tokens(reasoning)
+            rule_ctx.reasoning_tokens += self.ctx.count_tokens(reasoning)
         return parsed
 
     async def _collect(

@@ -62,7 +62,7 @@ class CompletionService:
         async def produce(request: CompletionRequest) -> dict[str, Any] | ChunkStream:
             self.ctx.check_model(request.model)
             # A raw prompt is the client's whole input: special tokens in it are meant as such.
-            prompt_ids = list(self.ctx.engine.tokenizer(request.prompt).input_ids)
+            prompt_ids = await self.ctx.off_loop(lambda: list(self.ctx.engine.tokenizer(request.prompt).input_ids))
             jobs = self.jobs(request, prompt_ids)
             stats.prompt_tokens = len(prompt_ids)
             stream = await self.ctx.engine.start(jobs)

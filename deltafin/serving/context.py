@@ -2,16 +2,22 @@
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import time
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable, TypeVar
 
 from deltafin.config import DeltafinConfig
 from deltafin.engine import Engine, Finished
 from deltafin.errors import ContextLengthError, ModelNotFoundError
 from deltafin.prompt import ChatFormat
 from deltafin.rules import RulePipeline
+
+
+T = TypeVar("T")
 
 
 @dataclass
@@ -44,12 +50,31 @@ class RequestStats:
 
 @dataclass
 class ServingContext:
+    """Shared by the endpoint services. Prompt work (templating, tokenizing) runs on one thread of its own:
+    a 4 MB prompt takes seconds to tokenize, which on the event loop would stall every other client's stream."""
+
     config: DeltafinConfig
     engine: Engine
     chat_format: ChatFormat
     rules: RulePipeline = field(default_factory=RulePipeline)
     created: int = field(default_factory=lambda: int(time.time()))
     _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
+    _prompt_thread: ThreadPoolExecutor = field(
+        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltafin-prompt"), repr=False
+    )
+
+    def __post_init__(self) -> None:
+        # Each thread gets its own tokenizer: encoding flips `split_special_tokens` state on the Rust object, so
+        # a shared one could let a prompt's content be encoded with control tokens live. The prompt thread
+        # uses engine.tokenizer (through the chat format), the event loop this copy, the engine its own.
+        self._loop_tokenizer = copy.deepcopy(self.engine.tokenizer)
+
+    def count_tokens(self, text: str) -> int:
+        return len(self._loop_tokenizer(text, add_special_tokens=False).input_ids)
+
+    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run prompt work on the prompt thread (one at a time: the tokenizer is not shared across threads)."""
+        return await asyncio.get_running_loop().run_in_executor(self._prompt_thread, lambda: fn(*args))
 
     fingerprint: str = "fp_deltafin"
 
@@ -92,7 +117,7 @@ class ServingContext:
     def token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self.engine.tokenizer.decode([token_id], skip_special_tokens=False)
+            text = self._token_texts[token_id] = self._loop_tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:

@@ -291,6 +291,25 @@ class TestConcurrency:
         assert answer.choices[0].message.content is not None
 
 
+    def test_a_huge_prompt_does_not_stall_other_clients(self, live_server):
+        """Tokenizing ~3.5 MB takes seconds; it runs off the event loop, so the server keeps answering."""
+        body = {"messages": user("hello world, this is a long message. " * 95000)}
+        result = {}
+
+        def huge():
+            result["status"] = httpx.post(f"{live_server.base_url}/v1/chat/completions", json=body, timeout=120).status_code
+
+        thread = threading.Thread(target=huge)
+        thread.start()
+        time.sleep(0.5)  # the body is in and being tokenized
+        started = time.perf_counter()
+        assert httpx.get(f"{live_server.base_url}/v1/models", timeout=30).status_code == 200
+        answered_in = time.perf_counter() - started
+        thread.join(120)
+        assert result["status"] == 400  # over the context, as it should be
+        assert answered_in < 0.5
+
+
 class TestMemo:
     def test_identical_greedy_request_replays_from_the_memo(self, client, live_server):
         kwargs = dict(model="smollm2", messages=user("Describe a cat in detail."), temperature=0, max_tokens=60)
