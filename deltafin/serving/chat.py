@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from deltafin.engine import Finished, GenerationJob, TextDelta, TokenLogprob
-from deltafin.engine.engine import GenerationStream
+from deltafin.engine import Finished, GenerationJob, GenerationStream, TextDelta, TokenLogprob
 from deltafin.prompt.chat_format import RenderedPrompt
 from deltafin.prompt.parsers import OutputParser, ParsedDelta, build_output_parser
 from deltafin.protocol.chat import ChatCompletionRequest
