@@ -3,7 +3,7 @@
 import pytest
 
 from tests.prompt.parsing import (
-    K3_MESSAGE, K3_RESPONSE, K3_THINK, WEATHER, assert_every_split_matches, calls_of, tool,
+    K3_RESPONSE, K3_THINK, WEATHER, assert_every_split_matches, calls_of, tool,
 )
 
 K2_THINK = "<|im_assistant|>assistant<|im_middle|><think>"
