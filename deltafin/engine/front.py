@@ -77,6 +77,11 @@ class EngineFront:
         except BaseException:
             stream.end()
             raise
+        try:
+            await self.engine.started(stream)
+        except BaseException:  # the upstream refused, or the client left while we waited: stop it all
+            stream.close()
+            raise
         return stream
 
 
