@@ -231,9 +231,12 @@ class UpstreamEngine(EngineClient):
                              gate: "_Gate", started: float) -> None:
         stop_ids = self.stop_token_ids | frozenset(job.params.stop_token_ids)
         prompt_len = len(job.prompt_ids)
+        # The client's request id travels upstream, so one grep finds both log lines.
+        request_id = stream.log_context.get("request_id")
+        headers = {"x-request-id": f"{request_id}-{choice}" if choice else str(request_id)} if request_id else {}
         for attempt in range(2):
             path, body = self.adapter.request(job, rid, stop_ids)
-            async with self.client.stream("POST", self.target.url + path, json=body) as response:
+            async with self.client.stream("POST", self.target.url + path, json=body, headers=headers) as response:
                 if response.status_code != 200:
                     raw = await response.aread()
                     if attempt == 0 and self.adapter.fallback(response.status_code):
