@@ -83,7 +83,8 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
 
         async def load() -> None:
             try:
-                readiness.services = await asyncio.to_thread(Services.load, config, app_metrics)
+                readiness.services = await asyncio.to_thread(Services.load, config)
+                readiness.services.ctx.engine.observe(app_metrics)  # upstream latency and errors
                 log.info("ready", model=config.model.name)
             except Exception as exc:  # shown by /health and 503s; the process stays up to say so
                 readiness.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from deltafin.config import DeltafinConfig
 from deltafin.engine import EngineClient, EngineFront
@@ -44,19 +43,19 @@ class Services:
         )
 
     @classmethod
-    def load(cls, config: DeltafinConfig, observer: Any = None) -> "Services":
-        return cls.from_engine(config, front_for(config, build_engine(config, observer)))
+    def load(cls, config: DeltafinConfig) -> "Services":
+        return cls.from_engine(config, front_for(config, build_engine(config)))
 
 
-def build_engine(config: DeltafinConfig, observer: Any = None) -> EngineClient:
-    """The engine `engine._target_` names (conf/engine/*.yaml): a callable (config, observer) -> EngineClient."""
+def build_engine(config: DeltafinConfig) -> EngineClient:
+    """The engine `engine._target_` names (conf/engine/*.yaml): a callable (config) -> EngineClient."""
     from hydra.utils import get_method
 
-    return get_method(config.engine._target_)(config, observer=observer)
+    return get_method(config.engine._target_)(config)
 
 
-def build_local_engine(config: DeltafinConfig, observer: Any = None) -> EngineClient:
-    """The built-in torch engine over model.path's weights (`observer` is for upstreams; unused here)."""
+def build_local_engine(config: DeltafinConfig) -> EngineClient:
+    """The built-in torch engine over model.path's weights."""
     from deltafin.engine.loader import load_model
     from deltafin.engine.local import LocalEngine
 

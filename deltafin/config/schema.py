@@ -85,7 +85,7 @@ class ServerConfig:
 class EngineConfig:
     """One schema for every engine; each conf/engine/*.yaml sets the keys its engine reads (documented there)."""
 
-    # A callable `(config, observer=None) -> EngineClient`; an upstream's builder also needs `url`.
+    # A callable `(config) -> EngineClient`; an upstream's builder also needs `url`.
     _target_: str = "deltafin.app.services.build_local_engine"
     # local engine
     max_batch: int = 8

@@ -49,6 +49,10 @@ class EngineFront:
     def capabilities(self) -> EngineCapabilities:
         return self.engine.capabilities
 
+    def observe(self, observer: Any) -> None:
+        """Hand the engine the app's metrics (upstream latency and errors by kind)."""
+        self.engine.observer = observer
+
     async def readiness(self) -> Readiness:
         return await self.engine.readiness()
 

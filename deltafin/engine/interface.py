@@ -56,6 +56,8 @@ class EngineClient(ABC):
     #: generations (rows) that may run at once; admission queues the rest
     capacity: int
     capabilities: EngineCapabilities = EngineCapabilities()
+    #: where an engine that talks to an upstream reports its latency and errors (the app's metrics); optional
+    observer: Any = None
 
     @abstractmethod
     def submit(self, jobs: Sequence[GenerationJob], stream: "GenerationStream") -> None:

@@ -176,3 +176,21 @@ class TestCancellation:
         fake = Fake(lambda b, path: ScriptedBody([]))
         front = make_front(VllmAdapter, bundle, fake, max_inflight=3)
         assert front.admission.capacity == 3
+
+
+class TestObserver:
+    def test_latency_and_errors_by_kind_reach_the_metrics(self, bundle):
+        from deltafin.metrics import Metrics
+
+        metrics = Metrics()
+        ids = ids_of(bundle, "Hi")
+        answers = iter([httpx.ConnectError("refused"), (429, {"error": {"message": "full"}}),
+                        ScriptedBody(generate_events(ids, finish="length"))])
+        front = make_front(VllmAdapter, bundle, Fake(lambda b, p: next(answers)), api="generate")
+        front.observe(metrics)
+        for _ in range(3):
+            run(collect(front, job()))
+        text = metrics.render().decode()
+        assert 'deltafin_upstream_errors_total{engine="vllm",kind="unreachable"} 1.0' in text
+        assert 'deltafin_upstream_errors_total{engine="vllm",kind="upstream_busy"} 1.0' in text
+        assert 'deltafin_upstream_seconds_count{engine="vllm"} 1.0' in text

@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any, Callable
 
 from deltafin.config import DeltafinConfig
-from deltafin.engine.upstream.engine import Adapter, UpstreamEngine, UpstreamObserver, UpstreamSettings
+from deltafin.engine.upstream.engine import Adapter, UpstreamEngine, UpstreamSettings
 
 
 def settings_of(config: DeltafinConfig) -> UpstreamSettings:
@@ -20,10 +20,10 @@ def settings_of(config: DeltafinConfig) -> UpstreamSettings:
 
 
 def _builder(name: str, make_adapter: Callable[[DeltafinConfig], Adapter]) -> Callable[..., UpstreamEngine]:
-    def build(config: DeltafinConfig, observer: UpstreamObserver | None = None, **kwargs: Any) -> UpstreamEngine:
+    def build(config: DeltafinConfig, **kwargs: Any) -> UpstreamEngine:
         from deltafin.engine.tokenizer_only import load_tokenizer_only
 
-        return UpstreamEngine(make_adapter(config), load_tokenizer_only(config.model), observer=observer, **kwargs)
+        return UpstreamEngine(make_adapter(config), load_tokenizer_only(config.model), **kwargs)
 
     build.needs_url = True  # type: ignore[attr-defined]  # read by config validation
     build.engine_name = name  # type: ignore[attr-defined]  # for the log line, before the engine exists
