@@ -38,7 +38,7 @@ def test_every_sampling_knob_is_sent(bundle):
     # llama.cpp's own defaults would change the tokens: each one is neutralised or set.
     assert body["samplers"] == ["penalties", "top_k", "top_p", "min_p", "temperature"]
     assert body["dry_multiplier"] == 0.0 and body["xtc_probability"] == 0.0 and body["typical_p"] == 1.0
-    assert body["top_k"] == 0 and body["repeat_last_n"] == -1 and body["temperature"] == 0.0
+    assert body["top_k"] == 0 and body["repeat_last_n"] == 2 + len(ids) and body["temperature"] == 0.0
     assert "stop" not in body
 
 

@@ -1,6 +1,6 @@
 """llama.cpp's `llama-server`: `POST /completion` with a token-id prompt, `tokens` and `n_probs` back.
 
-Its sampling defaults are not neutral (DRY, XTC, typical-p, top-k 40, a repeat penalty window of 64), so every
+Its sampling defaults are not neutral (DRY, top-k 40, top-p 0.95, min-p 0.05, a repeat penalty window of 64), so every
 knob is sent, and the sampler chain is named so nothing else runs. It has no `stop_token_ids`: Deltafin's
 decoder stops on the family's stop ids itself and closes the request, which llama-server aborts.
 """
@@ -36,7 +36,8 @@ class LlamaServerAdapter(Adapter):
             "min_p": params.min_p,
             "typical_p": 1.0,
             "repeat_penalty": params.repetition_penalty,
-            "repeat_last_n": -1,  # the whole context, as the HF-style penalty Deltafin documents
+            # prompt + output, the window of the HF-style penalty Deltafin documents (-1 is refused by newer servers)
+            "repeat_last_n": len(job.prompt_ids) + params.max_tokens,
             "presence_penalty": params.presence_penalty,
             "frequency_penalty": params.frequency_penalty,
             "dry_multiplier": 0.0,
