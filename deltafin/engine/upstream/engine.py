@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 import uuid
 import weakref
@@ -39,8 +40,6 @@ log = structlog.get_logger("deltafin.upstream")
 # httpx logs every request at INFO in its own format; the request's one log line already says what matters.
 logging.getLogger("httpx").setLevel(logging.WARNING)
 
-#: how often a running submission looks at `stream.cancelled` (a threading.Event, so it cannot be awaited)
-CANCEL_POLL_S = 0.02
 #: /health answers are reused this long: a load balancer probing every 100 ms must not become upstream load
 HEALTH_TTL_S = 1.0
 
@@ -121,7 +120,9 @@ class UpstreamEngine(EngineClient):
     def submit(self, jobs: Sequence[GenerationJob], stream: GenerationStream) -> None:
         loop = asyncio.get_running_loop()
         self._started[stream] = gate = loop.create_future()
-        task = loop.create_task(self._run(jobs, stream, _Gate(gate, len(jobs))))
+        left = asyncio.Event()
+        stream.cancelled = _AwaitableCancel(loop, left, already=stream.cancelled.is_set())
+        task = loop.create_task(self._run(jobs, stream, _Gate(gate, len(jobs)), left))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -164,16 +165,19 @@ class UpstreamEngine(EngineClient):
             )
         return self._client
 
-    async def _run(self, jobs: Sequence[GenerationJob], stream: GenerationStream, gate: "_Gate") -> None:
+    async def _run(self, jobs: Sequence[GenerationJob], stream: GenerationStream, gate: "_Gate",
+                   left: asyncio.Event) -> None:
         with structlog.contextvars.bound_contextvars(**stream.log_context):
             rids = [uuid.uuid4().hex for _ in jobs]
             tasks = [asyncio.create_task(self._choice(job, i, rids[i], stream, gate)) for i, job in enumerate(jobs)]
+            watcher = asyncio.create_task(left.wait())
             try:
                 pending: set[asyncio.Task[None]] = set(tasks)
                 while pending:
-                    done, pending = await asyncio.wait(pending, timeout=CANCEL_POLL_S, return_when=asyncio.FIRST_EXCEPTION)
-                    failed = [t for t in done if not t.cancelled() and t.exception() is not None]
-                    if failed or stream.cancelled.is_set():
+                    done, _ = await asyncio.wait(pending | {watcher}, return_when=asyncio.FIRST_COMPLETED)
+                    pending -= done
+                    failed = any(not t.cancelled() and t.exception() is not None for t in done if t is not watcher)
+                    if failed or watcher in done:
                         break
                 if pending:  # a choice failed or the client left: the rest stop, upstream too
                     await self._stop(pending, rids, tasks)
@@ -182,6 +186,8 @@ class UpstreamEngine(EngineClient):
                 await self._stop({t for t in tasks if not t.done()}, rids, tasks)
                 stream.end()
                 raise
+            finally:
+                watcher.cancel()
             if error is not None and not stream.cancelled.is_set():
                 gate.fail(error)
                 stream.fail(error if isinstance(error, DeltafinError) else str(error))
@@ -292,6 +298,25 @@ class UpstreamEngine(EngineClient):
         log.warning("upstream_error", engine=self.name, kind=kind, upstream=self.target.url)
         if self.observer is not None:
             self.observer.upstream_error(self.name, kind)
+
+
+class _AwaitableCancel(threading.Event):
+    """`stream.cancelled`, made awaitable: `close()` (on any thread) also sets an asyncio.Event on our loop, so a
+    submission wakes at once when its client leaves instead of polling a threading.Event."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, mirror: asyncio.Event, *, already: bool) -> None:
+        super().__init__()
+        self._loop = loop
+        self._mirror = mirror
+        if already:
+            self.set()
+
+    def set(self) -> None:
+        super().set()
+        try:
+            self._loop.call_soon_threadsafe(self._mirror.set)
+        except RuntimeError:  # the loop is gone (shutdown): nothing left to wake
+            pass
 
 
 class _Gate:
