@@ -7,8 +7,8 @@ The upstream is a real llama-server (serving the default model's GGUF, `-np STRE
 Each rep sends STREAMS concurrent streamed chat requests straight to the upstream's own chat endpoint and then
 the same requests through the gateway (`engine=llama_server` / `engine=vllm`), alternating which goes first.
 Figures are medians over every request: TTFT (request sent to first content byte) and inter-token latency
-(mean gap between content chunks), and the gateway's CPU time per request and per token (from /proc), which
-is what the gateway costs without the upstream's own noise.
+(mean gap between content chunks). Then the gateway's CPU time (from /proc) per request and per token, split
+by a last burst with 4x the tokens: what the gateway costs, free of the upstream's (and a busy machine's) noise.
 """
 
 from __future__ import annotations
@@ -119,6 +119,10 @@ def main() -> None:
                 results[side] += asyncio.run(burst(url, args.streams, args.tokens))
                 if side == "gateway":
                     gateway_cpu += cpu_seconds(gateway.process.pid) - before
+        # The gateway's CPU per request is a + b * tokens: a second burst with 4x the tokens separates a and b.
+        before = cpu_seconds(gateway.process.pid)
+        asyncio.run(burst(gateway.base_url, args.streams, 4 * args.tokens))
+        long_cpu = (cpu_seconds(gateway.process.pid) - before) / args.streams
     finally:
         gateway.stop()
         stop_upstream()
@@ -136,8 +140,12 @@ def main() -> None:
     print(f"direct : TTFT median {d_ttft:8.1f} ms, inter-token median {d_itl:6.2f} ms")
     print(f"gateway: TTFT median {g_ttft:8.1f} ms, inter-token median {g_itl:6.2f} ms")
     print(f"overhead: TTFT {g_ttft - d_ttft:+.1f} ms per request, inter-token {g_itl - d_itl:+.3f} ms per token")
-    print(f"gateway CPU: {gateway_cpu * 1000 / requests:.2f} ms per request, {gateway_cpu * 1000 / tokens:.3f} ms per token "
-          f"({requests} requests, {tokens} tokens)")
+    short_cpu = gateway_cpu / requests
+    per_token = (long_cpu - short_cpu) / (3 * args.tokens)
+    per_request = short_cpu - per_token * args.tokens
+    print(f"gateway CPU: {short_cpu * 1000:.2f} ms per {args.tokens}-token request, {long_cpu * 1000:.2f} ms per "
+          f"{4 * args.tokens}-token request ({requests} + {args.streams} requests, {tokens} + {4 * args.tokens * args.streams} tokens)")
+    print(f"gateway CPU split: {per_request * 1000:.2f} ms per request + {per_token * 1000:.3f} ms per token")
 
 
 if __name__ == "__main__":
