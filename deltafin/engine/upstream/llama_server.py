@@ -12,7 +12,7 @@ from typing import Any
 
 from deltafin.engine.events import GenerationJob, TokenLogprob
 from deltafin.engine.upstream.engine import Adapter
-from deltafin.engine.upstream.wire import Chunk, Garbled, token_logprob
+from deltafin.engine.upstream.wire import Chunk, Garbled, error_event, token_logprob
 
 #: the samplers Deltafin's parameters describe, in llama.cpp's order; penalties first as in the local engine
 SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]
@@ -66,11 +66,9 @@ class LlamaServerAdapter(Adapter):
         return job.params.top_logprobs  # alternatives asked for (n_probs is at least 1, see above)
 
     def parse(self, payload: Any, state: int) -> Chunk:
-        if not isinstance(payload, dict):
-            raise Garbled(f"llama-server sent {type(payload).__name__}, not an object")
-        if "error" in payload:
-            error = payload["error"]
-            return Chunk(error=error.get("message", str(error)) if isinstance(error, dict) else str(error))
+        failed = error_event(self.engine, payload)
+        if failed is not None:
+            return failed
         if "tokens" not in payload and "stop" not in payload:
             raise Garbled("llama-server sent an event without tokens / stop")
         chunk = Chunk(token_ids=[int(t) for t in payload.get("tokens") or ()])

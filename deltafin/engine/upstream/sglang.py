@@ -16,7 +16,7 @@ from typing import Any
 from deltafin.engine.events import GenerationJob, TokenLogprob
 from deltafin.engine.upstream.engine import Adapter
 from deltafin.engine.upstream.sampling import common_knobs
-from deltafin.engine.upstream.wire import Chunk, Garbled, token_logprob
+from deltafin.engine.upstream.wire import Chunk, Garbled, error_event, token_logprob
 
 
 class _Seen:
@@ -61,11 +61,9 @@ class SglangAdapter(Adapter):
         return _Seen()
 
     def parse(self, payload: Any, state: _Seen) -> Chunk:
-        if not isinstance(payload, dict):
-            raise Garbled(f"SGLang sent {type(payload).__name__}, not an object")
-        if "error" in payload:
-            error = payload["error"]
-            return Chunk(error=error.get("message", str(error)) if isinstance(error, dict) else str(error))
+        failed = error_event(self.engine, payload)
+        if failed is not None:
+            return failed
         meta = payload.get("meta_info")
         ids = payload.get("output_ids")
         if not isinstance(meta, dict) or not isinstance(ids, list):

@@ -14,7 +14,7 @@ from typing import Any
 from deltafin.engine.events import GenerationJob, TokenLogprob
 from deltafin.engine.upstream.engine import Adapter, UpstreamSettings
 from deltafin.engine.upstream.sampling import common_knobs
-from deltafin.engine.upstream.wire import Chunk, Garbled, id_from_token_string, token_logprob
+from deltafin.engine.upstream.wire import Chunk, Garbled, error_event, id_from_token_string, token_logprob
 
 GENERATE = "/inference/v1/generate"
 COMPLETIONS = "/v1/completions"
@@ -61,11 +61,9 @@ class VllmAdapter(Adapter):
         return self.path, body
 
     def parse(self, payload: Any, state: Any) -> Chunk:
-        if not isinstance(payload, dict):
-            raise Garbled(f"vLLM sent {type(payload).__name__}, not an object")
-        if "error" in payload:
-            error = payload["error"]
-            return Chunk(error=error.get("message", str(error)) if isinstance(error, dict) else str(error))
+        failed = error_event(self.engine, payload)
+        if failed is not None:
+            return failed
         chunk = Chunk()
         usage = payload.get("usage")
         if isinstance(usage, dict):

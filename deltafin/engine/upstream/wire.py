@@ -64,6 +64,16 @@ def _json(data: str | bytes) -> Any:
         raise Garbled(f"The upstream sent a stream event that is not JSON: {str(data)[:200]!r}") from None
 
 
+def error_event(engine: str, payload: Any) -> Chunk | None:
+    """What every upstream's events share: a JSON object, which may be `{"error": ...}` inside a 200 stream."""
+    if not isinstance(payload, dict):
+        raise Garbled(f"{engine} sent {type(payload).__name__}, not an object")
+    if "error" not in payload:
+        return None
+    error = payload["error"]
+    return Chunk(error=str(error.get("message", error)) if isinstance(error, dict) else str(error))
+
+
 def error_message(body: bytes | str) -> str:
     """The human message inside an upstream error body (OpenAI, FastAPI and llama-server shapes)."""
     text = body.decode("utf-8", "replace") if isinstance(body, bytes) else body
