@@ -2,6 +2,10 @@
 
     .venv/bin/python bench/gateway.py --upstream llama-server --streams 16 --tokens 32 --reps 3
     .venv/bin/python bench/gateway.py --upstream deltafin --streams 4 --tokens 16 --reps 2
+    .venv/bin/python bench/gateway.py --upstream fake --tokens 800
+
+`fake` is an in-process llama-server stand-in that answers at once (no network, no model): the CPU the
+gateway's whole serving path (upstream SSE parsing, decoding, chat chunks, SSE out) spends per token.
 
 The upstream is a real llama-server (serving the default model's GGUF, `-np STREAMS`) or a second Deltafin.
 Each rep sends STREAMS concurrent streamed chat requests straight to the upstream's own chat endpoint and then
@@ -85,13 +89,50 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def in_process(tokens: int) -> None:
+    """The gateway app in this process, its upstream a fake that has every token ready: CPU per streamed token."""
+    from litestar.testing import TestClient
+
+    from deltafin.app.factory import build_app
+    from deltafin.app.services import Services
+    from deltafin.engine import EngineFront
+    from deltafin.engine.tokenizer_only import load_tokenizer_only
+    from deltafin.engine.upstream.engine import UpstreamEngine, UpstreamSettings
+    from deltafin.engine.upstream.llama_server import LlamaServerAdapter
+    from tests.gateway.fakes import Fake, ScriptedBody
+
+    config = compose_config(["server.memo.entries=0"])
+    bundle = load_tokenizer_only(config.model)
+    ids = bundle.tokenizer("The quick brown fox jumps over the lazy dog. " * (tokens // 8 + 1), add_special_tokens=False).input_ids[:tokens]
+    events = [{"content": "x", "tokens": [i], "stop": False} for i in ids]
+    events.append({"content": "", "tokens": [], "stop": True, "stop_type": "limit", "timings": {"cache_n": 0}})
+    fake = Fake(lambda body, path: ScriptedBody(events))
+    engine = UpstreamEngine(LlamaServerAdapter(UpstreamSettings(url="http://fake")), bundle, transport=fake.transport())
+    app = build_app(config, Services.from_engine(config, EngineFront(engine, max_waiting=4, timeout_s=5, memo_entries=0)))
+    body = {"messages": PROMPT, "max_tokens": tokens, "stream": True, "temperature": 0}
+    with TestClient(app) as client:
+        def one() -> int:
+            with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                return sum(1 for line in response.iter_lines() if line.startswith("data: {"))
+
+        one()  # warm up
+        started = time.process_time()
+        chunks = sum(one() for _ in range(5))
+        spent = time.process_time() - started
+    print(f"in-process gateway (fake upstream, client included): {spent * 1000 / chunks:.3f} ms CPU per streamed token "
+          f"({chunks} chunks)")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--upstream", choices=("llama-server", "deltafin"), default="llama-server")
+    parser.add_argument("--upstream", choices=("llama-server", "deltafin", "fake"), default="llama-server")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
+    if args.upstream == "fake":
+        in_process(args.tokens)
+        return
 
     stop_upstream = None
     if args.upstream == "llama-server":
