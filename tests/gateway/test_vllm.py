@@ -148,6 +148,12 @@ class TestErrors:
         out = run(collect(make_front(VllmAdapter, bundle, fake), job()))
         assert out.start_error is None and out.text and out.error.status == 502
 
+    def test_abort_finish_is_an_error_not_a_stop(self, bundle):
+        ids = ids_of(bundle, "Hi there")
+        fake = Fake(lambda b, path: ScriptedBody(generate_events(ids, per_chunk=1, finish="abort")))
+        out = run(collect(make_front(VllmAdapter, bundle, fake), job()))
+        assert out.finished is None and out.error.status == 502 and "abort" in out.error.message
+
     def test_stream_cut_before_finish_is_502(self, bundle):
         ids = ids_of(bundle, "Hi there")
         events = generate_events(ids, per_chunk=1, finish="length")[:-1]

@@ -275,6 +275,8 @@ class UpstreamEngine(EngineClient):
                 if delta is not None:
                     stream.emit(delta)
             if chunk.finish_reason is not None:
+                if chunk.finish_reason not in ("stop", "length"):  # vLLM's "abort" (preempted, shut down ...)
+                    raise UpstreamError(f"The upstream {self.target} ended the generation: {chunk.finish_reason}.")
                 finish = chunk
             elif decoder.done:
                 break  # Deltafin stopped (a stop string, a stop id the upstream does not know): close upstream
@@ -287,7 +289,7 @@ class UpstreamEngine(EngineClient):
         timings = {"total_s": total}
         if first_token_s is not None:
             timings["prefill_s"] = first_token_s  # the upstream's queue + prefill, as seen from here
-        reason = _reason(finish.finish_reason) if finish is not None else None
+        reason = finish.finish_reason if finish is not None else None  # "stop" or "length", checked above
         tail, finished = decoder.finish(reason, prompt_tokens=prompt_tokens, cached_tokens=cached,
                                         stop_reason=finish.stop_reason if finish is not None else None, timings=timings)
         if tail is not None:
@@ -352,8 +354,3 @@ def _aligned(chunk: Chunk):
             item = logprobs[cursor]
             cursor += 1
         yield token_id, item
-
-
-def _reason(upstream: str) -> str:
-    # "abort" and others never reach here as finishes (they are errors); anything not "length" ended on a stop.
-    return "length" if upstream == "length" else "stop"
