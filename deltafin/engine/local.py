@@ -59,7 +59,8 @@ class LocalEngine(EngineClient):
         self._thread_tokenizer = copy.deepcopy(loaded.tokenizer)
         self.context_length = loaded.context_length
         self.stop_token_ids = loaded.stop_token_ids
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        head = self.model.get_output_embeddings()
+        self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])
         self.capacity = max(1, max_batch)
         self.capabilities = EngineCapabilities(
             prompt_logprobs=True, grammar=constraint_factory is not None, cached_tokens=True
