@@ -2,7 +2,8 @@
 
 int8: one scale per output channel, run by `torch.ops.aten._weight_int8pack_mm`; int4: groups of
 `INT4_GROUP` input channels with a scale and a zero each, packed for `_weight_int4pack_mm_for_cpu` (gpt-fast's
-recipe). Activations stay float. The quantized tensors are cached as safetensors beside the converted weights
+recipe). Both kernels run with bfloat16 activations (measured 2-3x faster than float32 activations on this
+CPU; the result goes back to the model's dtype). The quantized tensors are cached as safetensors beside the converted weights
 (keyed on the source folder's weights and the mode), so later boots skip the quantization.
 """
 
@@ -21,6 +22,7 @@ log = structlog.get_logger("deltafin.engine")
 MODES = ("none", "int8", "int4")
 INT4_GROUP = 32
 INT4_INNER_K_TILES = 2
+COMPUTE = torch.bfloat16
 
 
 class Int8Linear(nn.Module):
@@ -37,11 +39,13 @@ class Int8Linear(nn.Module):
         w = weight.float()
         scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)  # [N]
         q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        return {"weight": q, "scales": scales.to(weight.dtype)}
+        return {"weight": q, "scales": scales.to(COMPUTE)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
-        out = torch.ops.aten._weight_int8pack_mm(x.reshape(-1, self.in_features), self.weight, self.scales)
+        out = torch.ops.aten._weight_int8pack_mm(
+            x.reshape(-1, self.in_features).to(COMPUTE), self.weight, self.scales
+        ).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
@@ -67,13 +71,13 @@ class Int4Linear(nn.Module):
         codes = groups.sub(lo).div(scales).round().clamp(0, 15).to(torch.int32).reshape_as(w)
         n = w.shape[0]
         scales_zeros = torch.cat([scales.reshape(n, -1, 1), zeros.reshape(n, -1, 1)], dim=2).transpose(0, 1)
-        return {"codes": codes, "scales_zeros": scales_zeros.contiguous()}
+        return {"codes": codes, "scales_zeros": scales_zeros.to(COMPUTE).contiguous()}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
         out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, self.in_features), self.weight, INT4_GROUP, self.scales_zeros
-        )
+            x.reshape(-1, self.in_features).to(COMPUTE), self.weight, INT4_GROUP, self.scales_zeros
+        ).to(x.dtype)
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
@@ -105,7 +109,7 @@ def _targets(model: nn.Module, mode: str) -> dict[str, nn.Linear]:
 
 
 def _cache_file(source: Path, mode: str, cache_dir: Path) -> Path:
-    digest = hashlib.sha256(f"{mode}:{INT4_GROUP}".encode())
+    digest = hashlib.sha256(f"{mode}:{INT4_GROUP}:{COMPUTE}".encode())
     for file in sorted(source.glob("*.safetensors")):
         stat = file.stat()
         digest.update(f"{file.name}:{stat.st_size}:{int(stat.st_mtime)}".encode())
