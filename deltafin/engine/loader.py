@@ -40,6 +40,8 @@ class LoadedModel:
     stop_token_ids: frozenset[int]
     source: Path
     load_seconds: float
+    #: placement.compile: the engine compiles its decode step
+    compile: bool = False
 
 
 def resolve_model_path(spec: str) -> Path:
@@ -154,6 +156,7 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig) -> LoadedMode
         stop_token_ids=_stop_token_ids(model, tokenizer),
         source=folder,
         load_seconds=seconds,
+        compile=placement.compile,
     )
 
 
