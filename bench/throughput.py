@@ -81,15 +81,16 @@ def generate_rate(loaded, streams: int, tokens: int) -> float:
 
 def ttft_beside_seven(server: LiveServer, tokens: int) -> tuple[float, float, float]:
     """(TTFT ms of a new request while 7 decode, its prefill ms, the batch's decode step ms), server-side."""
-    long_ids = [uuid.uuid4().hex for _ in range(7)]
     gaps: list[float] = []
+    done = threading.Event()
 
     def long_stream(i: int) -> None:
         body = {"messages": messages(i), "max_tokens": tokens * 4, "temperature": 0, "ignore_eos": True, "stream": True}
         last = None
-        with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=600,
-                          headers={"x-request-id": long_ids[i]}) as response:
+        with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=600) as response:
             for line in response.iter_lines():
+                if done.is_set():
+                    break  # leaving closes the connection: the server cancels the row
                 if line.startswith("data: {"):
                     now = time.perf_counter()
                     if last is not None and i == 0:
@@ -109,6 +110,7 @@ def ttft_beside_seven(server: LiveServer, tokens: int) -> tuple[float, float, fl
         for _ in response.iter_lines():
             pass
     step_ms = statistics.median(gaps[-10:]) * 1000
+    done.set()
     for thread in threads:
         thread.join()
     entry = server.request_log(request_id)

@@ -14,6 +14,7 @@ from deltafin.engine.local import LocalEngine
 from deltafin.errors import InvalidRequestError
 from deltafin.protocol.sampling import Constraint, SamplingParams
 from tests.conftest import make_engine
+from tests.engine.fakes import AllowList
 
 PROMPTS = [
     "Tell me about the sea.",
@@ -210,26 +211,6 @@ class TestPrefixCacheUnderBatching:
         engine.prefix_cache.clear()
         fresh, fresh_end, _ = alone(run, front, GenerationJob(longer, params))
         assert fresh_end[0].cached_tokens == 0 and fresh[0] == reused[0]
-
-
-class AllowList:
-    """A fake grammar: only `allowed` token ids, complete after `length` tokens."""
-
-    def __init__(self, allowed, length):
-        self.allowed, self.length, self.accepted = list(allowed), length, []
-        self.contexts = []
-
-    def fill_mask(self, logits):
-        self.contexts.append(structlog.contextvars.get_contextvars().get("request_id"))
-        keep = logits[self.allowed].clone()
-        logits.fill_(float("-inf"))
-        logits[self.allowed] = keep
-
-    def accept(self, token_id):
-        self.accepted.append(token_id)
-
-    def is_terminated(self):
-        return len(self.accepted) >= self.length
 
 
 class TestConstraints:
