@@ -170,7 +170,9 @@ class LocalEngine(EngineClient):
     def _new_row(self, sub: Submission, choice: int, cached: int, started: float) -> Row:
         job = sub.jobs[choice]
         params = job.params
-        constraint = self.constraint_factory(params.constraint) if params.constraint and self.constraint_factory else None
+        constraint = None
+        if params.constraint is not None and self.constraint_factory is not None:
+            constraint = self.constraint_factory(params.constraint)
         return Row(
             submission=sub,
             choice=choice,
@@ -194,7 +196,8 @@ class LocalEngine(EngineClient):
             row.ids.append(row.pending)  # type: ignore[arg-type]
         mask, positions = self._kv.step_inputs()
         try:
-            logits = self.decode(self.model, tokens, mask, positions, self._kv.cache, cache_arg=self.cache_arg)  # [B, V]
+            logits = self.decode(self.model, tokens, mask, positions, self._kv.cache, cache_arg=self.cache_arg)
+            # logits: [B, V]
         except Exception as exc:
             log.exception("generation_failed")
             subs = {id(row.submission): row.submission for row in rows}

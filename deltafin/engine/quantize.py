@@ -3,8 +3,8 @@
 int8: one scale per output channel, run by `torch.ops.aten._weight_int8pack_mm`; int4: groups of
 `INT4_GROUP` input channels with a scale and a zero each, packed for `_weight_int4pack_mm_for_cpu` (gpt-fast's
 recipe). Both kernels run with bfloat16 activations (measured 2-3x faster than float32 activations on this
-CPU; the result goes back to the model's dtype). The quantized tensors are cached as safetensors beside the converted weights
-(keyed on the source folder's weights and the mode), so later boots skip the quantization.
+CPU; the result goes back to the model's dtype). The quantized tensors are cached as safetensors in the cache
+folder (keyed on the source folder's weights and the mode), so later boots skip the quantization.
 """
 
 from __future__ import annotations
