@@ -151,10 +151,12 @@ def main() -> None:
         server.wait_ready()
         chat(server.base_url, 0, 4)  # warm-up
         rows["deltafin"] = {n: aggregate(server.base_url, n, args.tokens) for n in args.streams}
+        print("measured:", rows, flush=True)
         ttft, prefill, step = ttft_beside_seven(server, args.tokens)
     finally:
         server.stop()
     rows["transformers generate (padded batch)"] = {n: generate_rate(loaded, n, args.tokens) for n in args.streams}
+    print("measured:", rows, flush=True)
 
     int8 = LiveServer(["server.memo.entries=0", "placement.quantize=int8"])
     try:

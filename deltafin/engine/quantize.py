@@ -125,7 +125,9 @@ def quantize_model(model: nn.Module, mode: str, *, source: Path, cache_dir: Path
     targets = _targets(model, mode)
     cache = _cache_file(source, mode, cache_dir)
     if cache.exists():
-        tensors = load_file(str(cache))
+        # Copied out of the file's buffer: safetensors offsets are not 64-byte aligned, and the int8 kernel's
+        # vector loads crash (general protection fault) on such a weight once the batch has a few dozen rows.
+        tensors = {name: tensor.clone() for name, tensor in load_file(str(cache)).items()}
     else:
         quantize = Int8Linear.quantize if mode == "int8" else Int4Linear.quantize
         tensors = {}

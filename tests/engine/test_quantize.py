@@ -61,6 +61,10 @@ def test_quantized_weights_are_cached(loaded_model, tmp_path):
     second = quantize_model(copy.deepcopy(loaded_model.model), "int8", source=loaded_model.source, cache_dir=tmp_path)
     assert cached.stat().st_mtime_ns == stamp  # read, not rewritten
     assert torch.equal(first.lm_head.weight, second.lm_head.weight) and first.lm_head.weight.dtype == torch.int8
+    # Weights read from the file run as well as fresh ones (a 40-token prefill crashed on unaligned ones).
+    ids = torch.arange(100, 140).unsqueeze(0)
+    with torch.inference_mode():
+        assert torch.equal(first(ids).logits, second(ids).logits)
 
 
 def test_unknown_mode_and_wrong_device_are_refused():
