@@ -34,6 +34,14 @@ def optional(content: Format) -> Format:
     return {"type": "optional", "content": content}
 
 
+def star(content: Format) -> Format:
+    return {"type": "star", "content": content}
+
+
+def one_of(*elements: Format) -> Format:
+    return elements[0] if len(elements) == 1 else {"type": "or", "elements": list(elements)}
+
+
 def arguments(schema: dict[str, Any] | bool, style: str = "json", excludes: tuple[str, ...] = ()) -> Format:
     """A call's arguments under its JSON schema, written in `style` (json, glm_xml, kimi_k3_xml)."""
     out: Format = {"type": "json_schema", "json_schema": schema, "style": style, "max_whitespace_cnt": MAX_WHITESPACE}

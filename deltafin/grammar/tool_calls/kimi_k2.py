@@ -25,6 +25,7 @@ def kimi_k2_structure(forced: ForcedCalls, *, reasoning: str) -> dict[str, Any]:
     return structural_tag(
         sequence(
             think_prefix(reasoning, "<think>", "</think>", ("<think>", "</think>", SECTION_BEGIN)),
+            regex(r"\n{0,2}") if reasoning != "disabled" else None,  # a newline or two may follow </think>
             const(SECTION_BEGIN),
             calls(tags, "", single=forced.single),
             const(SECTION_END),

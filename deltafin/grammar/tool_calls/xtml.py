@@ -1,4 +1,4 @@
-"""Kimi K3 XTML tool calls, as deltafin.prompt.parsers.kimi_k3 reads them:
+"""Kimi K3 XTML tool calls, as deltafin.prompt.parsers.kimi_k3 reads them and deltafin.prompt.xtml renders them:
 
     [reasoning]<|close|>think<|sep|>  or  <|close|>response<|sep|>      (closes the channel the prompt opened)
     <|open|>tools<|sep|>
@@ -7,33 +7,56 @@
       <|close|>call<|sep|>...
     <|close|>tools<|sep|><|close|>message<|sep|>
 
-Arguments use xgrammar's `kimi_k3_xml` style. Its builtin "kimi_k3" tag always puts a response channel
-(any text) before the tools; a forced call here comes straight after the prompt's channel closes, so a model
-cannot talk its way past the call.
+T is the value's JSON type (`string`: raw text; anything else: JSON). xgrammar's builtin "kimi_k3" tag is not
+used: its `kimi_k3_xml` style writes `type="number"` for integers where K3 (and our renderer) write
+`type="integer"` and pads values with whitespace, and it always puts a response channel (any text) before the tools, so a model could talk
+its way past a forced call. Arguments are laid out by `xml_args`.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Mapping
 
-from deltafin.grammar.tool_calls.formats import arguments, calls, const, regex, sequence, structural_tag, tag, think_prefix
+from deltafin.grammar.tool_calls.formats import Format, calls, const, one_of, regex, sequence, structural_tag, tag, think_prefix
 from deltafin.grammar.tool_calls.selection import ForcedCalls
+from deltafin.grammar.tool_calls.xml_args import any_key, json_value, per_property, raw_text
 
 OPEN, CLOSE, SEP = "<|open|>", "<|close|>", "<|sep|>"
+_MARKERS = (OPEN, CLOSE, SEP)
+_ARG_END = f"{CLOSE}argument{SEP}"
+_JSON_TYPES = ("integer", "number", "boolean", "null", "array", "object")
 
 
 def _attr(value: str) -> str:
     return value.replace("&", "&amp;").replace('"', "&quot;")
 
 
+def _value(schema: Mapping[str, Any]) -> Format:
+    """`T"<|sep|>VALUE<|close|>argument<|sep|>`, after `type="`."""
+    kind = schema.get("type")
+    if kind == "string":
+        return tag(f'string"{SEP}', raw_text(schema, _MARKERS), _ARG_END)
+    if kind in _JSON_TYPES:
+        return tag(f'{kind}"{SEP}', json_value(schema), _ARG_END)
+    # No single declared type: raw text as a string, or a JSON value under the schema with its type named.
+    return one_of(
+        tag(f'string"{SEP}', raw_text({}, _MARKERS), _ARG_END),
+        sequence(regex("|".join(_JSON_TYPES)), tag(f'"{SEP}', json_value(schema), _ARG_END)),
+    )
+
+
+def _argument(key: str, schema: Mapping[str, Any]) -> Format:
+    return sequence(const(f'{OPEN}argument key="{_attr(key)}" type="'), _value(schema))
+
+
+_ANY_ARGUMENT = sequence(const(f'{OPEN}argument key="'), any_key(), const('" type="'), _value({}))
+
+
 def xtml_structure(forced: ForcedCalls, *, reasoning: str) -> dict[str, Any]:
     """reasoning: "enabled" when the prompt opened the think channel, else the response channel is open."""
     tags = [
-        tag(
-            f'{OPEN}call tool="{_attr(f.name)}" index="',
-            sequence(regex(r"[0-9]{1,4}"), const(f'"{SEP}'), arguments(dict(f.schema), "kimi_k3_xml", (OPEN, CLOSE, SEP))),
-            f"{CLOSE}call{SEP}",
-        )
+        tag(f'{OPEN}call tool="{_attr(f.name)}" index="', sequence(regex(r"[0-9]{1,4}"), const(f'"{SEP}'), per_property(f.schema, _argument, _ANY_ARGUMENT)),
+            f"{CLOSE}call{SEP}")
         for f in forced.functions
     ]
     opened = (
@@ -49,5 +72,3 @@ def xtml_structure(forced: ForcedCalls, *, reasoning: str) -> dict[str, Any]:
             const(f"{CLOSE}tools{SEP}{CLOSE}message{SEP}"),
         )
     )
-
-
