@@ -14,6 +14,7 @@ from typing import Any, Mapping
 
 from deltafin.grammar.tool_calls.formats import Format, calls, const, regex, sequence, structural_tag, tag, think_prefix
 from deltafin.grammar.tool_calls.selection import ForcedCalls
+from deltafin.grammar.tool_calls.syntax import Syntax, think_answer, think_reasoning
 from deltafin.grammar.tool_calls.xml_args import any_key, json_value, per_property, raw_text
 
 CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
@@ -41,3 +42,14 @@ def glm_structure(forced: ForcedCalls, *, reasoning: str, newline_after_name: bo
             calls(tags, newline, single=forced.single),
         )
     )
+
+
+def _glm(newline_after_name: bool) -> Syntax:
+    return Syntax(
+        calls=lambda forced, reasoning: glm_structure(forced, reasoning=reasoning, newline_after_name=newline_after_name),
+        answer=lambda content, reasoning: think_answer(content, reasoning, _MARKERS),
+        reasoning=think_reasoning,
+    )
+
+
+GLM45, GLM47 = _glm(True), _glm(False)

@@ -12,6 +12,7 @@ from typing import Any
 
 from deltafin.grammar.tool_calls.formats import arguments, calls, regex, sequence, structural_tag, tag, think_prefix
 from deltafin.grammar.tool_calls.selection import ForcedCalls
+from deltafin.grammar.tool_calls.syntax import Syntax, think_answer, think_reasoning
 
 
 def hermes_structure(forced: ForcedCalls, *, reasoning: str) -> dict[str, Any]:
@@ -26,3 +27,10 @@ def hermes_structure(forced: ForcedCalls, *, reasoning: str) -> dict[str, Any]:
             calls(tags, "\n", single=forced.single),
         )
     )
+
+
+HERMES = Syntax(
+    calls=lambda forced, reasoning: hermes_structure(forced, reasoning=reasoning),
+    answer=think_answer,
+    reasoning=think_reasoning,
+)

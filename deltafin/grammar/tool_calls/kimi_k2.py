@@ -12,6 +12,7 @@ from typing import Any
 
 from deltafin.grammar.tool_calls.formats import arguments, calls, const, regex, sequence, structural_tag, tag, think_prefix
 from deltafin.grammar.tool_calls.selection import ForcedCalls
+from deltafin.grammar.tool_calls.syntax import Syntax, think_answer, think_reasoning
 
 SECTION_BEGIN, SECTION_END = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 CALL_BEGIN, ARGS_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>"
@@ -31,3 +32,10 @@ def kimi_k2_structure(forced: ForcedCalls, *, reasoning: str) -> dict[str, Any]:
             const(SECTION_END),
         )
     )
+
+
+KIMI_K2 = Syntax(
+    calls=lambda forced, reasoning: kimi_k2_structure(forced, reasoning=reasoning),
+    answer=think_answer,
+    reasoning=think_reasoning,
+)

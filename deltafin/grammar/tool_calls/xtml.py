@@ -19,6 +19,7 @@ from typing import Any, Mapping
 
 from deltafin.grammar.tool_calls.formats import Format, calls, const, one_of, regex, sequence, structural_tag, tag, think_prefix
 from deltafin.grammar.tool_calls.selection import ForcedCalls
+from deltafin.grammar.tool_calls.syntax import Syntax
 from deltafin.grammar.tool_calls.xml_args import any_key, json_value, per_property, raw_text
 
 OPEN, CLOSE, SEP = "<|open|>", "<|close|>", "<|sep|>"
@@ -72,3 +73,22 @@ def xtml_structure(forced: ForcedCalls, *, reasoning: str) -> dict[str, Any]:
             const(f"{CLOSE}tools{SEP}{CLOSE}message{SEP}"),
         )
     )
+
+
+def xtml_answer(content: Format, reasoning: str) -> dict[str, Any]:
+    """Reasoning (if the prompt opened think), then `content` as the whole response channel."""
+    opened = (
+        sequence(think_prefix("enabled", "", f"{CLOSE}think{SEP}", (OPEN, CLOSE)), const(f"{OPEN}response{SEP}"))
+        if reasoning == "enabled"
+        else None
+    )
+    return structural_tag(sequence(opened, content, const(f"{CLOSE}response{SEP}{CLOSE}message{SEP}")))
+
+
+def xtml_reasoning(prompt_text: str) -> str:
+    """The prompt opens think (thinking on, any effort attribute) or response; K3 never opens think itself."""
+    tail = prompt_text.rstrip()
+    return "disabled" if tail.endswith(f"{OPEN}response{SEP}") else "enabled"
+
+
+XTML = Syntax(calls=lambda forced, reasoning: xtml_structure(forced, reasoning=reasoning), answer=xtml_answer, reasoning=xtml_reasoning)

@@ -1,0 +1,85 @@
+"""The constraint a chat request is generated under, and the honest refusals around it.
+
+- A forced tool_choice ("required" or a named function) on a model with a tool parser: the family's native
+  tool-call syntax (deltafin.grammar.tool_calls), so its own parser reads the output unchanged.
+- Otherwise `response_format` json_object / json_schema: JSON (after the reasoning block, on models that
+  reason first); `text` or none: free generation.
+- `tools` to a model without a tool parser (and tool_choice not "none"): 400, as vLLM answers, instead of
+  dropping them silently. A constraint the engine cannot enforce: 400, instead of ignoring it.
+Rules run before this, so a rule that rewrites tool_choice to "auto" (force_tool_choice_auto,
+glm_tool_choice_required) turns enforcement off for that request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deltafin.config import ModelConfig
+from deltafin.errors import InvalidRequestError
+from deltafin.grammar import constraints
+from deltafin.grammar.tool_calls import GLM45, GLM47, HERMES, KIMI_K2, XTML, Syntax, forced_calls
+from deltafin.protocol.chat import ChatCompletionRequest
+from deltafin.protocol.sampling import Constraint
+
+#: model.tool_parser (or reasoning_parser) -> the syntax its grammar speaks
+SYNTAXES: dict[str, Syntax] = {"kimi_k3": XTML, "kimi_k2": KIMI_K2, "glm45": GLM45, "glm47": GLM47, "hermes": HERMES}
+
+
+def check_tools(request: ChatCompletionRequest, model: ModelConfig, served_name: str) -> None:
+    if request.tools and request.tool_choice != "none" and not model.tool_parser:
+        raise InvalidRequestError(
+            f"The model `{served_name}` has no tool-call parser (model.tool_parser), so it cannot call tools. "
+            'Send no tools, or tool_choice "none".',
+            param="tools",
+        )
+
+
+def _content_format(request: ChatCompletionRequest) -> dict[str, Any] | None:
+    rf = request.response_format
+    if rf is None or rf.type == "text":
+        return None
+    schema = rf.json_schema.schema if rf.type == "json_schema" and rf.json_schema else {"type": "object"}
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": constraints.MAX_WHITESPACE}
+
+
+def request_constraint(request: ChatCompletionRequest, model: ModelConfig, prompt_text: str) -> tuple[Constraint, str] | None:
+    """The constraint and the request field it comes from (for error messages), or None."""
+    syntax = SYNTAXES.get(model.tool_parser or "") or SYNTAXES.get(model.reasoning_parser or "")
+    if request.tools and request.tool_choice != "none":
+        try:
+            forced = forced_calls(request.tools, request.tool_choice, parallel_tool_calls=request.parallel_tool_calls)
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="tool_choice") from None
+        if forced is not None:
+            if syntax is None:
+                raise InvalidRequestError(
+                    f"tool_choice cannot be enforced: no grammar for tool parser {model.tool_parser!r}", param="tool_choice"
+                )
+            return constraints.structural_tag(syntax.calls(forced, syntax.reasoning(prompt_text))), "tool_choice"
+    content = _content_format(request)
+    if content is None:
+        return None
+    reasoning = syntax.reasoning(prompt_text) if syntax is not None and model.reasoning_parser else "disabled"
+    if reasoning != "disabled":
+        return constraints.structural_tag(syntax.answer(content, reasoning)), "response_format"
+    if request.response_format.type == "json_object":
+        return constraints.json_object(), "response_format"
+    return constraints.json_schema(content["json_schema"]), "response_format"
+
+
+def build_constraint(
+    request: ChatCompletionRequest, model: ModelConfig, prompt_text: str, *, engine_can_constrain: bool
+) -> Constraint | None:
+    """request_constraint, checked: xgrammar can build it and the engine can enforce it (else a 400)."""
+    found = request_constraint(request, model, prompt_text)
+    if found is None:
+        return None
+    constraint, field = found
+    param = "response_format.json_schema.schema" if field == "response_format" else "tools"
+    try:
+        constraints.check(constraint)
+    except ValueError as exc:
+        raise InvalidRequestError(f"{param} cannot be enforced: {exc}", param=param) from None
+    if not engine_can_constrain:
+        raise InvalidRequestError(f"{field} cannot be enforced by this server's engine (no constrained decoding)", param=field)
+    return constraint
