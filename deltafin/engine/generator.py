@@ -1,31 +1,22 @@
-"""The token loop: prefill the prompt into a KV cache, then decode one token per step.
+"""The model steps: prefill one prompt into its own KV cache, then decode one token for every running row.
 
-Named steps after gpt-fast: `prefill` and `decode_one_token` run the model, `generate_tokens` yields
-(token, logprob) until a stop token, the token budget or a cancel request.
+Named steps after gpt-fast: `prefill` runs a prompt (in chunks, so neither activations nor prompt logprobs
+ever hold more than `chunk` positions of logits), `decode_step` runs one token per row of the batch.
+Both stay on the device: the only host transfer per step is the sampled ids, done by the caller.
 """
 
 from __future__ import annotations
 
 import inspect
-import threading
-from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Sequence
+from typing import Any, Sequence
 
 import torch
 
 from deltafin.engine.events import TokenLogprob
-from deltafin.engine.prefix_cache import PrefixCache
-from deltafin.engine.sampler import Sampler
+from deltafin.engine.sampler import logprob_entries
 
-
-@dataclass(frozen=True)
-class TokenStep:
-    token_id: int
-    logprob: TokenLogprob | None
-    is_stop_token: bool
-
-
-# Positions follow from the cache's length, so a cache cropped to a shared prefix continues correctly.
+#: prompt positions run per forward pass during prefill; bounds the [chunk, V] logits prompt logprobs need
+PREFILL_CHUNK = 512
 
 
 def cache_argument(model: Any) -> str:
@@ -33,56 +24,59 @@ def cache_argument(model: Any) -> str:
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def prefill(model: Any, input_ids: torch.Tensor, cache: dict[str, Any], *, all_logits: bool = False) -> torch.Tensor:
-    """input_ids: [1, S] prompt tokens not yet in the cache; returns logits [S, V] (all_logits) or [1, V]."""
-    out = model(input_ids=input_ids, use_cache=True, logits_to_keep=0 if all_logits else 1, **cache)
-    return out.logits[0]
-
-
-def decode_one_token(model: Any, token: torch.Tensor, cache: dict[str, Any]) -> torch.Tensor:
-    """token: [1, 1]; returns logits [V] for the next position."""
-    out = model(input_ids=token, use_cache=True, **cache)
-    return out.logits[0, -1]
-
-
-def generate_tokens(
+def prefill(
     model: Any,
-    prefix_cache: PrefixCache,
-    prompt_ids: Sequence[int],
-    sampler: Sampler,
+    ids: Sequence[int],
+    cache: Any,
+    cached: int,
     *,
-    max_new_tokens: int,
-    stop_token_ids: frozenset[int],
-    cancel: threading.Event,
     cache_arg: str = "cache",
-    on_prefilled: Callable[[int], None] = lambda cached: None,
-    on_prompt_logprobs: Callable[[list[TokenLogprob | None]], None] = lambda entries: None,
-) -> Iterator[TokenStep]:
+    chunk: int = PREFILL_CHUNK,
+    prompt_logprobs: int | None = None,
+) -> tuple[torch.Tensor, list[TokenLogprob | None]]:
+    """Runs `ids[cached:]` into `cache` (which already holds `ids[:cached]`); returns the next-token logits [V]
+    and, when `prompt_logprobs` (top-k count) is not None, the prompt's logprobs ([None, lp(t1|t0), ...]).
+
+    Prompt logprobs need logits at every position, so the caller passes `cached=0` for them; they are computed
+    chunk by chunk and only the returned entries are kept (an 8k prompt never holds [8k, V] logits)."""
     device = next(model.parameters()).device
-    want_prompt = sampler.params.prompt_logprobs is not None
-    # Prompt logprobs need logits at every prompt position, so nothing may come from the cache.
-    cache, cached = prefix_cache.take(() if want_prompt else prompt_ids)
-    cache_kw = {cache_arg: cache}
-    ids = list(prompt_ids)
-    with torch.inference_mode():
-        all_logits = prefill(model, torch.tensor([ids[cached:]], device=device), cache_kw, all_logits=want_prompt)
-        logits = all_logits[-1]
-        on_prefilled(cached)
-        if want_prompt:
-            # logits[i] predicts token i+1: [None, lp(t1 | t0), lp(t2 | t0 t1), ...]
-            on_prompt_logprobs([None] + [sampler.logprob(all_logits[i], ids[i + 1], sampler.params.prompt_logprobs)
-                                         for i in range(len(ids) - 1)])
-        for step in range(max_new_tokens):
-            if cancel.is_set():
-                break
-            token_id = sampler.sample(logits)
-            logprob = sampler.logprob(logits, token_id) if sampler.params.logprobs else None
-            is_stop = token_id in stop_token_ids and not sampler.params.ignore_eos
-            yield TokenStep(token_id, logprob, is_stop)
-            if is_stop or step + 1 == max_new_tokens:
-                break
-            sampler.observe(token_id)
-            ids.append(token_id)
-            logits = decode_one_token(model, torch.tensor([[token_id]], device=device), cache_kw)
-    # Only the tokens whose keys/values are in the cache are offered to the next request.
-    prefix_cache.give_back(cache, ids)
+    want = prompt_logprobs is not None
+    entries: list[TokenLogprob | None] = [None] if want else []
+    logits = None
+    for start in range(cached, len(ids), chunk):
+        piece = ids[start : start + chunk]
+        out = model(
+            input_ids=torch.tensor([piece], device=device),  # [1, C]
+            use_cache=True,
+            logits_to_keep=0 if want else 1,
+            **{cache_arg: cache},
+        )
+        logits = out.logits[0]  # [C, V] (prompt logprobs) or [1, V]
+        if want:
+            # logits[i] predicts token start+i+1; the chunk's last row may predict the first new token instead.
+            targets = ids[start + 1 : start + 1 + len(piece)]
+            entries.extend(logprob_entries(logits[: len(targets)], targets, prompt_logprobs))
+        del out
+    assert logits is not None, "prefill needs at least one token not in the cache"
+    return logits[-1], entries
+
+
+def decode_step(
+    model: Any,
+    tokens: torch.Tensor,
+    attention_mask: torch.Tensor,
+    positions: torch.Tensor,
+    cache: Any,
+    *,
+    cache_arg: str = "cache",
+) -> torch.Tensor:
+    """tokens: [B, 1] the last sampled token of each row; attention_mask: [B, L+1] (0 = left padding);
+    positions: [B, 1] each row's own position. Returns logits [B, V]."""
+    out = model(
+        input_ids=tokens,
+        attention_mask=attention_mask,
+        position_ids=positions,
+        use_cache=True,
+        **{cache_arg: cache},
+    )
+    return out.logits[:, -1]

@@ -1,134 +1,259 @@
-"""The built-in torch engine: one generation at a time on a worker thread (the single owner of the device).
+"""The built-in torch engine: one owner thread runs every request as rows of one batch (continuous batching).
 
-`submit(jobs, stream)` hands the request's choices to the worker thread, which runs them one after the other
-and emits `TextDelta`s and one `Finished` per choice. Closing the stream (the client left) stops generation
-at the next token. Admission and the memo stand in front of it (`deltafin.engine.front`).
+`submit(jobs, stream)` hands the request to the owner thread. Between two decode steps the thread prefills
+what arrived (the `n` choices of a request share one prefill), samples each new row's first token at once,
+and lets the rows join the batch; every step then decodes one token for every running row. Finished and
+cancelled rows leave at once, giving their KV cache to the prefix cache. Admission (`capacity = max_batch`
+rows) and the memo stand in front of it (`deltafin.engine.front`).
 """
 
 from __future__ import annotations
 
 import copy
+import queue
+import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 from typing import Sequence
 
 import structlog
+import torch
 from transformers import DynamicCache
 
+from deltafin.engine.batch import BatchKV
+from deltafin.engine.constraint import ConstraintFactory
 from deltafin.engine.detokenizer import IncrementalDetokenizer
-from deltafin.engine.events import Finished, GenerationJob, PromptLogprobs, TextDelta
-from deltafin.engine.generator import cache_argument, generate_tokens
+from deltafin.engine.events import GenerationJob, PromptLogprobs
+from deltafin.engine.generator import PREFILL_CHUNK, cache_argument, decode_step, prefill
 from deltafin.engine.interface import EngineCapabilities, EngineClient
 from deltafin.engine.loader import LoadedModel
 from deltafin.engine.prefix_cache import PrefixCache
+from deltafin.engine.row import Row, Submission
 from deltafin.engine.sampler import Sampler
 from deltafin.engine.stops import StopMatcher
 from deltafin.engine.stream import GenerationStream
+from deltafin.errors import InvalidRequestError
 
 log = structlog.get_logger("deltafin.engine")
+bound = structlog.contextvars.bound_contextvars
+
+_STOP = object()
 
 
 class LocalEngine(EngineClient):
     name = "local"
-    capabilities = EngineCapabilities(prompt_logprobs=True, grammar=False, cached_tokens=True)
 
-    def __init__(self, loaded: LoadedModel, *, prefix_cache_min_tokens: int | None = 16) -> None:
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        prefix_cache_min_tokens: int | None = 16,
+        max_batch: int = 8,
+        constraint_factory: ConstraintFactory | None = None,
+        prefix_cache_entries: int = 4,
+        prefill_chunk: int = PREFILL_CHUNK,
+    ) -> None:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
-        # The generation thread decodes with its own copy: encoding with split_special_tokens flips state
+        # The owner thread decodes with its own copy: encoding with split_special_tokens flips state
         # on the Rust tokenizer, and the event loop encodes prompts while a generation decodes.
         self._thread_tokenizer = copy.deepcopy(loaded.tokenizer)
         self.context_length = loaded.context_length
         self.stop_token_ids = loaded.stop_token_ids
         self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
-        self.capacity = 1
+        self.capacity = max(1, max_batch)
+        self.capabilities = EngineCapabilities(
+            prompt_logprobs=True, grammar=constraint_factory is not None, cached_tokens=True
+        )
+        self.constraint_factory = constraint_factory
+        self.prefill_chunk = prefill_chunk
         # min_tokens None turns reuse off: every prompt is prefilled from scratch.
         self.prefix_cache = PrefixCache(
             lambda: DynamicCache(config=self.model.config),
             min_reuse=prefix_cache_min_tokens if prefix_cache_min_tokens is not None else 1 << 62,
+            entries=prefix_cache_entries,
         )
         self.device = next(self.model.parameters()).device
         self.cache_arg = cache_argument(self.model)
-        # One long-lived thread runs every generation: torch's per-thread state (the OpenMP team) is
-        # built once instead of per request.
-        self._worker = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltafin-engine")
+        self.decode = decode_step
+        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        self._rows: list[Row] = []
+        self._kv = BatchKV(self.device)
+        #: how many rows each decode step ran (tests and benchmarks read it)
+        self.step_sizes: list[int] = []
+        # One long-lived thread owns the device: torch's per-thread state (the OpenMP team) is built once.
+        self._owner = threading.Thread(target=self._loop, name="deltafin-engine", daemon=True)
+        self._owner.start()
 
     def submit(self, jobs: Sequence[GenerationJob], stream: GenerationStream) -> None:
-        self._worker.submit(self._run, jobs, stream)
+        self._inbox.put(Submission(stream, tuple(jobs)))
 
     async def aclose(self) -> None:
-        self._worker.shutdown(wait=False, cancel_futures=True)
+        self._inbox.put(_STOP)
 
-    def _run(self, jobs: Sequence[GenerationJob], stream: GenerationStream) -> None:
-        with structlog.contextvars.bound_contextvars(**stream.log_context):
-            try:
-                for choice, job in enumerate(jobs):
-                    if stream.cancelled.is_set():
+    # The owner thread.
+
+    def _loop(self) -> None:
+        with torch.inference_mode():
+            while True:
+                arrived = [self._inbox.get()] if not self._rows else []
+                while True:  # everything that arrived during the last step joins before the next one
+                    try:
+                        arrived.append(self._inbox.get_nowait())
+                    except queue.Empty:
                         break
-                    self._generate(job, choice, stream)
-            except Exception as exc:  # a model failure must not kill the server or leak a traceback
+                for item in arrived:
+                    if item is _STOP:
+                        self._shutdown()
+                        return
+                    self._admit(item)  # type: ignore[arg-type]
+                self._drop_cancelled()
+                if self._rows:
+                    self._step()
+
+    def _admit(self, sub: Submission) -> None:
+        """Prefill the request (once per distinct prompt), sample each row's first token, join the batch."""
+        with bound(**sub.stream.log_context):
+            if sub.stream.cancelled.is_set():
+                sub.stream.end()
+                return
+            if self.constraint_factory is None and any(job.params.constraint for job in sub.jobs):
+                sub.fail(InvalidRequestError(
+                    "Constrained decoding (response_format / enforced tool calls) is not available on this engine.",
+                    param="response_format",
+                ))
+                return
+            sub.rows_left = len(sub.jobs)
+            try:
+                groups: dict[tuple, list[int]] = {}
+                for choice, job in enumerate(sub.jobs):
+                    groups.setdefault((job.prompt_ids, job.params.prompt_logprobs), []).append(choice)
+                for choices in groups.values():
+                    self._admit_group(sub, choices)
+            except Exception as exc:  # a model failure must not kill the owner thread or leak a traceback
                 log.exception("generation_failed")
-                stream.fail(str(exc))
-                return
-            stream.end()
+                sub.fail(str(exc))  # first: the rows leaving below must not end the stream as a success
+                self._remove(lambda row: row.submission is sub)
 
-    def _generate(self, job: GenerationJob, choice: int, stream: GenerationStream) -> None:
-        """Runs one choice to its end, or to the next token after a cancel."""
-        params = job.params
-        prompt_len = len(job.prompt_ids)
-        max_new = min(params.max_tokens, self.context_length - prompt_len)
-        sampler = Sampler(params, self.vocab_size, self.device, job.prompt_ids)
-        detokenizer = IncrementalDetokenizer(self._thread_tokenizer)
-        stops = StopMatcher(params.stop)
-        stop_ids = self.stop_token_ids | frozenset(params.stop_token_ids)
-        timings: dict[str, float] = {}
+    def _admit_group(self, sub: Submission, choices: list[int]) -> None:
         started = time.perf_counter()
-        cached = 0
+        job = sub.jobs[choices[0]]
+        prompt = job.prompt_ids
+        want_prompt = job.params.prompt_logprobs
+        # Prompt logprobs need logits at every prompt position, so nothing may come from the cache.
+        cache, cached = self.prefix_cache.take(() if want_prompt is not None else prompt)
+        logits, entries = prefill(
+            self.model, prompt, cache, cached,
+            cache_arg=self.cache_arg, chunk=self.prefill_chunk, prompt_logprobs=want_prompt,
+        )  # logits: [V]
+        prefill_s = time.perf_counter() - started
+        joining: list[Row] = []
+        for choice in choices:
+            row = self._new_row(sub, choice, cached, started)
+            row.timings["prefill_s"] = prefill_s
+            if want_prompt is not None:
+                sub.stream.emit(PromptLogprobs(choice, tuple(prompt), tuple(entries)))
+            if row.max_new <= 0:
+                row.finish_empty()
+                sub.row_left()
+                continue
+            if row.take(int(row.sampler.sample(logits)), logits):
+                sub.row_left()
+            else:
+                joining.append(row)
+        if joining:
+            self._kv.add(cache, len(prompt), copies=len(joining))
+            self._rows.extend(joining)
+        # The prompt's cache is offered again whatever happened (a row that ended at its first token included).
+        self.prefix_cache.give_back(cache, list(prompt))
 
-        def prefilled(reused: int) -> None:
-            nonlocal cached
-            cached = reused
-            timings["prefill_s"] = time.perf_counter() - started
-
-        emit = stream.emit
-
-        def prompt_logprobs(entries: list) -> None:
-            emit(PromptLogprobs(choice, tuple(job.prompt_ids), tuple(entries)))
-
-        count, reason, stop_reason = 0, "length", None
-        steps = generate_tokens(
-            self.model,
-            self.prefix_cache,
-            job.prompt_ids,
-            sampler,
-            max_new_tokens=max_new,
-            stop_token_ids=stop_ids,
-            cancel=stream.cancelled,
-            cache_arg=self.cache_arg,
-            on_prefilled=prefilled,
-            on_prompt_logprobs=prompt_logprobs,
+    def _new_row(self, sub: Submission, choice: int, cached: int, started: float) -> Row:
+        job = sub.jobs[choice]
+        params = job.params
+        constraint = self.constraint_factory(params.constraint) if params.constraint and self.constraint_factory else None
+        return Row(
+            submission=sub,
+            choice=choice,
+            sampler=Sampler(params, self.vocab_size, self.device, job.prompt_ids, constraint),
+            detokenizer=IncrementalDetokenizer(self._thread_tokenizer),
+            stops=StopMatcher(params.stop),
+            stop_ids=self.stop_token_ids | frozenset(params.stop_token_ids),
+            max_new=min(params.max_tokens, self.context_length - len(job.prompt_ids)),
+            prompt_len=len(job.prompt_ids),
+            cached=cached,
+            started=started,
+            ids=list(job.prompt_ids),
         )
-        for step in steps:
-            count += 1
-            logprobs = (step.logprob,) if step.logprob is not None else ()
-            if step.is_stop_token:
-                # The stop token itself is neither text nor reported in logprobs (as OpenAI does).
-                reason, stop_reason = "stop", step.token_id
-                emit(TextDelta(choice, stops.flush(), (step.token_id,)))
-                break
-            text = stops.feed(detokenizer.push(step.token_id))
-            emit(TextDelta(choice, text, (step.token_id,), logprobs))
-            if stops.matched is not None:
-                reason, stop_reason = "stop", stops.matched
-                steps.close()
-                break
-        else:
-            if stream.cancelled.is_set():
-                return
-            emit(TextDelta(choice, stops.flush()))
-        if stream.cancelled.is_set():
+
+    def _step(self) -> None:
+        """One decode step for every running row."""
+        rows = self._rows
+        self.step_sizes.append(len(rows))
+        tokens = torch.tensor([[row.pending] for row in rows], device=self.device)  # [B, 1]
+        for row in rows:
+            row.ids.append(row.pending)  # type: ignore[arg-type]
+        mask, positions = self._kv.step_inputs()
+        try:
+            logits = self.decode(self.model, tokens, mask, positions, self._kv.cache, cache_arg=self.cache_arg)  # [B, V]
+        except Exception as exc:
+            log.exception("generation_failed")
+            subs = {id(row.submission): row.submission for row in rows}
+            self._rows, self._kv = [], BatchKV(self.device)
+            for sub in subs.values():
+                sub.fail(str(exc))
             return
-        timings["total_s"] = time.perf_counter() - started
-        emit(Finished(choice, reason, prompt_len, count, cached, stop_reason, timings=timings))
+        self._kv.advanced(mask)
+        failed: set[int] = set()
+        draws: list[torch.Tensor] = []
+        for i, row in enumerate(rows):
+            with bound(**row.stream.log_context):
+                try:
+                    draws.append(row.sampler.sample(logits[i]))
+                except Exception as exc:  # e.g. a constraint object that raises: only its request fails
+                    draws.append(torch.zeros((), dtype=torch.long, device=self.device))
+                    self._fail_row(row, exc, failed)
+        tokens_host = torch.stack(draws).tolist()  # the one device -> host transfer of the step
+        finished: set[int] = set()
+        for i, row in enumerate(rows):
+            if id(row.submission) in failed:
+                continue
+            with bound(**row.stream.log_context):
+                try:
+                    if row.take(tokens_host[i], logits[i]):
+                        finished.add(i)
+                except Exception as exc:
+                    self._fail_row(row, exc, failed)
+        self._remove(lambda row: id(row.submission) in failed, finished)
 
+    def _fail_row(self, row: Row, exc: Exception, failed: set[int]) -> None:
+        log.exception("generation_failed")
+        failed.add(id(row.submission))
+        row.submission.fail(str(exc))
 
+    def _drop_cancelled(self) -> None:
+        self._remove(lambda row: row.stream.cancelled.is_set())
+
+    def _remove(self, predicate, finished: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+        """Rows that finished (by index) or match `predicate` leave the batch; their caches go to the prefix cache."""
+        keep: list[int] = []
+        for i, row in enumerate(self._rows):
+            if i in finished or predicate(row):
+                # Keys/values of every fed token are in the cache: offer them to the next request.
+                self.prefix_cache.give_back(self._kv.row_cache(i), row.ids)
+                row.submission.row_left()
+            else:
+                keep.append(i)
+        if len(keep) != len(self._rows):
+            self._rows = [self._rows[i] for i in keep]
+            self._kv.keep(keep)
+
+    def _shutdown(self) -> None:
+        for row in self._rows:
+            row.stream.cancelled.set()
+        self._drop_cancelled()
+        while True:
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            if isinstance(item, Submission):
+                item.stream.end()

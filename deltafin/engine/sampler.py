@@ -1,4 +1,9 @@
-"""Turns one step's logits into the next token: penalties, bias, temperature, top-k/p, min-p, seeded draw."""
+"""Turns one row's logits into its next token: penalties, bias, constraint, temperature, top-k/p, min-p, draw.
+
+Each row of a batch has its own `Sampler` (its own seed generator, penalty counts and constraint), so a row's
+tokens never depend on the other rows. `sample` returns a 0-d device tensor: the engine stacks every row's
+draw and moves them to the host in one transfer per step.
+"""
 
 from __future__ import annotations
 
@@ -6,13 +11,39 @@ from typing import Sequence
 
 import torch
 
+from deltafin.engine.constraint import RowConstraint
 from deltafin.engine.events import TokenLogprob
 from deltafin.protocol.sampling import SamplingParams
 
+_FLOAT_MAX = torch.finfo(torch.float32).max
+
+
+def logprob_entries(logits: torch.Tensor, targets: Sequence[int], top_k: int) -> list[TokenLogprob]:
+    """logits: [N, V] raw model logits; targets: N token ids. Log-probabilities of each target under the model's
+    own distribution (before any sampling knob) with the `top_k` most likely alternatives; one host transfer."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)  # [N, V]
+    index = torch.tensor(list(targets), device=logits.device).unsqueeze(-1)  # [N, 1]
+    chosen = logprobs.gather(-1, index).squeeze(-1).tolist()  # [N]
+    if not top_k:
+        return [TokenLogprob(t, lp) for t, lp in zip(targets, chosen)]
+    values, ids = torch.topk(logprobs, top_k, dim=-1)  # [N, k]
+    return [
+        TokenLogprob(t, lp, tuple(zip(row_ids, row_values)))
+        for t, lp, row_ids, row_values in zip(targets, chosen, ids.tolist(), values.tolist())
+    ]
+
 
 class Sampler:
-    def __init__(self, params: SamplingParams, vocab_size: int, device: torch.device, prompt_ids: Sequence[int]):
+    def __init__(
+        self,
+        params: SamplingParams,
+        vocab_size: int,
+        device: torch.device,
+        prompt_ids: Sequence[int],
+        constraint: RowConstraint | None = None,
+    ):
         self.params = params
+        self.constraint = constraint
         self._generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             # seed + choice index can leave the int64 range, which torch refuses: fold it back in.
@@ -34,24 +65,26 @@ class Sampler:
                 self._seen[torch.tensor(list(prompt_ids), device=device)] = True
 
     def observe(self, token_id: int) -> None:
+        """The row emitted `token_id`: update penalty state and advance the constraint."""
         if self._counts is not None:
             self._counts[token_id] += 1
         if self._seen is not None:
             self._seen[token_id] = True
+        if self.constraint is not None:
+            self.constraint.accept(token_id)
+
+    @property
+    def terminated(self) -> bool:
+        return self.constraint is not None and self.constraint.is_terminated()
 
     def logprob(self, logits: torch.Tensor, token_id: int, top_k: int | None = None) -> TokenLogprob:
         """Log-probability of `token_id` under the model's own distribution (before sampling knobs),
         with the `top_k` (default: top_logprobs) most likely alternatives."""
-        logprobs = torch.log_softmax(logits.float(), dim=-1)
-        top: tuple[tuple[int, float], ...] = ()
         k = self.params.top_logprobs if top_k is None else top_k
-        if k:
-            values, ids = torch.topk(logprobs, k)
-            top = tuple(zip(ids.tolist(), values.tolist()))
-        return TokenLogprob(token_id, float(logprobs[token_id]), top)
+        return logprob_entries(logits.unsqueeze(0), [token_id], k)[0]
 
-    def sample(self, logits: torch.Tensor) -> int:
-        """logits: [V] for the last position."""
+    def sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [V] for the last position; returns the drawn token as a 0-d int64 tensor (no host sync)."""
         p = self.params
         logits = logits.float()
         if self._seen is not None:
@@ -61,9 +94,17 @@ class Sampler:
             logits = logits - p.frequency_penalty * self._counts - p.presence_penalty * (self._counts > 0)
         if self._bias is not None:
             logits = logits + self._bias
+        if self.constraint is not None:
+            logits = logits.clone()  # fill_mask works in place; the raw logits still serve logprobs
+            self.constraint.fill_mask(logits)
+        if not p.greedy:
+            logits = logits / p.temperature
+        # Extreme penalties, biases or temperatures overflow to +inf (and inf - inf to nan): keep every value
+        # finite except the -inf of tokens that are ruled out, so the ranking survives and softmax stays sane.
+        logits = torch.nan_to_num(logits, nan=float("-inf"), posinf=_FLOAT_MAX, neginf=float("-inf"))
+        best = torch.argmax(logits)
         if p.greedy:
-            return int(torch.argmax(logits))
-        logits = logits / p.temperature
+            return best
         if p.top_k and p.top_k < logits.shape[-1]:
             kth = torch.topk(logits, p.top_k).values[-1]
             logits = logits.masked_fill(logits < kth, float("-inf"))
@@ -76,4 +117,9 @@ class Sampler:
             probs = torch.zeros_like(probs).scatter(0, order, sorted_probs)
         if p.min_p > 0.0:
             probs = probs.masked_fill(probs < p.min_p * probs.max(), 0.0)
-        return int(torch.multinomial(probs, 1, generator=self._generator))
+        # multinomial refuses inf/nan/negative or all-zero rows; fall back to the argmax on the device, without
+        # asking the host whether that happened.
+        usable = torch.isfinite(probs).all() & (probs.sum() > 0)
+        fallback = torch.nn.functional.one_hot(best, probs.shape[-1]).to(probs.dtype)  # [V]
+        probs = torch.where(usable, probs, fallback)
+        return torch.multinomial(probs, 1, generator=self._generator)[0]

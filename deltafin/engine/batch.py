@@ -1,0 +1,97 @@
+"""The KV cache of every running row, left-padded to one length, with the attention mask that hides the padding.
+
+Rows join with their own prefilled cache (a one-row `DynamicCache`) and leave at any step; keys are stored
+already rotated for their own positions, so left padding only moves where they sit, and each row is fed
+its own position ids. Padding columns that no row needs any more are trimmed when a row leaves.
+Only full-attention layers (`DynamicLayer`) are supported: a sliding-window layer would crop real tokens.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Sequence
+
+import torch
+from transformers import DynamicCache
+
+
+def _pad_left(t: torch.Tensor, n: int) -> torch.Tensor:
+    """t: [B, H, S, D] -> [B, H, n + S, D] with zeros in front."""
+    if n == 0:
+        return t
+    return torch.cat([t.new_zeros(*t.shape[:2], n, t.shape[3]), t], dim=2)
+
+
+class BatchKV:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.cache: DynamicCache | None = None
+        self.mask = torch.zeros(0, 0, dtype=torch.long, device=device)  # [B, L]; 1 = a real token
+        self.positions = torch.zeros(0, dtype=torch.long, device=device)  # [B] position of each row's next token
+        self.lengths: list[int] = []  # real tokens per row, kept on the host so no step asks the device
+
+    @property
+    def rows(self) -> int:
+        return len(self.lengths)
+
+    @property
+    def width(self) -> int:
+        return self.mask.shape[1]
+
+    def add(self, row_cache: Any, length: int, copies: int = 1) -> None:
+        """Appends `copies` rows that all start from `row_cache` (one row holding `length` tokens)."""
+        width = max(self.width, length)
+        new_layers = [(layer.keys, layer.values) for layer in row_cache.layers]
+        if self.cache is None:
+            self.cache = DynamicCache(ddp_cache_data=[
+                (k.expand(copies, -1, -1, -1), v.expand(copies, -1, -1, -1)) for k, v in new_layers
+            ])
+        else:
+            for layer, (k, v) in zip(self.cache.layers, new_layers):
+                # [B, H, L, D] + [copies, H, S, D] -> [B + copies, H, width, D]
+                layer.keys = torch.cat([_pad_left(layer.keys, width - self.width),
+                                        _pad_left(k, width - length).expand(copies, -1, -1, -1)])
+                layer.values = torch.cat([_pad_left(layer.values, width - self.width),
+                                          _pad_left(v, width - length).expand(copies, -1, -1, -1)])
+        new_mask = torch.zeros(copies, width, dtype=torch.long, device=self.device)
+        new_mask[:, width - length :] = 1
+        old_mask = torch.cat([self.mask.new_zeros(self.rows, width - self.width), self.mask], dim=1)
+        self.mask = torch.cat([old_mask, new_mask])
+        self.positions = torch.cat([self.positions, torch.full((copies,), length, device=self.device)])
+        self.lengths += [length] * copies
+
+    def step_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """attention mask [B, L + 1] (the new token included) and position ids [B, 1] for one decode step."""
+        mask = torch.cat([self.mask, self.mask.new_ones(self.rows, 1)], dim=1)
+        return mask, self.positions.unsqueeze(1)
+
+    def advanced(self, mask: torch.Tensor) -> None:
+        """One decode step appended one token to every row."""
+        self.mask = mask
+        self.positions = self.positions + 1
+        self.lengths = [n + 1 for n in self.lengths]
+
+    def row_cache(self, row: int) -> DynamicCache:
+        """A one-row cache holding only `row`'s real tokens (copied: the batch keeps changing)."""
+        assert self.cache is not None
+        pad = self.width - self.lengths[row]
+        return DynamicCache(ddp_cache_data=[
+            (layer.keys[row : row + 1, :, pad:], layer.values[row : row + 1, :, pad:]) for layer in self.cache.layers
+        ])
+
+    def keep(self, rows: Sequence[int]) -> None:
+        """Keeps only `rows` (in that order) and trims padding columns no kept row needs."""
+        if len(rows) == self.rows:
+            return
+        if not rows:
+            self.__init__(self.device)  # type: ignore[misc]
+            return
+        lengths = [self.lengths[i] for i in rows]
+        trim = self.width - max(lengths)
+        index = torch.tensor(list(rows), device=self.device)
+        assert self.cache is not None
+        for layer in self.cache.layers:
+            layer.keys = layer.keys.index_select(0, index)[:, :, trim:]
+            layer.values = layer.values.index_select(0, index)[:, :, trim:]
+        self.mask = self.mask.index_select(0, index)[:, trim:]
+        self.positions = self.positions.index_select(0, index)
+        self.lengths = lengths
