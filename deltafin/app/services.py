@@ -8,6 +8,7 @@ from deltafin.config import DeltafinConfig
 from deltafin.engine import EngineFront
 from deltafin.engine.loader import load_model
 from deltafin.engine.local import LocalEngine
+from deltafin.grammar.compiled import constraint_factory, logits_width
 from deltafin.prompt import build_chat_format
 from deltafin.rules import build_pipeline
 from deltafin.serving.chat import ChatService
@@ -49,6 +50,7 @@ class Services:
         loaded = load_model(config.model, config.placement)
         local = LocalEngine(
             loaded,
+            constraint_factory=constraint_factory(loaded.tokenizer, logits_width(loaded.model), loaded.stop_token_ids),
             prefix_cache_min_tokens=config.server.prefix_cache.min_tokens if config.server.prefix_cache.enabled else None,
         )
         return cls.from_engine(config, front_for(config, local))

@@ -16,10 +16,16 @@ import structlog
 import xgrammar as xgr
 
 from deltafin.grammar.constraints import grammar_of
-from deltafin.grammar.row import RowConstraint, XGrammarRow
+from deltafin.engine.constraint import RowConstraint
+from deltafin.grammar.row import XGrammarRow
 from deltafin.protocol.sampling import Constraint
 
 log = structlog.get_logger("deltafin.grammar")
+
+
+def logits_width(model: Any) -> int:
+    """The width of the model's logits, which the bitmask must cover (often past the tokenizer's own size)."""
+    return int(model.get_output_embeddings().weight.shape[0])
 
 
 def tokenizer_key(tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> Hashable:

@@ -7,8 +7,6 @@ logit_bias and before temperature/top-k/top-p (so those only ever choose among a
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import structlog
 import torch
 import xgrammar as xgr
@@ -16,18 +14,9 @@ import xgrammar as xgr
 log = structlog.get_logger("deltafin.grammar")
 
 
-class RowConstraint(Protocol):
-    def fill_mask(self, logits: torch.Tensor) -> None:
-        """logits: [V]; disallowed tokens become -inf in place."""
-
-    def accept(self, token_id: int) -> None: ...
-
-    def is_terminated(self) -> bool: ...
-
-
 class XGrammarRow:
-    """RowConstraint over a compiled grammar. After the grammar is complete only stop tokens are allowed;
-    accepting one terminates the matcher."""
+    """deltafin.engine.constraint.RowConstraint over a compiled grammar. After the grammar is complete only
+    stop tokens are allowed; accepting one terminates the matcher."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
         self._matcher = xgr.GrammarMatcher(compiled)

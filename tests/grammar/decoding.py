@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from deltafin.engine.generator import cache_argument, decode_one_token, prefill
-from deltafin.grammar.row import RowConstraint
+from deltafin.engine.constraint import RowConstraint
 
 
 def greedy(model, prompt_ids: Sequence[int], row: RowConstraint | None, *, max_tokens: int, stop_ids: frozenset[int]) -> list[int]:
