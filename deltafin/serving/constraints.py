@@ -16,19 +16,17 @@ from typing import Any
 
 from deltafin.config import ModelConfig
 from deltafin.errors import InvalidRequestError
+from deltafin.families import get_family
 from deltafin.grammar import constraints
-from deltafin.grammar.tool_calls import GLM45, GLM47, HERMES, KIMI_K2, XTML, Syntax, forced_calls
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.sampling import Constraint
 
-#: model.tool_parser (or reasoning_parser) -> the syntax its grammar speaks
-SYNTAXES: dict[str, Syntax] = {"kimi_k3": XTML, "kimi_k2": KIMI_K2, "glm45": GLM45, "glm47": GLM47, "hermes": HERMES}
-
 
 def check_tools(request: ChatCompletionRequest, model: ModelConfig, served_name: str) -> None:
-    if request.tools and request.tool_choice != "none" and not model.tool_parser:
+    family = get_family(model.family)
+    if request.tools and request.tool_choice != "none" and not family.parses_tool_calls(family.variant(model.variant)):
         raise InvalidRequestError(
-            f"The model `{served_name}` has no tool-call parser (model.tool_parser), so it cannot call tools. "
+            f"The model `{served_name}` (family {model.family}) has no tool-call parser, so it cannot call tools. "
             'Send no tools, or tool_choice "none".',
             param="tools",
         )
@@ -44,24 +42,24 @@ def _content_format(request: ChatCompletionRequest) -> dict[str, Any] | None:
 
 def request_constraint(request: ChatCompletionRequest, model: ModelConfig, prompt_text: str) -> tuple[Constraint, str] | None:
     """The constraint and the request field it comes from (for error messages), or None."""
-    syntax = SYNTAXES.get(model.tool_parser or "") or SYNTAXES.get(model.reasoning_parser or "")
+    family = get_family(model.family)
+    variant = family.variant(model.variant)
     if request.tools and request.tool_choice != "none":
         try:
-            forced = forced_calls(request.tools, request.tool_choice, parallel_tool_calls=request.parallel_tool_calls)
+            structure = family.tool_call_structure(
+                variant, request.tools, request.tool_choice, prompt_text=prompt_text,
+                parallel_tool_calls=request.parallel_tool_calls,
+            )
         except ValueError as exc:
             raise InvalidRequestError(str(exc), param="tool_choice") from None
-        if forced is not None:
-            if syntax is None:
-                raise InvalidRequestError(
-                    f"tool_choice cannot be enforced: no grammar for tool parser {model.tool_parser!r}", param="tool_choice"
-                )
-            return constraints.structural_tag(syntax.calls(forced, syntax.reasoning(prompt_text))), "tool_choice"
+        if structure is not None:
+            return constraints.structural_tag(structure), "tool_choice"
     content = _content_format(request)
     if content is None:
         return None
-    reasoning = syntax.reasoning(prompt_text) if syntax is not None and model.reasoning_parser else "disabled"
-    if reasoning != "disabled":
-        return constraints.structural_tag(syntax.answer(content, reasoning)), "response_format"
+    structure = family.answer_structure(variant, content, prompt_text=prompt_text)
+    if structure is not None:
+        return constraints.structural_tag(structure), "response_format"
     if request.response_format.type == "json_object":
         return constraints.json_object(), "response_format"
     return constraints.json_schema(content["json_schema"]), "response_format"

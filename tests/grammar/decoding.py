@@ -8,15 +8,19 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from deltafin.engine.generator import cache_argument, decode_one_token, prefill
+from deltafin.engine.generator import cache_argument
 from deltafin.engine.constraint import RowConstraint
 
 
 def greedy(model, prompt_ids: Sequence[int], row: RowConstraint | None, *, max_tokens: int, stop_ids: frozenset[int]) -> list[int]:
     cache = {cache_argument(model): DynamicCache(config=model.config)}
+
+    def step(ids: list[int]) -> torch.Tensor:  # [V] logits after `ids`
+        return model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1, **cache).logits[0, -1].float()
+
     out: list[int] = []
     with torch.inference_mode():
-        logits = prefill(model, torch.tensor([list(prompt_ids)]), cache)[-1].float()
+        logits = step(list(prompt_ids))
         for _ in range(max_tokens):
             if row is not None:
                 row.fill_mask(logits)
@@ -26,5 +30,5 @@ def greedy(model, prompt_ids: Sequence[int], row: RowConstraint | None, *, max_t
                 row.accept(token)
             if token in stop_ids or (row is not None and row.is_terminated()):
                 break
-            logits = decode_one_token(model, torch.tensor([[token]]), cache).float()
+            logits = step([token])
     return out

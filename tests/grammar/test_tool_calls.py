@@ -10,11 +10,11 @@ import pytest
 import xgrammar as xgr
 
 from deltafin.engine.loader import load_model
-from deltafin.grammar.compiled import constraint_factory
+from deltafin.grammar.compiled import constraint_factory, logits_width
 from deltafin.grammar.constraints import grammar_of, structural_tag
 from deltafin.grammar.tool_calls import forced_calls, glm_structure, hermes_structure, kimi_k2_structure, xtml_structure
 from deltafin.prompt import build_chat_format
-from deltafin.prompt.parsers import build_output_parser
+from deltafin.families import build_output_parser, get_family
 from deltafin.protocol.chat import ChatMessage, ToolDefinition
 from tests.conftest import tiny_config
 from tests.grammar.decoding import greedy
@@ -51,6 +51,10 @@ SYNTAXES = {
         "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
         "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>",
     ),
+    "qwen3": (
+        lambda forced, reasoning: hermes_structure(forced, reasoning=reasoning),
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
+    ),
 }
 #: what closes the channel the prompt opened (K3 opens a channel; think-style prompts need nothing)
 CLOSE_OPEN_CHANNEL = {"kimi_k3": "<|close|>response<|sep|>"}
@@ -65,8 +69,7 @@ def matcher(family: str, structure: dict, tokenizer) -> xgr.GrammarMatcher:
 def parse(family: str, text: str, prompt_text: str, tools: list) -> dict:
     """What the family's own output parser (as serving builds it) reads from `text`."""
     model = tiny_config(family, "unused").model
-    parser = build_output_parser(model.reasoning_parser, model.tool_parser, prompt_text=prompt_text, tool_schemas=tools,
-                                 history_calls=0)
+    parser = build_output_parser(model.family, model.variant, prompt_text=prompt_text, tool_schemas=tools)
     deltas = [parser.feed(text), parser.finish("stop")]
     calls: dict[int, dict] = {}
     for delta in deltas:
@@ -133,25 +136,26 @@ def tiny_loaded():
 
 
 def serve_prompt(family, tiny_models, tools, loaded):
-    config = tiny_config(family, tiny_models[family], ["model.chat_template_kwargs.thinking=false"] if family.startswith("kimi")
-                         else ["model.chat_template_kwargs.enable_thinking=false"])
+    kwarg = tiny_config(family, tiny_models[family]).model.thinking_kwarg
+    config = tiny_config(family, tiny_models[family], [f"model.chat_template_kwargs.{kwarg}=false"])
     if family not in loaded:
         loaded[family] = load_model(config.model, config.placement)
     lm = loaded[family]
     fmt = build_chat_format(config.model.chat_format, lm.tokenizer, content_format=config.model.content_format,
                             default_kwargs=dict(config.model.chat_template_kwargs))
     prompt = fmt.render([ChatMessage(role="user", content="Weather in Paris?")], tools_for_parser(tools), {})
-    return lm, prompt
+    return lm, prompt, config.model
 
 
 @pytest.mark.parametrize("family", list(SYNTAXES))
 def test_constrained_tiny_model_writes_the_named_call(family, tiny_models, tiny_loaded):
-    build, _ = SYNTAXES[family]
     tools = [WEATHER, TIME]
-    lm, prompt = serve_prompt(family, tiny_models, tools, tiny_loaded)
-    reasoning = "enabled" if family == "kimi_k3" and prompt.text.endswith("<|open|>think<|sep|>") else "disabled"
-    factory = constraint_factory(lm.tokenizer, lm.model.config.vocab_size, lm.stop_token_ids)
-    row = factory(structural_tag(build(forced_calls(tools, NAMED), reasoning)))
+    lm, prompt, model = serve_prompt(family, tiny_models, tools, tiny_loaded)
+    spec = get_family(model.family)
+    # The family's grammar hook, as serving calls it.
+    structure = spec.tool_call_structure(spec.variant(model.variant), tools, NAMED, prompt_text=prompt.text)
+    factory = constraint_factory(lm.tokenizer, logits_width(lm.model), lm.stop_token_ids)
+    row = factory(structural_tag(structure))
     ids = greedy(lm.model, prompt.token_ids, row, max_tokens=400, stop_ids=lm.stop_token_ids)
     text = lm.tokenizer.decode([i for i in ids if i not in lm.stop_token_ids])
     parsed = parse(family, text, prompt.text, tools_for_parser(tools))
@@ -163,12 +167,8 @@ def test_constrained_tiny_model_writes_the_named_call(family, tiny_models, tiny_
     assert parse(family, free, prompt.text, tools_for_parser(tools))["calls"] == []
 
 
-class TestHermes:
+class TestHermesReasoningAndSeveralCalls:
     WIRE = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
-
-    def test_accepts_the_qwen3_call_forced(self, tokenizers):
-        m = matcher("glm47", hermes_structure(forced_calls([WEATHER, TIME], NAMED), reasoning="disabled"), tokenizers["glm47"])
-        assert m.accept_string(self.WIRE) and m.is_completed()
 
     def test_reasoning_block_then_call_and_no_other_name(self, tokenizers):
         structure = hermes_structure(forced_calls([WEATHER, TIME], NAMED), reasoning="auto")
