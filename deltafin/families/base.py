@@ -69,7 +69,7 @@ class ModelFamily:
         """The tiny test model of this family (None: the family has none)."""
         return None
 
-    def grammar(self, variant: str | None) -> "Syntax | None":
+    def grammar(self, variant: str | None) -> Syntax | None:
         """The grammar of this family's output (deltafin.grammar.tool_calls.Syntax), kept beside the parser that
         reads the same syntax back (as SGLang keeps `build_ebnf` / `structure_info` on its format detectors);
         None: nothing to force (no tool-call syntax)."""

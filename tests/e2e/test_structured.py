@@ -14,15 +14,9 @@ import pydantic
 import pytest
 
 from tests.conftest import TINY_FAMILIES, TINY_OVERRIDES, LiveServer, tiny_config
+from tests.grammar.tools import TIME, WEATHER
 
 pytestmark = pytest.mark.e2e
-
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object",
-    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
 
 
 class Person(pydantic.BaseModel):

@@ -13,19 +13,12 @@ from deltafin.engine.loader import load_model
 from deltafin.grammar.compiled import constraint_factory, logits_width
 from deltafin.grammar.constraints import grammar_of, structural_tag
 from deltafin.grammar.tool_calls import forced_calls, glm_structure, hermes_structure, kimi_k2_structure, xtml_structure
-from deltafin.prompt import build_chat_format
 from deltafin.families import build_output_parser, get_family
+from deltafin.prompt import build_chat_format
 from deltafin.protocol.chat import ChatMessage, ToolDefinition
 from tests.conftest import tiny_config
 from tests.grammar.decoding import greedy
-
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object",
-    "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}, "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"]}}}
-TIME = {"type": "function", "function": {"name": "get_time", "parameters": {
-    "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
-NAMED = {"type": "function", "function": {"name": "get_weather"}}
+from tests.grammar.tools import NAMED, TIME, WEATHER
 
 #: family -> (structure builder taking (forced, reasoning), the call in the family's wire form)
 SYNTAXES = {
