@@ -7,7 +7,9 @@ Prints, measured in one run on the same loaded model and engine (memo and prefix
   and of a K3 tool-call structural tag, cold and from the cache (the second compile of the same constraint);
 - decode tokens/s of a greedy stream with no constraint and with a JSON-schema constraint, alternating runs,
   medians, and the slowdown (target: under 5%). The schema holds one long string (minLength) so both runs
-  decode the same number of tokens; decode rate = (tokens - 1) / (last token - first token).
+  decode the same number of tokens; decode rate = (tokens - 1) / (last token - first token);
+- the time spent inside the row constraint (fill_mask + accept) per token, and its share of a free decode
+  step: the overhead itself, which a busy machine's noise does not blur.
 """
 
 from __future__ import annotations
@@ -39,6 +41,36 @@ from deltafin.protocol.sampling import SamplingParams  # noqa: E402
 QUESTION = "Write a detailed story about a lighthouse keeper and the sea, as JSON with one key, story."
 TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}
+
+
+class TimedRows:
+    """Wraps the constraint factory: seconds spent inside fill_mask + accept, and how many tokens that covered,
+    so the grammar's own share of a decode step is measured directly (not only as a rate difference)."""
+
+    def __init__(self, factory) -> None:
+        self.factory = factory
+        self.seconds = 0.0
+        self.tokens = 0
+
+    def __call__(self, constraint):
+        row, timer = self.factory(constraint), self
+
+        class Timed:
+            def fill_mask(self, logits):
+                started = time.perf_counter()
+                row.fill_mask(logits)
+                timer.seconds += time.perf_counter() - started
+
+            def accept(self, token_id):
+                started = time.perf_counter()
+                row.accept(token_id)
+                timer.seconds += time.perf_counter() - started
+                timer.tokens += 1
+
+            def is_terminated(self):
+                return row.is_terminated()
+
+        return Timed()
 
 
 def story_schema(tokens: int) -> dict:
@@ -77,8 +109,8 @@ async def main(args: argparse.Namespace) -> dict:
     width = logits_width(loaded.model)
     cache = GrammarCache()
     compiled = compile_times(cache, loaded, width)
-    engine = LocalEngine(loaded, prefix_cache_min_tokens=None,
-                         constraint_factory=constraint_factory(loaded.tokenizer, width, loaded.stop_token_ids, cache))
+    timed = TimedRows(constraint_factory(loaded.tokenizer, width, loaded.stop_token_ids, cache))
+    engine = LocalEngine(loaded, prefix_cache_min_tokens=None, constraint_factory=timed)
     front = EngineFront(engine, max_waiting=1, timeout_s=600, memo_entries=0)
     fmt = build_chat_format(config.model.chat_format, loaded.tokenizer, content_format=config.model.content_format,
                             default_kwargs=dict(config.model.chat_template_kwargs))
@@ -104,6 +136,8 @@ async def main(args: argparse.Namespace) -> dict:
         "decode_tok_s_free": round(free_rate, 2),
         "decode_tok_s_json_schema": round(json_rate, 2),
         "slowdown_pct": round((free_rate / json_rate - 1) * 100, 2),
+        "mask_us_per_token": round(timed.seconds / timed.tokens * 1e6, 1),
+        "mask_share_of_free_step_pct": round(timed.seconds / timed.tokens * free_rate * 100, 2),
         "runs": {k: [round(v, 2) for v in vs] for k, vs in rates.items()},
     }
 

@@ -83,3 +83,19 @@ class TestToolChoice:
         assert request_constraint(request, glm, "") is not None  # without the rule: enforced
         rewritten = rule.request(request, RuleContext(family="glm", endpoint="chat", context_length=4096))
         assert request_constraint(rewritten, glm, "") is None
+
+
+def test_the_constraint_is_part_of_the_memo_key():
+    from deltafin.engine import GenerationJob
+    from deltafin.engine.memo import ResponseMemo
+    from deltafin.grammar.constraints import json_object, json_schema
+    from deltafin.protocol.sampling import SamplingParams
+
+    memo = ResponseMemo(8)
+    free = GenerationJob((1, 2, 3), SamplingParams(max_tokens=4, temperature=0.0))
+    memo.put(free, ["free"])
+    for constraint in (json_object(), json_schema(SCHEMA)):
+        constrained = GenerationJob((1, 2, 3), SamplingParams(max_tokens=4, temperature=0.0, constraint=constraint))
+        assert memo.get(constrained) is None
+    memo.put(GenerationJob((1, 2, 3), SamplingParams(max_tokens=4, temperature=0.0, constraint=json_object())), ["json"])
+    assert memo.get(GenerationJob((1, 2, 3), SamplingParams(max_tokens=4, temperature=0.0, constraint=json_object()))) == ("json",)
