@@ -3,6 +3,7 @@ build them (so a bad schema is a 400 before generation, not a failure inside the
 
 from __future__ import annotations
 
+import functools
 import json
 from typing import Any
 
@@ -48,6 +49,8 @@ def grammar_of(constraint: Constraint) -> Any:
     raise ValueError(f"unknown constraint kind {constraint.kind!r}")
 
 
+@functools.lru_cache(maxsize=256)
 def check(constraint: Constraint) -> None:
-    """Raises ValueError naming what xgrammar rejects (an invalid or unsupported schema)."""
+    """Raises ValueError naming what xgrammar rejects (an invalid or unsupported schema). Cached: clients send
+    the same schema request after request, and only successes are remembered (lru_cache keeps no exceptions)."""
     grammar_of(constraint)

@@ -23,6 +23,9 @@ from deltafin.protocol.sampling import Constraint
 
 
 def check_tools(request: ChatCompletionRequest, model: ModelConfig, served_name: str) -> None:
+    if not request.tools and request.tool_choice not in (None, "auto", "none"):
+        # A call cannot be forced from nothing; silently generating text would break the client's contract.
+        raise InvalidRequestError("tool_choice requires tools to choose from", param="tool_choice")
     family = get_family(model.family)
     if request.tools and request.tool_choice != "none" and not family.parses_tool_calls(family.variant(model.variant)):
         raise InvalidRequestError(

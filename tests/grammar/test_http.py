@@ -59,6 +59,10 @@ class TestTools:
         error = assert_openai_error(response, 400, "tools")
         assert "tool" in error["message"]
 
+    def test_a_forced_tool_choice_without_tools_is_400(self, client):
+        response = client.post(CHAT, json={"messages": user(), "tool_choice": "required", "max_tokens": 1})
+        assert_openai_error(response, 400, "tool_choice")
+
     def test_tool_choice_none_keeps_tools_harmless(self, client):
         response = client.post(CHAT, json={"messages": user(), "tools": [WEATHER], "tool_choice": "none", "max_tokens": 1})
         assert response.status_code == 200, response.text
