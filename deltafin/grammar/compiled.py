@@ -42,7 +42,9 @@ class GrammarCache:
         self.hits = 0
         self.misses = 0
 
-    def compiler(self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> tuple[Hashable, xgr.GrammarCompiler]:
+    def compiler(
+        self, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]
+    ) -> tuple[Hashable, xgr.GrammarCompiler]:
         stops = sorted(stop_token_ids)
         key = tokenizer_key(tokenizer, vocab_size, stops)
         with self._lock:
@@ -53,7 +55,9 @@ class GrammarCache:
                 compiler = self._compilers[key] = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
         return key, compiler
 
-    def compile(self, constraint: Constraint, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> xgr.CompiledGrammar:
+    def compile(
+        self, constraint: Constraint, tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]
+    ) -> xgr.CompiledGrammar:
         key, compiler = self.compiler(tokenizer, vocab_size, stop_token_ids)
         entry = (constraint, key)
         with self._lock:

@@ -43,7 +43,9 @@ def _content_format(request: ChatCompletionRequest) -> dict[str, Any] | None:
     return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": constraints.MAX_WHITESPACE}
 
 
-def request_constraint(request: ChatCompletionRequest, model: ModelConfig, prompt_text: str) -> tuple[Constraint, str] | None:
+def request_constraint(
+    request: ChatCompletionRequest, model: ModelConfig, prompt_text: str
+) -> tuple[Constraint, str] | None:
     """The constraint and the request field it comes from (for error messages), or None."""
     family = get_family(model.family)
     variant = family.variant(model.variant)
@@ -82,5 +84,7 @@ def build_constraint(
     except ValueError as exc:
         raise InvalidRequestError(f"{param} cannot be enforced: {exc}", param=param) from None
     if not engine_can_constrain:
-        raise InvalidRequestError(f"{field} cannot be enforced by this server's engine (no constrained decoding)", param=field)
+        raise InvalidRequestError(
+            f"{field} cannot be enforced by this server's engine (no constrained decoding)", param=field
+        )
     return constraint

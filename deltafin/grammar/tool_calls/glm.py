@@ -29,11 +29,16 @@ def glm_structure(forced: ForcedCalls, *, reasoning: str, newline_after_name: bo
     newline = "\n" if newline_after_name else ""
 
     def argument(key: str, schema: Mapping[str, Any]) -> Format:
-        return sequence(const(f"<arg_key>{key}</arg_key>{newline}"), tag("<arg_value>", _value(schema), f"</arg_value>{newline}"))
+        return sequence(
+            const(f"<arg_key>{key}</arg_key>{newline}"), tag("<arg_value>", _value(schema), f"</arg_value>{newline}")
+        )
 
     any_argument = sequence(const("<arg_key>"), any_key(), const(f"</arg_key>{newline}"),
                             tag("<arg_value>", raw_text({}, _MARKERS), f"</arg_value>{newline}"))
-    tags = [tag(f"{CALL_BEGIN}{f.name}{newline}", per_property(f.schema, argument, any_argument), CALL_END) for f in forced.functions]
+    tags = [
+        tag(f"{CALL_BEGIN}{f.name}{newline}", per_property(f.schema, argument, any_argument), CALL_END)
+        for f in forced.functions
+    ]
     return structural_tag(
         sequence(
             think_prefix(reasoning, "<think>", "</think>", _MARKERS),

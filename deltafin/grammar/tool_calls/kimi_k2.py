@@ -20,7 +20,11 @@ CALL_BEGIN, ARGS_BEGIN, CALL_END = "<|tool_call_begin|>", "<|tool_call_argument_
 
 def kimi_k2_structure(forced: ForcedCalls, *, reasoning: str) -> dict[str, Any]:
     tags = [
-        tag(f"{CALL_BEGIN}functions.{f.name}:", sequence(regex(r"[0-9]{1,4}"), const(ARGS_BEGIN), arguments(dict(f.schema))), CALL_END)
+        tag(
+            f"{CALL_BEGIN}functions.{f.name}:",
+            sequence(regex(r"[0-9]{1,4}"), const(ARGS_BEGIN), arguments(dict(f.schema))),
+            CALL_END,
+        )
         for f in forced.functions
     ]
     return structural_tag(

@@ -56,8 +56,11 @@ _ANY_ARGUMENT = sequence(const(f'{OPEN}argument key="'), any_key(), const('" typ
 def xtml_structure(forced: ForcedCalls, *, reasoning: str) -> dict[str, Any]:
     """reasoning: "enabled" when the prompt opened the think channel, else the response channel is open."""
     tags = [
-        tag(f'{OPEN}call tool="{_attr(f.name)}" index="', sequence(regex(r"[0-9]{1,4}"), const(f'"{SEP}'), per_property(f.schema, _argument, _ANY_ARGUMENT)),
-            f"{CLOSE}call{SEP}")
+        tag(
+            f'{OPEN}call tool="{_attr(f.name)}" index="',
+            sequence(regex(r"[0-9]{1,4}"), const(f'"{SEP}'), per_property(f.schema, _argument, _ANY_ARGUMENT)),
+            f"{CLOSE}call{SEP}",
+        )
         for f in forced.functions
     ]
     opened = (
@@ -91,4 +94,6 @@ def xtml_reasoning(prompt_text: str) -> str:
     return "disabled" if tail.endswith(f"{OPEN}response{SEP}") else "enabled"
 
 
-XTML = Syntax(calls=lambda forced, reasoning: xtml_structure(forced, reasoning=reasoning), answer=xtml_answer, reasoning=xtml_reasoning)
+XTML = Syntax(
+    calls=lambda forced, reasoning: xtml_structure(forced, reasoning=reasoning), answer=xtml_answer, reasoning=xtml_reasoning
+)
