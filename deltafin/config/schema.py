@@ -40,6 +40,7 @@ class PlacementConfig:
     offload_folder: Optional[str] = None
     num_threads: Optional[int] = None
     compile: bool = False
+    quantize: str = "none"
 
 
 @dataclass

@@ -80,3 +80,9 @@ def decode_step(
         **{cache_arg: cache},
     )
     return out.logits[:, -1]
+
+
+def compiled_decode_step(backend: str = "inductor") -> Any:
+    """`decode_step` under torch.compile. Shapes vary only in the batch size and the cache length, both marked
+    dynamic on first sight, so the graph is captured once per batch bucket instead of once per step."""
+    return torch.compile(decode_step, backend=backend, dynamic=True)

@@ -21,6 +21,7 @@ import structlog
 import torch
 
 from deltafin.config import ModelConfig, PlacementConfig
+from deltafin.engine import quantize
 
 log = structlog.get_logger("deltafin.engine")
 
@@ -39,6 +40,8 @@ class LoadedModel:
     stop_token_ids: frozenset[int]
     source: Path
     load_seconds: float
+    #: placement.compile: the engine compiles its decode step
+    compile: bool = False
 
 
 def resolve_model_path(spec: str) -> Path:
@@ -130,14 +133,19 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig) -> LoadedMode
             kwargs["max_memory"] = dict(placement.max_memory)
         if placement.offload_folder:
             kwargs["offload_folder"] = placement.offload_folder
-    log.info("model_load_start", path=str(folder), dtype=dtype_name, device=placement.device)
+    log.info("model_load_start", path=str(folder), dtype=dtype_name, device=placement.device,
+             quantize=placement.quantize)
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=model_cfg.trust_remote_code)
     model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     if not placement.device_map:
         model.to(placement.device)
     model.eval()
-    if placement.compile:
-        model.forward = torch.compile(model.forward, dynamic=True)
+    problem = quantize.supported(placement.quantize, torch.device(placement.device))
+    if problem:
+        raise ModelLoadError(problem)
+    if placement.quantize != "none":
+        cache_dir = Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
+        quantize.quantize_model(model, placement.quantize, source=folder, cache_dir=cache_dir)
     context_length = model_cfg.context_length or getattr(model.config, "max_position_embeddings", None) or 2048
     seconds = time.perf_counter() - started
     log.info("model_load_done", seconds=round(seconds, 2), context_length=context_length)
@@ -148,6 +156,7 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig) -> LoadedMode
         stop_token_ids=_stop_token_ids(model, tokenizer),
         source=folder,
         load_seconds=seconds,
+        compile=placement.compile,
     )
 
 

@@ -23,7 +23,7 @@ from deltafin.engine.batch import BatchKV
 from deltafin.engine.constraint import ConstraintFactory
 from deltafin.engine.detokenizer import IncrementalDetokenizer
 from deltafin.engine.events import GenerationJob, PromptLogprobs
-from deltafin.engine.generator import PREFILL_CHUNK, cache_argument, decode_step, prefill
+from deltafin.engine.generator import PREFILL_CHUNK, cache_argument, compiled_decode_step, decode_step, prefill
 from deltafin.engine.interface import EngineCapabilities, EngineClient
 from deltafin.engine.loader import LoadedModel
 from deltafin.engine.prefix_cache import PrefixCache
@@ -59,7 +59,8 @@ class LocalEngine(EngineClient):
         self._thread_tokenizer = copy.deepcopy(loaded.tokenizer)
         self.context_length = loaded.context_length
         self.stop_token_ids = loaded.stop_token_ids
-        self.vocab_size = int(self.model.get_output_embeddings().weight.shape[0])
+        head = self.model.get_output_embeddings()
+        self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])
         self.capacity = max(1, max_batch)
         self.capabilities = EngineCapabilities(
             prompt_logprobs=True, grammar=constraint_factory is not None, cached_tokens=True
@@ -74,7 +75,7 @@ class LocalEngine(EngineClient):
         )
         self.device = next(self.model.parameters()).device
         self.cache_arg = cache_argument(self.model)
-        self.decode = decode_step
+        self.decode = compiled_decode_step() if loaded.compile else decode_step
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._rows: list[Row] = []
         self._kv = BatchKV(self.device)
@@ -169,7 +170,9 @@ class LocalEngine(EngineClient):
     def _new_row(self, sub: Submission, choice: int, cached: int, started: float) -> Row:
         job = sub.jobs[choice]
         params = job.params
-        constraint = self.constraint_factory(params.constraint) if params.constraint and self.constraint_factory else None
+        constraint = None
+        if params.constraint is not None and self.constraint_factory is not None:
+            constraint = self.constraint_factory(params.constraint)
         return Row(
             submission=sub,
             choice=choice,
@@ -193,7 +196,8 @@ class LocalEngine(EngineClient):
             row.ids.append(row.pending)  # type: ignore[arg-type]
         mask, positions = self._kv.step_inputs()
         try:
-            logits = self.decode(self.model, tokens, mask, positions, self._kv.cache, cache_arg=self.cache_arg)  # [B, V]
+            logits = self.decode(self.model, tokens, mask, positions, self._kv.cache, cache_arg=self.cache_arg)
+            # logits: [B, V]
         except Exception as exc:
             log.exception("generation_failed")
             subs = {id(row.submission): row.submission for row in rows}

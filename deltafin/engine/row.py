@@ -94,7 +94,7 @@ class Row:
 
     def _finish(self, reason: str, stop_reason: str | int | None) -> bool:
         self.timings["total_s"] = time.perf_counter() - self.started
-        self.stream.emit(Finished(
-            self.choice, reason, self.prompt_len, self.count, self.cached, stop_reason, timings=self.timings  # type: ignore[arg-type]
-        ))
+        end = Finished(self.choice, reason, self.prompt_len, self.count, self.cached, stop_reason,  # type: ignore[arg-type]
+                       timings=self.timings)
+        self.stream.emit(end)
         return True

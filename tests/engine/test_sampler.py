@@ -2,6 +2,7 @@ import torch
 
 from deltafin.engine.sampler import Sampler
 from deltafin.protocol.sampling import SamplingParams
+from tests.engine.fakes import AllowList
 
 CPU = torch.device("cpu")
 
@@ -60,24 +61,6 @@ class TestSampler:
         assert [token for token, _ in entry.top] == [1, 3]
 
 
-class AllowList:
-    """A fake grammar: only `allowed` tokens, and it is complete after `length` tokens."""
-
-    def __init__(self, allowed, length=2):
-        self.allowed, self.length, self.accepted = list(allowed), length, []
-
-    def fill_mask(self, logits):
-        keep = logits[self.allowed].clone()
-        logits.fill_(float("-inf"))
-        logits[self.allowed] = keep
-
-    def accept(self, token_id):
-        self.accepted.append(token_id)
-
-    def is_terminated(self):
-        return len(self.accepted) >= self.length
-
-
 class TestNonFiniteGuard:
     def test_tiny_repetition_penalty_samples_a_real_token(self):
         # Seen tokens with positive logits become +inf (x / 1e-300): softmax would give nan.
@@ -109,11 +92,12 @@ class TestConstraintHook:
 
     def test_mask_comes_after_bias_and_before_greedy(self):
         # The bias makes token 0 the best, but the constraint forbids it.
-        s = Sampler(SamplingParams(max_tokens=1, temperature=0.0, logit_bias=((0, 50.0),)), 5, CPU, [], AllowList([3, 4]))
+        params = SamplingParams(max_tokens=1, temperature=0.0, logit_bias=((0, 50.0),))
+        s = Sampler(params, 5, CPU, [], AllowList([3, 4], length=9))
         assert draw(s, torch.tensor([0.0, 9.0, 1.0, 2.0, -1.0])) == 3
 
     def test_logprobs_stay_those_of_the_raw_distribution(self):
-        s = Sampler(SamplingParams(max_tokens=1, temperature=0.0, logprobs=True), 5, CPU, [], AllowList([3]))
+        s = Sampler(SamplingParams(max_tokens=1, temperature=0.0, logprobs=True), 5, CPU, [], AllowList([3], length=9))
         logits = torch.tensor([0.0, 3.0, 1.0, 2.0, -1.0])
         token = draw(s, logits)
         assert token == 3 and abs(s.logprob(logits, token).logprob - float(torch.log_softmax(logits, -1)[3])) < 1e-6
