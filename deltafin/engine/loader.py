@@ -140,10 +140,10 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig) -> LoadedMode
     if not placement.device_map:
         model.to(placement.device)
     model.eval()
-    problem = quantize.supported(placement.quantize, torch.device(placement.device))
-    if problem:
-        raise ModelLoadError(problem)
     if placement.quantize != "none":
+        problem = quantize.supported(placement.quantize, next(model.parameters()).device)
+        if problem:
+            raise ModelLoadError(problem)
         cache_dir = Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
         quantize.quantize_model(model, placement.quantize, source=folder, cache_dir=cache_dir)
     context_length = model_cfg.context_length or getattr(model.config, "max_position_embeddings", None) or 2048

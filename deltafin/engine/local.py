@@ -123,6 +123,9 @@ class LocalEngine(EngineClient):
                     param="response_format",
                 ))
                 return
+            if not all(job.prompt_ids for job in sub.jobs):
+                sub.fail(InvalidRequestError("The prompt is empty: at least one token is needed.", param="prompt"))
+                return
             sub.rows_left = len(sub.jobs)
             try:
                 groups: dict[tuple, list[int]] = {}

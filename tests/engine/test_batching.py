@@ -241,6 +241,10 @@ class TestConstraints:
         assert a_end[0].reason == b_end[0].reason == "stop" and a_end[0].completion_tokens == 5
         assert set(built["100,200,300"].contexts) == {"req-a"} and set(built["400,500"].contexts) == {"req-b"}
 
+    def test_an_empty_prompt_is_a_400_not_a_crash(self, front, run):
+        with pytest.raises(InvalidRequestError):
+            run(collect(front, [GenerationJob((), SamplingParams(max_tokens=5))]))
+
     def test_a_constraint_without_a_factory_is_a_400(self, front, run):
         params = SamplingParams(max_tokens=5, constraint=Constraint("json_object"))
         with pytest.raises(InvalidRequestError):
