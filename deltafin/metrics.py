@@ -17,6 +17,20 @@ class Metrics:
         self.memo_hits = Counter("deltafin_memo_hits", "Requests answered from the deterministic memo", registry=self.registry)
         self.latency = Histogram("deltafin_request_seconds", "Request latency", ["route"], registry=self.registry)
         self.ttft = Histogram("deltafin_time_to_first_token_seconds", "Time to first token", registry=self.registry)
+        # Gateway mode (an upstream engine): how long each upstream generation took, and what went wrong.
+        self.upstream_seconds = Histogram(
+            "deltafin_upstream_seconds", "Upstream generation time per choice", ["engine"], registry=self.registry
+        )
+        self.upstream_errors = Counter(
+            "deltafin_upstream_errors", "Upstream failures by kind", ["engine", "kind"], registry=self.registry
+        )
+
+    # The upstream engines' observer interface (deltafin.engine.upstream.engine.UpstreamObserver).
+    def upstream_latency(self, engine: str, seconds: float) -> None:
+        self.upstream_seconds.labels(engine=engine).observe(seconds)
+
+    def upstream_error(self, engine: str, kind: str) -> None:
+        self.upstream_errors.labels(engine=engine, kind=kind).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -17,7 +17,7 @@ from deltafin import __version__
 from deltafin.app.errors import handle_exception
 from deltafin.app.request_context import RequestContext
 from deltafin.app.routes import ROUTES
-from deltafin.app.services import Services
+from deltafin.app.services import Services, engine_name
 from deltafin.config import DeltafinConfig
 from deltafin.errors import AuthenticationError, EngineUnavailableError
 from deltafin.metrics import Metrics
@@ -54,7 +54,12 @@ def _provide_services(request: Request, state: State) -> Services:
 async def health(state: State) -> Response:
     readiness: Readiness = state.readiness
     if readiness.services is not None:
-        return Response({"status": "ok", "model": state.config.model.name})
+        engine = readiness.services.ctx.engine
+        upstream = await engine.readiness()  # an upstream engine: is it there and ready?
+        if not upstream.ready:
+            return Response({"status": "upstream_unavailable", "engine": engine.name, "error": upstream.detail},
+                            status_code=503, headers={"Retry-After": "5"})
+        return Response({"status": "ok", "model": state.config.model.name, "engine": engine.name})
     status = "failed" if readiness.error else "loading"
     return Response({"status": status, "error": readiness.error}, status_code=503)
 
@@ -79,6 +84,7 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
         async def load() -> None:
             try:
                 readiness.services = await asyncio.to_thread(Services.load, config)
+                readiness.services.ctx.engine.observe(app_metrics)  # upstream latency and errors
                 log.info("ready", model=config.model.name)
             except Exception as exc:  # shown by /health and 503s; the process stays up to say so
                 readiness.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -100,4 +106,4 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
         openapi_config=OpenAPIConfig(title="Deltafin", version=__version__, path="/schema"),
         debug=False,
     )
-    return RequestContext(litestar_app, app_metrics)
+    return RequestContext(litestar_app, app_metrics, engine=engine_name(config))

@@ -24,9 +24,10 @@ def _header(scope: dict[str, Any], name: bytes) -> str | None:
 
 
 class RequestContext:
-    def __init__(self, app: Any, metrics: Metrics) -> None:
+    def __init__(self, app: Any, metrics: Metrics, engine: str = "local") -> None:
         self.app = app
         self.metrics = metrics
+        self.engine = engine
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -74,6 +75,7 @@ class RequestContext:
             method=scope.get("method"),
             route=route,
             status=status,
+            engine=self.engine,
             completed=completed,
             prompt_tokens=stats.prompt_tokens,
             completion_tokens=stats.completion_tokens,
