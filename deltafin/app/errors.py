@@ -6,9 +6,9 @@ import re
 
 import structlog
 from litestar import Request, Response
-from litestar.exceptions import HTTPException, ValidationException
+from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 
-from deltafin.errors import DeltafinError, InternalError, InvalidRequestError, error_for_status
+from deltafin.errors import DeltafinError, InternalError, InvalidRequestError, NotFoundError, error_for_status
 
 log = structlog.get_logger("deltafin.errors")
 
@@ -47,6 +47,16 @@ def _validation_error(exc: ValidationException) -> InvalidRequestError:
     return InvalidRequestError(f"Invalid value for `{key}`: {message}", param=key)
 
 
+#: what a client that reached an unserved route (embeddings, responses, audio, ...) is told instead
+SERVED = (
+    "Deltafin serves the OpenAI chat completions API: POST /v1/chat/completions, POST /v1/completions, "
+    "GET /v1/models (plus /tokenize, /detokenize, /parse, /health, /metrics). openai-agents: use "
+    'OpenAIChatCompletionsModel or set_default_openai_api("chat_completions").'
+)
+
+
 def handle_exception(request: Request, exc: Exception) -> Response:
+    if type(exc) is NotFoundException:  # the router found no route (handlers raise DeltafinErrors)
+        exc = NotFoundError(f"{request.method} {request.url.path} is not served. {SERVED}", code="route_not_found")
     err = to_deltafin_error(exc)
     return Response(err.body(), status_code=err.status, headers=err.headers)

@@ -11,7 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Callable, ClassVar, Sequence
 
-from deltafin.prompt.parsers.base import IdFactory, OutputParser, PlainOutputParser
+from deltafin.grammar.tool_calls import Syntax, forced_calls
+from deltafin.prompt.parsers.base import IdFactory, OutputParser, PlainOutputParser, random_call_id
 from deltafin.prompt.parsers.chain import BlankContentBesideCalls, ChainedParser
 
 
@@ -68,11 +69,34 @@ class ModelFamily:
         """The tiny test model of this family (None: the family has none)."""
         return None
 
-    def tool_call_structure(self, tools: Sequence[Any], tool_choice: Any, *, reasoning: bool) -> dict[str, Any] | None:
-        """An xgrammar structural-tag description (JSON-able dict) that forces this family's native
-        tool-call syntax for `tools` under `tool_choice` (`reasoning`: the answer starts inside reasoning,
-        so the constraint applies only after it ends); None = not supported yet.
-
-        The structured-outputs work (issue 10) fills this in per family, beside the parser that reads the
-        same syntax back (as SGLang keeps `build_ebnf` / `structure_info` on its format detectors)."""
+    def grammar(self, variant: str | None) -> Syntax | None:
+        """The grammar of this family's output (deltafin.grammar.tool_calls.Syntax), kept beside the parser that
+        reads the same syntax back (as SGLang keeps `build_ebnf` / `structure_info` on its format detectors);
+        None: nothing to force (no tool-call syntax)."""
         return None
+
+    def parses_tool_calls(self, variant: str | None) -> bool:
+        """The family reads tool calls from output; `tools` sent to a family that does not are refused."""
+        return self.tool_parser(variant, (), random_call_id) is not None
+
+    def tool_call_structure(
+        self, variant: str | None, tools: Sequence[Any], tool_choice: Any, *, prompt_text: str,
+        parallel_tool_calls: bool | None = None,
+    ) -> dict[str, Any] | None:
+        """An xgrammar structural tag forcing this family's native tool-call syntax when `tool_choice` forces a
+        call ("required" or a named function), after any reasoning block the prompt leaves open; None when
+        nothing is forced or the family has no grammar. ValueError: the named function is not in `tools`."""
+        syntax = self.grammar(variant)
+        forced = forced_calls(tools, tool_choice, parallel_tool_calls=parallel_tool_calls)
+        if syntax is None or forced is None:
+            return None
+        return syntax.calls(forced, syntax.reasoning(prompt_text))
+
+    def answer_structure(self, variant: str | None, content: dict[str, Any], *, prompt_text: str) -> dict[str, Any] | None:
+        """A structural tag letting this family's reasoning through, then `content` (an xgrammar format, e.g.
+        JSON under a schema) as the answer; None when the output starts with the answer (no open reasoning)."""
+        syntax = self.grammar(variant)
+        if syntax is None:
+            return None
+        reasoning = syntax.reasoning(prompt_text)
+        return None if reasoning == "disabled" else syntax.answer(content, reasoning)

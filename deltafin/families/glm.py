@@ -12,6 +12,7 @@ from typing import Any, Sequence
 
 from deltafin.families import register
 from deltafin.families.base import ModelFamily, TinyRecipe
+from deltafin.grammar.tool_calls import GLM45, GLM47, Syntax
 from deltafin.prompt.parsers.base import IdFactory
 from deltafin.prompt.parsers.glm import CALL_BEGIN, GlmToolParser
 from deltafin.prompt.parsers.think import ThinkReasoningParser
@@ -39,6 +40,9 @@ class Glm(ModelFamily):
 
     def tool_parser(self, variant: str | None, tools: Sequence[Any], new_id: IdFactory) -> GlmToolParser:
         return GlmToolParser(newline_after_name=variant == "glm45", types=schema_types(tools), new_id=new_id)
+
+    def grammar(self, variant: str | None) -> Syntax:
+        return GLM45 if variant == "glm45" else GLM47
 
     def tiny_recipe(self, variant: str | None) -> TinyRecipe:
         switch = "{%- set glm47 = " + ("true" if variant == "glm47" else "false") + " -%}"

@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from deltafin.families import register
 from deltafin.families.base import ModelFamily, TinyRecipe
+from deltafin.grammar.tool_calls import KIMI_K2, Syntax
 from deltafin.prompt.parsers.base import IdFactory
 from deltafin.prompt.parsers.kimi_k2 import CALL_BEGIN, SECTION_BEGIN, KimiK2ToolParser
 from deltafin.prompt.parsers.think import ThinkReasoningParser
@@ -35,6 +36,9 @@ class KimiK2(ModelFamily):
 
     def tool_parser(self, variant: str | None, tools: Sequence[Any], new_id: IdFactory) -> KimiK2ToolParser:
         return KimiK2ToolParser(tool_properties(tools), new_id)
+
+    def grammar(self, variant: str | None) -> Syntax:
+        return KIMI_K2
 
     def tiny_recipe(self, variant: str | None) -> TinyRecipe:
         return TinyRecipe(deepseek_v3, TOKENS, ["<|im_end|>"], "kimi_k2.jinja")

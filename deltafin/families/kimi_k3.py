@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from deltafin.families import register
 from deltafin.families.base import ModelFamily, TinyRecipe
+from deltafin.grammar.tool_calls import XTML, Syntax
 from deltafin.prompt.parsers.base import IdFactory, OutputParser
 from deltafin.prompt.parsers.chain import BlankContentBesideCalls
 from deltafin.prompt.parsers.kimi_k3 import KimiK3Parser, starting_channels
@@ -26,6 +27,12 @@ class KimiK3(ModelFamily):
     ) -> OutputParser:
         parser = KimiK3Parser(channels=starting_channels(prompt_text), calls_allowed=calls_allowed, new_id=new_id)
         return BlankContentBesideCalls(parser) if calls_allowed else parser
+
+    def grammar(self, variant: str | None) -> Syntax:
+        return XTML
+
+    def parses_tool_calls(self, variant: str | None) -> bool:
+        return True  # one parser for reasoning and calls (output_parser), no separate tool parser
 
     def tiny_recipe(self, variant: str | None) -> TinyRecipe:
         return TinyRecipe(deepseek_v3, TOKENS, ["<|end_of_msg|>"])

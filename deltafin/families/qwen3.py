@@ -7,6 +7,7 @@ from typing import Any, Sequence
 
 from deltafin.families import register
 from deltafin.families.base import ModelFamily, TinyRecipe
+from deltafin.grammar.tool_calls import HERMES, Syntax
 from deltafin.prompt.parsers.base import IdFactory
 from deltafin.prompt.parsers.hermes import CALL_BEGIN, HermesToolParser
 from deltafin.prompt.parsers.think import ThinkReasoningParser
@@ -30,6 +31,9 @@ class Qwen3(ModelFamily):
 
     def tool_parser(self, variant: str | None, tools: Sequence[Any], new_id: IdFactory) -> HermesToolParser:
         return HermesToolParser(new_id)
+
+    def grammar(self, variant: str | None) -> Syntax:
+        return HERMES
 
     def tiny_recipe(self, variant: str | None) -> TinyRecipe:
         return TinyRecipe(qwen3, TOKENS, ["<|im_end|>", "<|endoftext|>"], "qwen3.jinja")

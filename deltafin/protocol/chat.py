@@ -62,6 +62,26 @@ class ToolDefinition(Struct, kw_only=True):
     type: Literal["function"] = "function"
 
 
+class JsonSchemaFormat(Struct, kw_only=True):
+    name: Optional[str] = None
+    description: Optional[str] = None
+    # `schema` is the OpenAI field name; msgspec maps it as is.
+    schema: Optional[dict[str, Any]] = None
+    # Deltafin enforces the schema whether strict is true or not (not enforcing is never better for a client).
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(Struct, kw_only=True):
+    """`{"type": "text" | "json_object" | "json_schema", "json_schema": {...}}`; the type is checked in `check`
+    so that an unknown one is a 400 naming `response_format.type`."""
+
+    type: str
+    json_schema: Optional[JsonSchemaFormat] = None
+
+
+RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
+
+
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
     max_tokens: Optional[PositiveInt] = None
@@ -71,6 +91,7 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     tools: Optional[list[ToolDefinition]] = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: Optional[bool] = None
+    response_format: Optional[ResponseFormat] = None
     chat_template_kwargs: Optional[dict[str, Any]] = None
     # Kimi's request field ({"type": "enabled" | "disabled"}), mapped by a compat rule.
     thinking: Optional[dict[str, Any]] = None
@@ -98,8 +119,23 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
                 raise InvalidRequestError("a tool message needs content", param=f"messages[{i}].content")
             if message.role in ("system", "developer", "user") and message.content is None:
                 raise InvalidRequestError(f"a {message.role} message needs content", param=f"messages[{i}].content")
+        self.check_response_format()
         if self.tool_choice is not None and isinstance(self.tool_choice, str):
             if self.tool_choice not in ("none", "auto", "required"):
                 raise InvalidRequestError(
                     "tool_choice must be 'none', 'auto', 'required' or a function object", param="tool_choice"
                 )
+
+    def check_response_format(self) -> None:
+        rf = self.response_format
+        if rf is None:
+            return
+        if rf.type not in RESPONSE_FORMAT_TYPES:
+            raise InvalidRequestError(
+                f"response_format.type must be one of {', '.join(RESPONSE_FORMAT_TYPES)}, got {rf.type!r}",
+                param="response_format.type",
+            )
+        if rf.type == "json_schema" and (rf.json_schema is None or rf.json_schema.schema is None):
+            raise InvalidRequestError(
+                "response_format of type json_schema needs json_schema.schema", param="response_format.json_schema"
+            )

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 class Constraint:
     """A constrained-decoding request, engine-neutral and hashable (so it is part of the memo key).
 
-    kind: "json_object" (value ""), "json_schema" (value: the schema as canonical JSON, sorted keys),
+    kind: "json_object" (value ""), "json_schema" (value: the schema as compact JSON, key order kept: it is the output order),
     "structural_tag" (value: an xgrammar structural-tag description as canonical JSON; used to force a
     family's native tool-call syntax). The local engine compiles it with xgrammar; upstream adapters forward
     it in their engine's own field."""

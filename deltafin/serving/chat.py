@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from deltafin.engine import Finished, GenerationJob, GenerationStream, TextDelta, TokenLogprob
@@ -11,6 +11,7 @@ from deltafin.families import build_output_parser
 from deltafin.prompt.parsers import OutputParser, ParsedDelta
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.rules import RuleContext
+from deltafin.serving.constraints import build_constraint, check_tools
 from deltafin.serving.context import RequestStats, ServingContext, new_id
 from deltafin.serving.logprobs import chat_logprobs
 from deltafin.serving.ruled import serve_with_rules
@@ -121,6 +122,14 @@ class ChatService:
             for i in range(request.n)
         ]
 
+    def constrained(self, request: ChatCompletionRequest, prompt: RenderedPrompt, jobs: list[GenerationJob]) -> list[GenerationJob]:
+        """The jobs with the request's constraint (response_format, enforced tool_choice), if any."""
+        constraint = build_constraint(request, self.ctx.config.model, prompt.text,
+                                      engine_can_constrain=self.ctx.engine.capabilities.grammar)
+        if constraint is None:
+            return jobs
+        return [replace(job, params=replace(job.params, constraint=constraint)) for job in jobs]
+
     def output_parser(self, request: ChatCompletionRequest, prompt_text: str) -> OutputParser:
         """Tool calls are parsed only when the request declares tools and allows calls."""
         model = self.ctx.config.model
@@ -139,8 +148,9 @@ class ChatService:
 
         async def produce(request: ChatCompletionRequest) -> dict[str, Any] | ChunkStream:
             self.ctx.check_model(request.model)
+            check_tools(request, self.ctx.config.model, self.ctx.model_name)
             prompt = await self.ctx.off_loop(self.render, request)
-            jobs = self.jobs(request, prompt)
+            jobs = self.constrained(request, prompt, self.jobs(request, prompt))
             stats.prompt_tokens = len(prompt.token_ids)
             choices = [ChoiceAssembly(self.output_parser(request, prompt.text)) for _ in jobs]
             stream = await self.ctx.engine.start(jobs)

@@ -74,9 +74,13 @@ class TestRegistry:
         assert k3.feed(k3_call).tool_calls[0].id == "functions.now:3"
 
     @pytest.mark.parametrize("name", sorted(FAMILIES))
-    def test_grammar_hook_is_there_and_not_filled_yet(self, name):
+    def test_grammar_hook_forces_calls_exactly_where_the_family_parses_them(self, name):
+        family = FAMILIES[name]
+        variant = family.variant(None)
         tools = [{"type": "function", "function": {"name": "now"}}]
-        assert FAMILIES[name].tool_call_structure(tools, "auto", reasoning=True) is None
+        assert family.tool_call_structure(variant, tools, "auto", prompt_text="") is None
+        forced = family.tool_call_structure(variant, tools, "required", prompt_text="")
+        assert (forced is not None) == family.parses_tool_calls(variant)
 
 
 @pytest.mark.parametrize("module", sorted(p.name for p in PARSERS.glob("*.py")))

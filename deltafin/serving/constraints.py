@@ -1,0 +1,90 @@
+"""The constraint a chat request is generated under, and the honest refusals around it.
+
+- A forced tool_choice ("required" or a named function) on a model with a tool parser: the family's native
+  tool-call syntax (deltafin.grammar.tool_calls), so its own parser reads the output unchanged.
+- Otherwise `response_format` json_object / json_schema: JSON (after the reasoning block, on models that
+  reason first); `text` or none: free generation.
+- `tools` to a model without a tool parser (and tool_choice not "none"): 400, as vLLM answers, instead of
+  dropping them silently. A constraint the engine cannot enforce: 400, instead of ignoring it.
+Rules run before this, so a rule that rewrites tool_choice to "auto" (force_tool_choice_auto,
+glm_tool_choice_required) turns enforcement off for that request.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from deltafin.config import ModelConfig
+from deltafin.errors import InvalidRequestError
+from deltafin.families import get_family
+from deltafin.grammar import constraints
+from deltafin.protocol.chat import ChatCompletionRequest
+from deltafin.protocol.sampling import Constraint
+
+
+def check_tools(request: ChatCompletionRequest, model: ModelConfig, served_name: str) -> None:
+    if not request.tools and request.tool_choice not in (None, "auto", "none"):
+        # A call cannot be forced from nothing; silently generating text would break the client's contract.
+        raise InvalidRequestError("tool_choice requires tools to choose from", param="tool_choice")
+    family = get_family(model.family)
+    if request.tools and request.tool_choice != "none" and not family.parses_tool_calls(family.variant(model.variant)):
+        raise InvalidRequestError(
+            f"The model `{served_name}` (family {model.family}) has no tool-call parser, so it cannot call tools. "
+            'Send no tools, or tool_choice "none".',
+            param="tools",
+        )
+
+
+def _content_format(request: ChatCompletionRequest) -> dict[str, Any] | None:
+    rf = request.response_format
+    if rf is None or rf.type == "text":
+        return None
+    schema = rf.json_schema.schema if rf.type == "json_schema" and rf.json_schema else {"type": "object"}
+    return {"type": "json_schema", "json_schema": schema, "max_whitespace_cnt": constraints.MAX_WHITESPACE}
+
+
+def request_constraint(
+    request: ChatCompletionRequest, model: ModelConfig, prompt_text: str
+) -> tuple[Constraint, str] | None:
+    """The constraint and the request field it comes from (for error messages), or None."""
+    family = get_family(model.family)
+    variant = family.variant(model.variant)
+    if request.tools and request.tool_choice != "none":
+        try:
+            structure = family.tool_call_structure(
+                variant, request.tools, request.tool_choice, prompt_text=prompt_text,
+                parallel_tool_calls=request.parallel_tool_calls,
+            )
+        except ValueError as exc:
+            raise InvalidRequestError(str(exc), param="tool_choice") from None
+        if structure is not None:
+            return constraints.structural_tag(structure), "tool_choice"
+    content = _content_format(request)
+    if content is None:
+        return None
+    structure = family.answer_structure(variant, content, prompt_text=prompt_text)
+    if structure is not None:
+        return constraints.structural_tag(structure), "response_format"
+    if request.response_format.type == "json_object":
+        return constraints.json_object(), "response_format"
+    return constraints.json_schema(content["json_schema"]), "response_format"
+
+
+def build_constraint(
+    request: ChatCompletionRequest, model: ModelConfig, prompt_text: str, *, engine_can_constrain: bool
+) -> Constraint | None:
+    """request_constraint, checked: xgrammar can build it and the engine can enforce it (else a 400)."""
+    found = request_constraint(request, model, prompt_text)
+    if found is None:
+        return None
+    constraint, field = found
+    param = "response_format.json_schema.schema" if field == "response_format" else "tools"
+    try:
+        constraints.check(constraint)
+    except ValueError as exc:
+        raise InvalidRequestError(f"{param} cannot be enforced: {exc}", param=param) from None
+    if not engine_can_constrain:
+        raise InvalidRequestError(
+            f"{field} cannot be enforced by this server's engine (no constrained decoding)", param=field
+        )
+    return constraint

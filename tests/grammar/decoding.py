@@ -1,0 +1,34 @@
+"""A hand-written greedy decode loop with a RowConstraint, the way the batched sampler applies one: mask after
+penalties/bias (none here), before the (greedy) choice; accept; stop on a stop token or a terminated grammar."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import torch
+from transformers import DynamicCache
+
+from deltafin.engine.generator import cache_argument
+from deltafin.engine.constraint import RowConstraint
+
+
+def greedy(model, prompt_ids: Sequence[int], row: RowConstraint | None, *, max_tokens: int, stop_ids: frozenset[int]) -> list[int]:
+    cache = {cache_argument(model): DynamicCache(config=model.config)}
+
+    def step(ids: list[int]) -> torch.Tensor:  # [V] logits after `ids`
+        return model(input_ids=torch.tensor([ids]), use_cache=True, logits_to_keep=1, **cache).logits[0, -1].float()
+
+    out: list[int] = []
+    with torch.inference_mode():
+        logits = step(list(prompt_ids))
+        for _ in range(max_tokens):
+            if row is not None:
+                row.fill_mask(logits)
+            token = int(torch.argmax(logits))
+            out.append(token)
+            if row is not None:
+                row.accept(token)
+            if token in stop_ids or (row is not None and row.is_terminated()):
+                break
+            logits = step([token])
+    return out

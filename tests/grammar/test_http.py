@@ -1,0 +1,77 @@
+"""In-process HTTP: response_format validation, tools refused on a model with no tool parser, constraints an
+engine cannot enforce, and the 404 that says what Deltafin serves."""
+
+from __future__ import annotations
+
+import pytest
+from litestar.testing import TestClient
+
+from deltafin.app import build_app
+from deltafin.engine.interface import EngineCapabilities
+from tests.app.test_http import CHAT, assert_openai_error, user
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+
+
+class _NoGrammar:
+    """The real engine, claiming it cannot constrain (as an upstream without structured outputs)."""
+
+    capabilities = EngineCapabilities(grammar=False)
+
+    def __init__(self, engine):
+        self._engine = engine
+
+    def __getattr__(self, name):
+        return getattr(self._engine, name)
+
+
+@pytest.fixture(scope="module")
+def client(config, services):
+    with TestClient(build_app(config, services)) as client:
+        yield client
+
+
+class TestResponseFormatValidation:
+    @pytest.mark.parametrize("response_format,param", [
+        ({"type": "bogus"}, "response_format.type"),
+        ({"type": "json_schema"}, "response_format.json_schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema"),
+        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}},
+         "response_format.json_schema.schema"),
+    ])
+    def test_400_naming_the_field(self, client, response_format, param):
+        response = client.post(CHAT, json={"messages": user(), "response_format": response_format, "max_tokens": 1})
+        assert_openai_error(response, 400, param)
+
+    def test_text_is_plain_generation(self, client):
+        response = client.post(CHAT, json={"messages": user(), "response_format": {"type": "text"}, "max_tokens": 1})
+        assert response.status_code == 200, response.text
+
+    def test_an_engine_without_constrained_decoding_refuses_instead_of_ignoring(self, client, services, monkeypatch):
+        monkeypatch.setattr(services.ctx.engine, "engine", _NoGrammar(services.ctx.engine.engine))
+        response = client.post(CHAT, json={"messages": user(), "response_format": {"type": "json_object"}, "max_tokens": 1})
+        assert_openai_error(response, 400, "response_format")
+
+
+class TestTools:
+    def test_tools_to_a_model_without_a_tool_parser_is_400(self, client):
+        response = client.post(CHAT, json={"messages": user(), "tools": [WEATHER], "max_tokens": 1})
+        error = assert_openai_error(response, 400, "tools")
+        assert "tool" in error["message"]
+
+    def test_a_forced_tool_choice_without_tools_is_400(self, client):
+        response = client.post(CHAT, json={"messages": user(), "tool_choice": "required", "max_tokens": 1})
+        assert_openai_error(response, 400, "tool_choice")
+
+    def test_tool_choice_none_keeps_tools_harmless(self, client):
+        response = client.post(CHAT, json={"messages": user(), "tools": [WEATHER], "tool_choice": "none", "max_tokens": 1})
+        assert response.status_code == 200, response.text
+
+
+class TestUnservedRoutes:
+    @pytest.mark.parametrize("method,path", [("post", "/v1/embeddings"), ("post", "/v1/responses"),
+                                             ("post", "/v1/audio/transcriptions"), ("get", "/v1/nothing")])
+    def test_404_says_what_is_served(self, client, method, path):
+        error = assert_openai_error(getattr(client, method)(path, json={}) if method == "post" else client.get(path), 404)
+        assert path in error["message"] and "/v1/chat/completions" in error["message"]
+        assert "set_default_openai_api" in error["message"] and error["code"] == "route_not_found"
