@@ -16,7 +16,8 @@ from litestar.openapi import OpenAPIConfig
 from deltafin import __version__
 from deltafin.app.errors import handle_exception
 from deltafin.app.request_context import RequestContext
-from deltafin.app.routes import ROUTES
+from deltafin.app.body import publish_body_schemas
+from deltafin.app.routes import BODY_TYPES, ROUTES
 from deltafin.app.services import Services
 from deltafin.config import DeltafinConfig
 from deltafin.errors import AuthenticationError, EngineUnavailableError
@@ -100,4 +101,5 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
         openapi_config=OpenAPIConfig(title="Deltafin", version=__version__, path="/schema"),
         debug=False,
     )
+    publish_body_schemas(litestar_app, BODY_TYPES)
     return RequestContext(litestar_app, app_metrics)

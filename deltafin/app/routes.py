@@ -6,9 +6,10 @@ from typing import Any
 
 from litestar import Request, Response, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath, JSONBody
+from litestar.params import FromPath
 from litestar.response import Stream
 
+from deltafin.app.body import documented_body, strict_body
 from deltafin.app.disconnect import until_disconnected
 from deltafin.app.request_context import STATS_KEY
 from deltafin.app.services import Services
@@ -19,6 +20,15 @@ from deltafin.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from deltafin.serving.context import RequestStats
 from deltafin.serving.models import get_model, list_models
 from deltafin.serving.sse import StreamingResponse
+
+
+#: The request types whose schemas /schema publishes (deltafin.app.body.publish_body_schemas).
+BODY_TYPES = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, ParseRequest]
+
+
+def _body(request_type: type) -> dict[str, Any]:
+    """Route options that decode the body strictly as `payload` and document it in /schema."""
+    return {"dependencies": {"payload": strict_body(request_type)}, "operation_class": documented_body(request_type)}
 
 
 def _stats(request: Request) -> RequestStats:
@@ -40,18 +50,18 @@ async def _respond(request: Request, work: Any) -> Response | Stream:
     return Response(result)
 
 
-@post(["/v1/chat/completions", "/chat/completions"], status_code=200, summary="Create a chat completion")
+@post(["/v1/chat/completions", "/chat/completions"], status_code=200, summary="Create a chat completion", **_body(ChatCompletionRequest))
 async def chat_completions(
-    request: Request, data: JSONBody[ChatCompletionRequest], services: NamedDependency[Services]
+    request: Request, payload: NamedDependency[ChatCompletionRequest], services: NamedDependency[Services]
 ) -> Response | Stream:
-    return await _respond(request, services.chat.create(data, _stats(request)))
+    return await _respond(request, services.chat.create(payload, _stats(request)))
 
 
-@post(["/v1/completions", "/completions"], status_code=200, summary="Create a text completion")
+@post(["/v1/completions", "/completions"], status_code=200, summary="Create a text completion", **_body(CompletionRequest))
 async def completions(
-    request: Request, data: JSONBody[CompletionRequest], services: NamedDependency[Services]
+    request: Request, payload: NamedDependency[CompletionRequest], services: NamedDependency[Services]
 ) -> Response | Stream:
-    return await _respond(request, services.completions.create(data, _stats(request)))
+    return await _respond(request, services.completions.create(payload, _stats(request)))
 
 
 @get(["/v1/models", "/models"], summary="List the served model")
@@ -64,21 +74,21 @@ async def model(name: FromPath[str], services: NamedDependency[Services]) -> dic
     return get_model(services.ctx, name)
 
 
-@post(["/tokenize", "/v1/tokenize"], status_code=200, summary="Tokenize a prompt or chat messages")
+@post(["/tokenize", "/v1/tokenize"], status_code=200, summary="Tokenize a prompt or chat messages", **_body(TokenizeRequest))
 async def tokenize(
-    request: Request, data: JSONBody[TokenizeRequest], services: NamedDependency[Services]
+    request: Request, payload: NamedDependency[TokenizeRequest], services: NamedDependency[Services]
 ) -> dict[str, Any]:
-    return await services.ctx.off_loop(services.tokenize.tokenize, data, _stats(request))
+    return await services.ctx.off_loop(services.tokenize.tokenize, payload, _stats(request))
 
 
-@post(["/detokenize", "/v1/detokenize"], status_code=200, summary="Turn token ids back into text")
-async def detokenize(data: JSONBody[DetokenizeRequest], services: NamedDependency[Services]) -> dict[str, Any]:
-    return await services.ctx.off_loop(services.tokenize.detokenize, data)
+@post(["/detokenize", "/v1/detokenize"], status_code=200, summary="Turn token ids back into text", **_body(DetokenizeRequest))
+async def detokenize(payload: NamedDependency[DetokenizeRequest], services: NamedDependency[Services]) -> dict[str, Any]:
+    return await services.ctx.off_loop(services.tokenize.detokenize, payload)
 
 
-@post(["/parse", "/v1/parse"], status_code=200, summary="Parse raw model output with the served model's parsers")
-async def parse(data: JSONBody[ParseRequest], services: NamedDependency[Services]) -> dict[str, Any]:
-    return await services.ctx.off_loop(services.parse.parse, data)
+@post(["/parse", "/v1/parse"], status_code=200, summary="Parse raw model output with the served model's parsers", **_body(ParseRequest))
+async def parse(payload: NamedDependency[ParseRequest], services: NamedDependency[Services]) -> dict[str, Any]:
+    return await services.ctx.off_loop(services.parse.parse, payload)
 
 
 ROUTES = [chat_completions, completions, models, model, tokenize, detokenize, parse]

@@ -66,6 +66,21 @@ class PrefixCacheConfig:
 
 
 @dataclass
+class TemplateConfig:
+    trust_request_chat_template: bool = False
+    render_timeout_s: float = 2.0
+    max_rendered_chars: int = 8 * 1024 * 1024
+
+
+@dataclass
+class ConnectionsConfig:
+    max_open: int = 256
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0
+
+
+@dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -79,6 +94,10 @@ class ServerConfig:
     queue: QueueConfig = field(default_factory=QueueConfig)
     memo: MemoConfig = field(default_factory=MemoConfig)
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
+    open_routes: list[str] = field(default_factory=lambda: ["/health", "/metrics", "/schema"])
+    shutdown_grace_s: float = 10.0
+    templates: TemplateConfig = field(default_factory=TemplateConfig)
+    connections: ConnectionsConfig = field(default_factory=ConnectionsConfig)
 
 
 @dataclass

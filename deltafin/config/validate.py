@@ -24,12 +24,23 @@ _RANGES: dict[str, tuple[float, float]] = {
     "server.queue.timeout_s": (0, 86400),
     "server.memo.entries": (0, 1 << 20),
     "server.prefix_cache.min_tokens": (1, 1 << 30),
+    "server.shutdown_grace_s": (0, 3600),
+    "server.templates.render_timeout_s": (0.01, 600),
+    "server.templates.max_rendered_chars": (1, 1 << 34),
+    "server.connections.max_open": (1, 1 << 20),
+    "server.connections.header_timeout_s": (0.1, 3600),
+    "server.connections.body_timeout_s": (0.1, 3600),
+    "server.connections.keep_alive_s": (0.1, 3600),
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.chat_format": ("template", "xtml"),
     "model.content_format": ("string", "openai"),
     "server.log_level": ("debug", "info", "warning", "error"),
 }
+
+
+#: Routes `server.open_routes` may exempt from the API key (`/schema` covers everything under it).
+OPENABLE_ROUTES = ("/health", "/metrics", "/schema")
 
 
 class ConfigError(ValueError):
@@ -56,6 +67,9 @@ def validate_config(cfg: DictConfig | dict[str, Any]) -> DeltafinConfig:
     if merged.model.family not in KNOWN_FAMILIES:
         known = ", ".join(sorted(KNOWN_FAMILIES))
         raise ConfigError(f"model.family: {merged.model.family!r} is not a known family ({known})")
+    for route in merged.server.open_routes:
+        if route not in OPENABLE_ROUTES:
+            raise ConfigError(f"server.open_routes: {route!r} is not one of {', '.join(OPENABLE_ROUTES)}")
     for key, allowed in _CHOICES.items():
         value = OmegaConf.select(merged, key)
         if value not in allowed:

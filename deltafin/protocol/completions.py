@@ -11,7 +11,8 @@ from deltafin.protocol.common import PositiveInt, SamplingFields
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    prompt: str
+    # An empty prompt has no token to condition on (this tokenizer adds no BOS): 400, not generation from nothing.
+    prompt: Annotated[str, Meta(min_length=1)]
     max_tokens: Optional[PositiveInt] = None
     echo: bool = False
     # Completions' logprobs is the number of alternatives per position (0 = only the chosen token).

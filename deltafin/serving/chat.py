@@ -7,7 +7,9 @@ from typing import Any, AsyncIterator
 
 from deltafin.engine import Finished, GenerationJob, TextDelta, TokenLogprob
 from deltafin.engine.engine import GenerationStream
+from deltafin.errors import InvalidRequestError
 from deltafin.prompt.chat_format import RenderedPrompt
+from deltafin.prompt.sandbox import TemplateBudget, template_budget
 from deltafin.prompt.parsers import OutputParser, ParsedDelta, build_output_parser
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.rules import RuleContext
@@ -91,18 +93,28 @@ class ChatService:
         )
 
     def render(self, request: ChatCompletionRequest, *, add_generation_prompt: bool = True) -> RenderedPrompt:
-        return self.ctx.chat_format.render(
-            request.messages,
-            request.tools,
-            dict(request.chat_template_kwargs or {}),
-            add_generation_prompt=add_generation_prompt,
-        )
+        kwargs = dict(request.chat_template_kwargs or {})
+        templates = self.ctx.config.server.templates
+        # A request's own template could put real control tokens in the prompt and drop the operator's system
+        # prompt; only an operator who trusts every client turns that on (vLLM: --trust-request-chat-template).
+        if "chat_template" in kwargs and not templates.trust_request_chat_template:
+            raise InvalidRequestError(
+                "chat_template_kwargs.chat_template is not accepted by this server "
+                "(server.templates.trust_request_chat_template is off)",
+                param="chat_template_kwargs.chat_template",
+            )
+        with template_budget(TemplateBudget(templates.render_timeout_s, templates.max_rendered_chars)):
+            return self.ctx.chat_format.render(
+                request.messages, request.tools, kwargs, add_generation_prompt=add_generation_prompt
+            )
 
     def jobs(self, request: ChatCompletionRequest, prompt: RenderedPrompt) -> list[GenerationJob]:
         limits = self.ctx.config.server
         request.check(max_n=limits.max_n, max_stop=limits.max_stop_sequences, max_top_logprobs=limits.max_top_logprobs)
         requested = request.requested_max_tokens()
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "messages"
+        if not prompt.token_ids:
+            raise InvalidRequestError("the chat template rendered an empty prompt", param="messages")
         room = self.ctx.check_context(len(prompt.token_ids), requested, param)
         if requested is not None:
             max_tokens = requested

@@ -6,6 +6,7 @@ import dataclasses
 
 from typing import Any, AsyncIterator
 
+from deltafin.errors import InvalidRequestError
 from deltafin.engine import Finished, GenerationJob, PromptLogprobs, TextDelta, TokenLogprob
 from deltafin.engine.engine import GenerationStream
 from deltafin.protocol.completions import CompletionRequest
@@ -23,6 +24,8 @@ class CompletionService:
     def jobs(self, request: CompletionRequest, prompt_ids: list[int]) -> list[GenerationJob]:
         limits = self.ctx.config.server
         request.check(max_n=limits.max_n, max_stop=limits.max_stop_sequences, max_top_logprobs=limits.max_top_logprobs)
+        if not prompt_ids:  # the protocol refuses "", this is for a tokenizer that yields nothing for a text
+            raise InvalidRequestError("the prompt is empty", param="prompt")
         room = self.ctx.check_context(len(prompt_ids), request.max_tokens, "prompt")
         if request.max_tokens is not None:
             max_tokens = request.max_tokens  # an explicit value is always honoured
