@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 import structlog
-from litestar import Litestar, Request, Response, get
+from litestar import Litestar, Response, get
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
@@ -16,11 +15,12 @@ from litestar.openapi import OpenAPIConfig
 from deltafin import __version__
 from deltafin.app.errors import handle_exception
 from deltafin.app.request_context import RequestContext
+from deltafin.app.auth import ApiKeyGate
 from deltafin.app.body import publish_body_schemas
 from deltafin.app.routes import BODY_TYPES, ROUTES
 from deltafin.app.services import Services
 from deltafin.config import DeltafinConfig
-from deltafin.errors import AuthenticationError, EngineUnavailableError
+from deltafin.errors import EngineUnavailableError
 from deltafin.metrics import Metrics
 
 log = structlog.get_logger("deltafin.app")
@@ -34,14 +34,8 @@ class Readiness:
         self.error: str | None = None
 
 
-def _provide_services(request: Request, state: State) -> Services:
+def _provide_services(state: State) -> Services:
     readiness: Readiness = state.readiness
-    keys = state.config.server.api_keys
-    if keys:
-        supplied = request.headers.get("authorization", "")
-        token = supplied[7:] if supplied.lower().startswith("bearer ") else ""
-        if not any(hmac.compare_digest(token, key) for key in keys):
-            raise AuthenticationError("Incorrect or missing API key (send `Authorization: Bearer <key>`).")
     if readiness.services is None:
         if readiness.error:
             raise EngineUnavailableError(
@@ -49,6 +43,14 @@ def _provide_services(request: Request, state: State) -> Services:
             )
         raise EngineUnavailableError("Service unavailable: the model is still loading.", headers={"Retry-After": "5"})
     return readiness.services
+
+
+def _engine_state(readiness: Readiness) -> tuple[float, float]:
+    """(requests waiting, 1.0 if generating) for the gauges; zeros while the model loads."""
+    if readiness.services is None:
+        return 0.0, 0.0
+    slot = readiness.services.ctx.engine.slot
+    return float(slot.waiting), float(slot.busy)
 
 
 @get("/health", summary="200 when the model is loaded, 503 while loading", include_in_schema=True)
@@ -69,6 +71,7 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
     """The ASGI app. With `services` given (tests) it is ready at once; else it loads in the background."""
     readiness = Readiness()
     app_metrics = Metrics()
+    app_metrics.watch_engine(lambda: _engine_state(readiness)[0], lambda: _engine_state(readiness)[1])
 
     @asynccontextmanager
     async def load_in_background(app: Litestar) -> AsyncIterator[None]:
@@ -102,4 +105,6 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
         debug=False,
     )
     publish_body_schemas(litestar_app, BODY_TYPES)
-    return RequestContext(litestar_app, app_metrics)
+    # The key is checked before routing, so a request without one never has its body read.
+    gated = ApiKeyGate(litestar_app, config.server.api_keys, config.server.open_routes)
+    return RequestContext(gated, app_metrics)
