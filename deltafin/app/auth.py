@@ -6,8 +6,7 @@ from __future__ import annotations
 import hmac
 from typing import Any, Sequence
 
-import msgspec
-
+from deltafin.app.errors import send_error
 from deltafin.app.request_context import ROUTE_KEY
 from deltafin.errors import AuthenticationError
 from deltafin.metrics import UNAUTHENTICATED
@@ -46,17 +45,7 @@ class ApiKeyGate:
             await self.app(scope, receive, send)
             return
         scope[ROUTE_KEY] = UNAUTHENTICATED
-        error = AuthenticationError("Incorrect or missing API key (send `Authorization: Bearer <key>`).")
-        body = msgspec.json.encode(error.body())
-        await send(
-            {
-                "type": "http.response.start",
-                "status": error.status,
-                "headers": [
-                    (b"content-type", b"application/json"),
-                    (b"content-length", str(len(body)).encode()),
-                    (b"www-authenticate", b"Bearer"),
-                ],
-            }
+        error = AuthenticationError(
+            "Incorrect or missing API key (send `Authorization: Bearer <key>`).", headers={"WWW-Authenticate": "Bearer"}
         )
-        await send({"type": "http.response.body", "body": body})
+        await send_error(send, error)

@@ -17,8 +17,10 @@ from deltafin.app.errors import handle_exception
 from deltafin.app.request_context import RequestContext
 from deltafin.app.auth import ApiKeyGate
 from deltafin.app.body import publish_body_schemas
+from deltafin.app.connections import BodyDeadline
 from deltafin.app.routes import BODY_TYPES, ROUTES
 from deltafin.app.services import Services
+from deltafin.app.shutdown import Drain, DrainGate
 from deltafin.config import DeltafinConfig
 from deltafin.errors import EngineUnavailableError
 from deltafin.metrics import Metrics
@@ -71,6 +73,7 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
     """The ASGI app. With `services` given (tests) it is ready at once; else it loads in the background."""
     readiness = Readiness()
     app_metrics = Metrics()
+    drain = Drain(config.server.shutdown_grace_s)
     app_metrics.watch_engine(lambda: _engine_state(readiness)[0], lambda: _engine_state(readiness)[1])
 
     @asynccontextmanager
@@ -99,12 +102,16 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
         dependencies={"services": Provide(_provide_services, sync_to_thread=False)},
         exception_handlers={Exception: handle_exception},
         lifespan=[load_in_background],
-        state=State({"readiness": readiness, "config": config, "metrics": app_metrics}),
+        state=State({"readiness": readiness, "config": config, "metrics": app_metrics, "drain": drain}),
         request_max_body_size=config.server.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Deltafin", version=__version__, path="/schema"),
         debug=False,
     )
     publish_body_schemas(litestar_app, BODY_TYPES)
-    # The key is checked before routing, so a request without one never has its body read.
-    gated = ApiKeyGate(litestar_app, config.server.api_keys, config.server.open_routes)
-    return RequestContext(gated, app_metrics)
+    # Outermost first: request id + log line + metrics; refuse new work while draining; the API key,
+    # checked before routing so a request without one never has its body read; the body's deadline.
+    inner = BodyDeadline(litestar_app, config.server.connections.body_timeout_s)
+    inner = ApiKeyGate(inner, config.server.api_keys, config.server.open_routes)
+    app = RequestContext(DrainGate(inner, drain), app_metrics)
+    app.drain = drain  # the server starts draining it on SIGTERM/SIGINT (deltafin.app.server)
+    return app

@@ -43,6 +43,7 @@ class RequestContext:
     def __init__(self, app: Any, metrics: Metrics) -> None:
         self.app = app
         self.metrics = metrics
+        self.drain: Any = None  # set by build_app
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -79,7 +80,7 @@ class RequestContext:
         m.requests.labels(route=route, status=str(status)).inc()
         m.latency.labels(route=route).observe(total)
         m.prompt_tokens.inc(stats.prompt_tokens)
-        m.completion_tokens.inc(stats.completion_tokens)
+        m.completion_tokens.inc(stats.generated_tokens)
         if stats.memo_hit:
             m.memo_hits.inc()
         if stats.cached_tokens:
@@ -87,8 +88,8 @@ class RequestContext:
             m.cached_tokens.inc(stats.cached_tokens)
         if stats.ttft_s is not None:
             m.ttft.observe(stats.ttft_s)
-            if stats.completion_tokens > 1:
-                m.inter_token.observe(max(0.0, total - stats.ttft_s) / (stats.completion_tokens - 1))
+            if stats.generated_tokens > 1:
+                m.inter_token.observe(max(0.0, total - stats.ttft_s) / (stats.generated_tokens - 1))
         for rule in stats.rules:  # rule names come from the config, so this label set is bounded
             m.rule_firings.labels(rule=rule).inc()
 
@@ -104,7 +105,7 @@ class RequestContext:
             status=status,
             completed=completed,
             prompt_tokens=stats.prompt_tokens,
-            completion_tokens=stats.completion_tokens,
+            completion_tokens=stats.generated_tokens,
             cached_tokens=stats.cached_tokens,
             queue_wait_ms=_ms(stats.queue_wait_s),
             ttft_ms=_ms(stats.ttft_s),

@@ -13,6 +13,7 @@ from deltafin.app.body import documented_body, strict_body
 from deltafin.app.disconnect import until_disconnected
 from deltafin.app.request_context import STATS_KEY
 from deltafin.app.services import Services
+from deltafin.app.shutdown import Drain
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.completions import CompletionRequest
 from deltafin.protocol.parse import ParseRequest
@@ -42,11 +43,14 @@ def _close(result: Any) -> None:
 
 
 async def _respond(request: Request, work: Any) -> Response | Stream:
-    # Queue wait and non-streamed generation race the client's disconnect; a streamed body is
-    # cancelled by Litestar itself when the client goes.
+    # Queue wait and non-streamed generation race the client's disconnect and a shutdown (deltafin.app.shutdown);
+    # a streamed body is cancelled by Litestar itself when the client goes.
+    drain: Drain = request.app.state.drain
+    stats = _stats(request)
+    work = drain.guard(work, admitted=lambda: stats.queue_wait_s is not None, on_abandoned=_close)
     result = await until_disconnected(request.receive, work, _close)
     if isinstance(result, StreamingResponse):
-        return Stream(result.body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return Stream(drain.stream(result.body), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return Response(result)
 
 

@@ -186,6 +186,7 @@ class ChatService:
         async for event in stream:
             choice = choices[event.choice]
             if isinstance(event, TextDelta):
+                stats.saw(event)
                 if event.text:
                     stats.first_token()
                     choice.add(choice.parser.feed(event.text))
@@ -251,6 +252,7 @@ class ChatService:
                 started.add(index)
                 yield chunk(index, {"role": "assistant", "content": ""})
             if isinstance(event, TextDelta):
+                stats.saw(event)
                 pending.setdefault(index, []).extend(event.logprobs)
                 if not event.text:
                     continue

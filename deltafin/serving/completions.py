@@ -87,6 +87,7 @@ class CompletionService:
         prompts: list[PromptLogprobs | None] = [None] * n
         async for event in stream:
             if isinstance(event, TextDelta):
+                stats.saw(event)
                 if event.text:
                     stats.first_token()
                 texts[event.choice].append(event.text)
@@ -141,6 +142,7 @@ class CompletionService:
             if isinstance(event, PromptLogprobs):
                 continue
             if isinstance(event, TextDelta):
+                stats.saw(event)
                 pending.setdefault(index, []).extend(event.logprobs)
                 if not event.text:
                     continue

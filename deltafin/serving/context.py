@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from deltafin.config import DeltafinConfig
-from deltafin.engine import Engine, Finished
+from deltafin.engine import Engine, Finished, TextDelta
 from deltafin.errors import ContextLengthError, ModelNotFoundError
 from deltafin.prompt import ChatFormat
 from deltafin.rules import RulePipeline
@@ -35,7 +35,19 @@ class RequestStats:
     finish_reasons: list[str] = field(default_factory=list)
     rules: list[str] = field(default_factory=list)
 
+    # Tokens of choices still generating, so a request cut short (disconnect, shutdown) logs what it produced.
+    _partial: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def saw(self, delta: TextDelta) -> None:
+        self._partial[delta.choice] = self._partial.get(delta.choice, 0) + len(delta.token_ids)
+
+    @property
+    def generated_tokens(self) -> int:
+        """Finished choices' completion tokens plus those seen so far of unfinished ones."""
+        return self.completion_tokens + sum(self._partial.values())
+
     def record(self, finished: Finished) -> None:
+        self._partial.pop(finished.choice, None)
         self.completion_tokens += finished.completion_tokens
         self.cached_tokens = max(self.cached_tokens, finished.cached_tokens)
         self.memo_hit = self.memo_hit or finished.memo_hit
