@@ -106,6 +106,7 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
         request_max_body_size=config.server.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Deltafin", version=__version__, path="/schema"),
         debug=False,
+        logging_config=None,  # Litestar's default would give the root logger its own plain-text format
     )
     publish_body_schemas(litestar_app, BODY_TYPES)
     # Outermost first: request id + log line + metrics; refuse new work while draining; the API key,

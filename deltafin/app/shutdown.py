@@ -82,14 +82,13 @@ class Drain:
         and [DONE]."""
         chunks = body.__aiter__()
         expired = asyncio.ensure_future(self.expired.wait())
+        step: asyncio.Future | None = None
         try:
             while True:
                 step = asyncio.ensure_future(chunks.__anext__())
                 await asyncio.wait({step, expired}, return_when=asyncio.FIRST_COMPLETED)
                 if not step.done():
-                    step.cancel()  # the body's own `finally` stops the generation
-                    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
-                        await step
+                    await _cancel(step)  # the body's own `finally` stops the generation
                     yield sse_event(shutting_down().body())
                     yield DONE
                     return
@@ -99,10 +98,19 @@ class Drain:
                     return
                 yield chunk
         finally:
+            # Also reached when the client leaves (this generator is closed or cancelled mid-step).
             expired.cancel()
+            if step is not None and not step.done():
+                await _cancel(step)
             aclose = getattr(chunks, "aclose", None)
             if aclose is not None:
                 await aclose()
+
+
+async def _cancel(step: asyncio.Future) -> None:
+    step.cancel()
+    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
+        await step
 
 
 class DrainGate:
