@@ -42,9 +42,10 @@ def loaded_model(config: DeltafinConfig):
 
 
 def make_engine(loaded_model, *, max_waiting: int = 4, timeout_s: float = 5.0, memo_entries: int = 32):
-    from deltafin.engine import Engine
+    from deltafin.engine import EngineFront
+    from deltafin.engine.local import LocalEngine
 
-    return Engine(loaded_model, max_waiting=max_waiting, timeout_s=timeout_s, memo_entries=memo_entries)
+    return EngineFront(LocalEngine(loaded_model), max_waiting=max_waiting, timeout_s=timeout_s, memo_entries=memo_entries)
 
 
 @pytest.fixture(scope="module")

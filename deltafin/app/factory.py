@@ -51,8 +51,8 @@ def _engine_state(readiness: Readiness) -> tuple[float, float]:
     """(requests waiting, 1.0 if generating) for the gauges; zeros while the model loads."""
     if readiness.services is None:
         return 0.0, 0.0
-    slot = readiness.services.ctx.engine.slot
-    return float(slot.waiting), float(slot.busy)
+    admission = readiness.services.ctx.engine.admission
+    return float(admission.waiting), float(admission.busy)
 
 
 @get("/health", summary="200 when the model is loaded, 503 while loading", include_in_schema=True)

@@ -5,8 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from deltafin.config import DeltafinConfig
-from deltafin.engine import Engine
+from deltafin.engine import EngineFront
 from deltafin.engine.loader import load_model
+from deltafin.engine.local import LocalEngine
 from deltafin.prompt import build_chat_format
 from deltafin.rules import build_pipeline
 from deltafin.serving.chat import ChatService
@@ -25,7 +26,7 @@ class Services:
     parse: ParseService
 
     @classmethod
-    def from_engine(cls, config: DeltafinConfig, engine: Engine) -> "Services":
+    def from_engine(cls, config: DeltafinConfig, engine: EngineFront) -> "Services":
         chat_format = build_chat_format(
             config.model.chat_format,
             engine.tokenizer,
@@ -46,11 +47,18 @@ class Services:
     @classmethod
     def load(cls, config: DeltafinConfig) -> "Services":
         loaded = load_model(config.model, config.placement)
-        engine = Engine(
+        local = LocalEngine(
             loaded,
-            max_waiting=config.server.queue.max_waiting,
-            timeout_s=config.server.queue.timeout_s,
-            memo_entries=config.server.memo.entries,
             prefix_cache_min_tokens=config.server.prefix_cache.min_tokens if config.server.prefix_cache.enabled else None,
         )
-        return cls.from_engine(config, engine)
+        return cls.from_engine(config, front_for(config, local))
+
+
+def front_for(config: DeltafinConfig, engine: "LocalEngine") -> EngineFront:
+    """Admission and memo, sized by the server config, in front of `engine`."""
+    return EngineFront(
+        engine,
+        max_waiting=config.server.queue.max_waiting,
+        timeout_s=config.server.queue.timeout_s,
+        memo_entries=config.server.memo.entries,
+    )

@@ -6,6 +6,19 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class Constraint:
+    """A constrained-decoding request, engine-neutral and hashable (so it is part of the memo key).
+
+    kind: "json_object" (value ""), "json_schema" (value: the schema as canonical JSON, sorted keys),
+    "structural_tag" (value: an xgrammar structural-tag description as canonical JSON; used to force a
+    family's native tool-call syntax). The local engine compiles it with xgrammar; upstream adapters forward
+    it in their engine's own field."""
+
+    kind: str
+    value: str = ""
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Everything that decides which tokens come out; hashable so identical requests can be memoized."""
 
@@ -26,6 +39,8 @@ class SamplingParams:
     # Logprobs of the prompt's own tokens (completions with echo + logprobs); None = not asked.
     prompt_logprobs: int | None = None
     ignore_eos: bool = False
+    # Constrained decoding (response_format, enforced tool_choice); None = free generation.
+    constraint: Constraint | None = None
     extra: tuple[tuple[str, object], ...] = field(default=())
 
     @property

@@ -5,8 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
-from deltafin.engine import Finished, GenerationJob, TextDelta, TokenLogprob
-from deltafin.engine.engine import GenerationStream
+from deltafin.engine import Finished, GenerationJob, GenerationStream, TextDelta, TokenLogprob
 from deltafin.errors import InvalidRequestError
 from deltafin.prompt.chat_format import RenderedPrompt
 from deltafin.prompt.sandbox import TemplateBudget, template_budget

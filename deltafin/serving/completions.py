@@ -6,9 +6,8 @@ import dataclasses
 
 from typing import Any, AsyncIterator
 
+from deltafin.engine import Finished, GenerationJob, GenerationStream, PromptLogprobs, TextDelta, TokenLogprob
 from deltafin.errors import InvalidRequestError
-from deltafin.engine import Finished, GenerationJob, PromptLogprobs, TextDelta, TokenLogprob
-from deltafin.engine.engine import GenerationStream
 from deltafin.protocol.completions import CompletionRequest
 from deltafin.serving.context import RequestStats, ServingContext, new_id
 from deltafin.serving.logprobs import completion_logprobs

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from deltafin.config import DeltafinConfig
-from deltafin.engine import Engine, Finished, TextDelta
+from deltafin.engine import EngineFront, Finished, TextDelta
 from deltafin.errors import ContextLengthError, ModelNotFoundError
 from deltafin.prompt import ChatFormat
 from deltafin.rules import RulePipeline
@@ -66,7 +66,7 @@ class ServingContext:
     a 4 MB prompt takes seconds to tokenize, which on the event loop would stall every other client's stream."""
 
     config: DeltafinConfig
-    engine: Engine
+    engine: EngineFront
     chat_format: ChatFormat
     rules: RulePipeline = field(default_factory=RulePipeline)
     created: int = field(default_factory=lambda: int(time.time()))

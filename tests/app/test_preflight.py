@@ -19,7 +19,7 @@ def failing_client(loaded_model, overrides):
     def broken(job, choice, stream):
         raise RuntimeError("CUDA error: device-side assert triggered")
 
-    engine._generate = broken
+    engine.engine._generate = broken
     return TestClient(build_app(config, Services.from_engine(config, engine)))
 
 

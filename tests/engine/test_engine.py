@@ -85,7 +85,7 @@ class TestEngine:
 
     def test_prefix_cache_reuses_and_matches_a_fresh_run(self, engine, generate, run):
         engine.memo._items.clear()
-        engine.prefix_cache.clear()
+        engine.engine.prefix_cache.clear()
         base = prompt_ids(engine, "Write one line about rivers and the mountains they come from.")
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         run(collect(engine, [GenerationJob(base, params)]))
@@ -93,7 +93,7 @@ class TestEngine:
         texts, finished = run(collect(engine, [GenerationJob(longer, params)]))
         assert finished[0].cached_tokens >= len(base) - 1
         engine.memo._items.clear()
-        engine.prefix_cache.clear()
+        engine.engine.prefix_cache.clear()
         fresh_texts, fresh = run(collect(engine, [GenerationJob(longer, params)]))
         assert fresh[0].cached_tokens == 0 and fresh_texts[0] == texts[0]
 
@@ -104,8 +104,8 @@ class TestEngine:
             async for event in stream:
                 break  # the consumer leaves after the first event
             started = time.perf_counter()
-            await asyncio.wait_for(engine.slot.acquire(), timeout=2)
-            engine.slot.release()
+            await asyncio.wait_for(engine.admission.acquire(), timeout=2)
+            engine.admission.release()
             return time.perf_counter() - started
 
         assert run(scenario()) < 1.0
@@ -138,7 +138,7 @@ class TestPromptLogprobs:
 
         (prompt,) = [e for e in run(events()) if isinstance(e, PromptLogprobs)]
         with torch.inference_mode():
-            expected = torch.log_softmax(engine.model(torch.tensor([ids])).logits[0].float(), -1)
+            expected = torch.log_softmax(engine.engine.model(torch.tensor([ids])).logits[0].float(), -1)
         assert prompt.token_ids == ids and prompt.logprobs[0] is None
         for i, entry in enumerate(prompt.logprobs[1:]):
             assert abs(entry.logprob - float(expected[i, ids[i + 1]])) < 1e-4

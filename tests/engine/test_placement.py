@@ -2,7 +2,8 @@
 
 import asyncio
 
-from deltafin.engine import Engine, GenerationJob, TextDelta
+from deltafin.engine import EngineFront, GenerationJob, TextDelta
+from deltafin.engine.local import LocalEngine
 from deltafin.engine.loader import load_model
 from deltafin.protocol.sampling import SamplingParams
 from tests.conftest import tiny_config
@@ -14,7 +15,7 @@ def test_device_map_auto_loads_and_generates(tiny_models, tmp_path):
     loaded = load_model(config.model, config.placement)
     # With only a CPU, accelerate's "auto" map puts every module there.
     assert {p.device.type for p in loaded.model.parameters()} == {"cpu"}
-    engine = Engine(loaded, max_waiting=1, timeout_s=5, memo_entries=0)
+    engine = EngineFront(LocalEngine(loaded), max_waiting=1, timeout_s=5, memo_entries=0)
 
     async def generate():
         stream = await engine.start([GenerationJob((1, 2, 3), SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True))])

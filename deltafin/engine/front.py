@@ -1,0 +1,107 @@
+"""What stands in front of every engine: admission (FIFO queue, 429 + Retry-After) and the deterministic memo.
+
+Serving talks to an `EngineFront`, never to a concrete engine, so the queue, the memo and their metrics work
+the same for the built-in torch engine and for an upstream vLLM / SGLang / llama-server.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import time
+from typing import Any, Sequence
+
+from deltafin.engine.admission import Admission
+from deltafin.engine.events import Finished, GenerationJob, PromptLogprobs, TextDelta
+from deltafin.engine.interface import EngineCapabilities, EngineClient, Readiness
+from deltafin.engine.memo import ResponseMemo
+from deltafin.engine.stream import GenerationStream
+
+
+class EngineFront:
+    def __init__(self, engine: EngineClient, *, max_waiting: int, timeout_s: float, memo_entries: int) -> None:
+        self.engine = engine
+        self.admission = Admission(capacity=engine.capacity, max_waiting=max_waiting, timeout_s=timeout_s)
+        self.memo = ResponseMemo(memo_entries)
+
+    # What serving reads of the engine.
+    @property
+    def name(self) -> str:
+        return self.engine.name
+
+    @property
+    def tokenizer(self) -> Any:
+        return self.engine.tokenizer
+
+    @property
+    def context_length(self) -> int:
+        return self.engine.context_length
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.vocab_size
+
+    @property
+    def stop_token_ids(self) -> frozenset[int]:
+        return self.engine.stop_token_ids
+
+    @property
+    def capabilities(self) -> EngineCapabilities:
+        return self.engine.capabilities
+
+    async def readiness(self) -> Readiness:
+        return await self.engine.readiness()
+
+    async def aclose(self) -> None:
+        await self.engine.aclose()
+
+    async def start(self, jobs: Sequence[GenerationJob], *, deadline: float | None = None) -> GenerationStream:
+        """Admit the request (or raise 429) and start it; `deadline` is a `time.monotonic()` instant."""
+        loop = asyncio.get_running_loop()
+        replays = [self.memo.get(job) if job.params.deterministic else None for job in jobs]
+        if all(replay is not None for replay in replays):
+            # Every choice is a memo hit: replay on the event loop, never queued behind a generation.
+            stream = GenerationStream(loop)
+            for choice, replay in enumerate(replays):
+                for event in replay:
+                    stream.emit(_replayed(event, choice))
+            stream.end()
+            return stream
+        queued_at = time.perf_counter()
+        units = await self.admission.acquire(len(jobs), deadline=deadline)
+        stream = GenerationStream(loop, queue_wait=time.perf_counter() - queued_at)
+        stream.on_end(lambda: self.admission.release(units))
+        stream.observe(_MemoRecorder(self.memo, jobs, stream))
+        try:
+            self.engine.submit(jobs, stream)
+        except BaseException:
+            stream.end()
+            raise
+        return stream
+
+
+class _MemoRecorder:
+    """Records each deterministic choice's events; a choice that finished uncancelled goes into the memo."""
+
+    def __init__(self, memo: ResponseMemo, jobs: Sequence[GenerationJob], stream: GenerationStream) -> None:
+        self._memo = memo
+        self._jobs = jobs
+        self._stream = stream
+        self._events: dict[int, list[object]] = {}
+
+    def __call__(self, event: object) -> None:
+        choice = getattr(event, "choice", None)
+        if choice is None or not self._jobs[choice].params.deterministic:
+            return
+        self._events.setdefault(choice, []).append(event)
+        if isinstance(event, Finished) and not self._stream.cancelled.is_set():
+            self._memo.put(self._jobs[choice], self._events.pop(choice))
+
+
+def _replayed(event: object, choice: int) -> object:
+    """A memo entry replays under the choice index of the request that asked for it."""
+    if isinstance(event, Finished):
+        return dataclasses.replace(event, choice=choice, cached_tokens=0, memo_hit=True, timings={})
+    if isinstance(event, (TextDelta, PromptLogprobs)):
+        return dataclasses.replace(event, choice=choice)
+    return event

@@ -1,0 +1,65 @@
+"""The one engine interface serving depends on (after vLLM's `EngineClient`).
+
+An engine turns generation jobs into engine events. The built-in torch engine (`deltafin.engine.local`) is one
+implementation; the upstream adapters (vLLM, SGLang, llama-server) are others. Admission (the FIFO queue, 429)
+and the deterministic memo are not the engine's job: `EngineFront` stands in front of every engine.
+
+Contract of `submit(jobs, stream)`:
+- it returns at once (called on the event loop); generation happens elsewhere (a thread, an asyncio task);
+- choice `i` of the request is `jobs[i]`; for each choice the engine emits zero or one `PromptLogprobs`,
+  `TextDelta`s, then exactly one `Finished` (unless cancelled);
+- it ends every submission with `stream.end()`, or `stream.fail(error)` when it cannot go on, after it has
+  freed whatever the submission held (so "ended" always means "capacity free");
+- it watches `stream.cancelled` (the client left) and stops at the next token, emitting no `Finished`.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Sequence
+
+from deltafin.engine.events import GenerationJob
+
+if TYPE_CHECKING:
+    from deltafin.engine.stream import GenerationStream
+
+
+@dataclass(frozen=True)
+class EngineCapabilities:
+    """What an engine can do beyond plain sampling; serving refuses what the engine cannot honour."""
+
+    prompt_logprobs: bool = True
+    #: constrained decoding (structured outputs / enforced tool calls)
+    grammar: bool = False
+    #: the engine reports how many prompt tokens came from its own cache
+    cached_tokens: bool = True
+
+
+@dataclass(frozen=True)
+class Readiness:
+    ready: bool
+    detail: str = ""
+
+
+class EngineClient(ABC):
+    #: short name for logs and metrics ("local", "vllm", "sglang", "llama_server")
+    name: str
+    #: the tokenizer prompts are rendered and detokenized with (local files only)
+    tokenizer: Any
+    context_length: int
+    stop_token_ids: frozenset[int]
+    vocab_size: int
+    #: generations (rows) that may run at once; admission queues the rest
+    capacity: int
+    capabilities: EngineCapabilities = EngineCapabilities()
+
+    @abstractmethod
+    def submit(self, jobs: Sequence[GenerationJob], stream: "GenerationStream") -> None:
+        """Start generating `jobs` (the choices of one request); see the module docstring."""
+
+    async def readiness(self) -> Readiness:
+        return Readiness(True)
+
+    async def aclose(self) -> None:
+        """Release threads, connections and device memory; no submission follows."""

@@ -1,0 +1,99 @@
+"""The consumer side of one request's generation: an async iterator of engine events.
+
+Engines emit from any thread (the local engine's worker, an asyncio task of an upstream adapter); events
+reach the consumer in order on the event loop. `end()` runs the finishers (admission release) on the loop
+before the consumer can see the end, so "done" always means "capacity free".
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from typing import Any, AsyncIterator, Callable
+
+import structlog
+
+from deltafin.engine.events import Finished, PromptLogprobs, TextDelta
+from deltafin.errors import DeltafinError, InternalError
+
+Event = TextDelta | PromptLogprobs | Finished
+_END = object()
+
+
+class GenerationFailed(Exception):
+    """Carried to the consumer when the engine failed; the cause is logged by the engine, not sent."""
+
+    def __init__(self, error: DeltafinError | str) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class GenerationStream:
+    def __init__(self, loop: asyncio.AbstractEventLoop, *, queue_wait: float = 0.0) -> None:
+        self.loop = loop
+        self._loop_thread = threading.get_ident()  # created on the loop's thread
+        self.queue_wait = queue_wait
+        self.cancelled = threading.Event()
+        # The request's log context (request id ...), for log lines the engine writes on its own threads.
+        self.log_context: dict[str, Any] = structlog.contextvars.get_contextvars()
+        self._queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._observers: list[Callable[[object], None]] = []
+        self._finishers: list[Callable[[], None]] = []
+        self._ended = False
+
+    def observe(self, observer: Callable[[object], None]) -> None:
+        """Call `observer(event)` for every event, on the emitting thread (the memo records this way)."""
+        self._observers.append(observer)
+
+    def on_end(self, finisher: Callable[[], None]) -> None:
+        """Run `finisher()` on the loop when the engine ends the stream, before the consumer sees the end."""
+        self._finishers.append(finisher)
+
+    def emit(self, event: Event) -> None:
+        for observer in self._observers:
+            observer(event)
+        self._put(event)
+
+    def end(self) -> None:
+        self._put(_END)
+
+    def fail(self, error: DeltafinError | str) -> None:
+        """The engine cannot go on: the consumer raises `error` (a DeltafinError keeps its status)."""
+        self._put(GenerationFailed(error))
+        self._put(_END)
+
+    def close(self) -> None:
+        """Stop generating at the next token. Synchronous, so it is safe inside a cancelled task."""
+        self.cancelled.set()
+
+    def _put(self, item: object) -> None:
+        if threading.get_ident() == self._loop_thread:
+            self._deliver(item)  # no cross-thread wake-up needed
+            return
+        try:
+            self.loop.call_soon_threadsafe(self._deliver, item)
+        except RuntimeError:  # the loop is gone (shutdown): nobody is listening any more
+            self.cancelled.set()
+
+    def _deliver(self, item: object) -> None:
+        if item is _END:
+            if self._ended:
+                return
+            self._ended = True
+            for finisher in self._finishers:
+                finisher()
+        self._queue.put_nowait(item)
+
+    async def __aiter__(self) -> AsyncIterator[Event]:
+        try:
+            while True:
+                item = await self._queue.get()
+                if item is _END:
+                    return
+                if isinstance(item, GenerationFailed):
+                    if isinstance(item.error, DeltafinError):
+                        raise item.error
+                    raise InternalError("The engine failed while generating; see the server log.")
+                yield item
+        finally:
+            self.close()
