@@ -15,6 +15,7 @@ from litestar import Litestar, Request
 from litestar.di import Provide
 from litestar.openapi.spec import OpenAPIMediaType, Operation, Reference, RequestBody
 
+from deltafin.app.request_context import STATS_KEY
 from deltafin.protocol.decode import decode_request, public_schema_components
 
 T = TypeVar("T")
@@ -24,7 +25,11 @@ def strict_body(request_type: type[T]) -> Provide:
     """A dependency that yields the request body decoded as `request_type` (400 on anything else)."""
 
     async def provide(request: Request) -> T:
-        return decode_request(await request.body(), request_type)
+        raw = await request.body()
+        stats = request.scope.get("state", {}).get(STATS_KEY)
+        if stats is not None:
+            stats.body_bytes = len(raw)  # chooses the prompt-work lane (deltafin.serving.prompt_work)
+        return decode_request(raw, request_type)
 
     provide.__annotations__["return"] = request_type
     return Provide(provide)

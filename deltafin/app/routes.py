@@ -82,7 +82,8 @@ async def model(name: FromPath[str], services: NamedDependency[Services]) -> dic
 async def tokenize(
     request: Request, payload: NamedDependency[TokenizeRequest], services: NamedDependency[Services]
 ) -> dict[str, Any]:
-    return await services.ctx.off_loop(services.tokenize.tokenize, payload, _stats(request))
+    stats = _stats(request)
+    return await services.ctx.off_loop(services.tokenize.tokenize, payload, stats, size=stats.body_bytes)
 
 
 @post(["/detokenize", "/v1/detokenize"], status_code=200, summary="Turn token ids back into text", **_body(DetokenizeRequest))

@@ -52,6 +52,8 @@ class CompatConfig:
 class QueueConfig:
     max_waiting: int = 16
     timeout_s: float = 5.0
+    large_body_bytes: int = 65536
+    max_large_prompts: int = 2
 
 
 @dataclass

@@ -6,7 +6,6 @@ import asyncio
 import copy
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
@@ -15,6 +14,7 @@ from deltafin.engine import EngineFront, Finished, TextDelta
 from deltafin.errors import ContextLengthError, ModelNotFoundError
 from deltafin.prompt import ChatFormat
 from deltafin.rules import RulePipeline
+from deltafin.serving.prompt_work import PromptWork
 
 
 T = TypeVar("T")
@@ -25,6 +25,8 @@ class RequestStats:
     """Filled in by serving, read by the access log line and the metrics."""
 
     started: float = field(default_factory=time.perf_counter)
+    arrived: float = field(default_factory=time.monotonic)  # admission's deadline counts from here
+    body_bytes: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -71,22 +73,31 @@ class ServingContext:
     rules: RulePipeline = field(default_factory=RulePipeline)
     created: int = field(default_factory=lambda: int(time.time()))
     _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
-    _prompt_thread: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltafin-prompt"), repr=False
-    )
+    prompt: PromptWork | None = None  # None: built from the config in __post_init__
 
     def __post_init__(self) -> None:
         # Each thread gets its own tokenizer: encoding flips `split_special_tokens` state on the Rust object, so
         # a shared one could let a prompt's content be encoded with control tokens live. The prompt thread
         # uses engine.tokenizer (through the chat format), the event loop this copy, the engine its own.
         self._loop_tokenizer = copy.deepcopy(self.engine.tokenizer)
+        if self.prompt is None:
+            self.prompt = prompt_work_for(self.config, self.engine.tokenizer)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The calling thread's own tokenizer (prompt threads; see prompt_work)."""
+        return self.prompt.tokenizers.get()
+
+    def deadline(self, stats: RequestStats) -> float:
+        """When a request must be admitted to the engine or refused: `queue.timeout_s` after it arrived."""
+        return stats.arrived + self.config.server.queue.timeout_s
 
     def count_tokens(self, text: str) -> int:
         return len(self._loop_tokenizer(text, add_special_tokens=False).input_ids)
 
-    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run prompt work on the prompt thread (one at a time: the tokenizer is not shared across threads)."""
-        return await asyncio.get_running_loop().run_in_executor(self._prompt_thread, lambda: fn(*args))
+    async def off_loop(self, fn: Callable[..., T], *args: Any, size: int = 0, deadline: float | None = None) -> T:
+        """Run prompt work on a prompt thread: the lane for a body of `size` bytes, refused past `deadline`."""
+        return await self.prompt.run(lambda: fn(*args), size=size, deadline=deadline)
 
     fingerprint: str = "fp_deltafin"
 
@@ -143,3 +154,10 @@ class ServingContext:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def prompt_work_for(config: DeltafinConfig, tokenizer: Any) -> PromptWork:
+    queue = config.server.queue
+    return PromptWork(
+        tokenizer, large_body_bytes=queue.large_body_bytes, max_large=queue.max_large_prompts, timeout_s=queue.timeout_s
+    )
