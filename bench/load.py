@@ -4,7 +4,8 @@
 
 Starts `python -m deltafin` on a free loopback port (extra Hydra overrides after `--`), waits for /health,
 then every client sends its requests one after another (alternating stream / non-stream, chat / completions).
-Reports successes, 429s, other statuses, p50/p99 latency of successes, and the server's RSS before and after.
+Reports successes, 429s, other statuses, p50/p99 latency of successes, and the server's RSS after one warm-up
+request and after the load.
 With --url it drives a server that is already running instead (RSS needs --pid then).
 """
 
@@ -124,6 +125,9 @@ def main() -> None:
         process, url = start_server(args.overrides)
         pid = process.pid
     try:
+        # One request first, so "before" includes what any first generation allocates (weights touched,
+        # per-thread tokenizers, torch's workspace): the growth left is what the load itself costs.
+        httpx.post(f"{url}/v1/completions", json={"prompt": "Warm up", "max_tokens": 2}, timeout=args.timeout)
         before = rss_mb(pid)
         started = time.perf_counter()
         results = asyncio.run(run(url, args))

@@ -17,6 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import structlog
 
+from deltafin.app.disconnect import cancel_when
 from deltafin.app.errors import send_error
 from deltafin.errors import ShuttingDownError
 from deltafin.serving.sse import DONE, sse_event
@@ -61,21 +62,7 @@ class Drain:
             if admitted():
                 await self.expired.wait()
 
-        task = asyncio.ensure_future(work)
-        watcher = asyncio.ensure_future(until_stopped())
-        try:
-            await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        except asyncio.CancelledError:
-            task.cancel()
-            raise
-        finally:
-            watcher.cancel()
-        if task.done():
-            return task.result()
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            on_abandoned(await task)
-        raise shutting_down()
+        return await cancel_when(work, until_stopped(), on_abandoned, shutting_down)
 
     async def stream(self, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """Pass an SSE body through; when the grace ends, stop its generation and end it with an error event

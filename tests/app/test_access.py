@@ -13,12 +13,6 @@ from tests.conftest import compose_config
 CHAT = "/v1/chat/completions"
 
 
-@pytest.fixture(scope="module")
-def client(config, services):
-    with TestClient(build_app(config, services)) as client:
-        yield client
-
-
 def keyed_client(services, open_routes):
     config = compose_config(["server.api_keys=[k1,k2]", f"server.open_routes={open_routes}"])
     return TestClient(build_app(config, services))

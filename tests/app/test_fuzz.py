@@ -9,9 +9,7 @@ Generation is kept to a token or two so the cases take well under a minute on an
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from litestar.testing import TestClient
 
-from deltafin.app import build_app
 
 BASES = {
     "/v1/chat/completions": {"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 1},
@@ -38,12 +36,6 @@ JSON = st.recursive(
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(KEYS, inner, max_size=4),
     max_leaves=12,
 )
-
-
-@pytest.fixture(scope="module")
-def client(config, services):
-    with TestClient(build_app(config, services)) as client:
-        yield client
 
 
 @pytest.fixture(scope="module")

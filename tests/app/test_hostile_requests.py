@@ -15,12 +15,6 @@ COMPLETIONS = "/v1/completions"
 
 
 @pytest.fixture(scope="module")
-def client(config, services):
-    with TestClient(build_app(config, services)) as client:
-        yield client
-
-
-@pytest.fixture(scope="module")
 def trusting_client(loaded_model):
     """A server whose operator trusts request templates: the render budget is what protects it."""
     config = compose_config(
