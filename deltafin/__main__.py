@@ -9,7 +9,7 @@ from omegaconf import DictConfig
 
 from deltafin.config import CONF_DIR, ConfigError, validate_config
 from deltafin.engine.loader import ModelLoadError, resolve_model_path
-from deltafin.prompt.parsers import check_parser_names
+from deltafin.families import check_family
 from deltafin.rules import build_pipeline
 
 
@@ -17,9 +17,9 @@ from deltafin.rules import build_pipeline
 def main(raw: DictConfig) -> None:
     try:
         config = validate_config(raw)
-        # Fail fast, before serving: a bad rule or parser name is a one-line config error.
+        # Fail fast, before serving: a bad rule or family variant is a one-line config error.
         build_pipeline(config.compat.rules, config.model.family)
-        check_parser_names(config.model.reasoning_parser, config.model.tool_parser)
+        check_family(config.model.family, config.model.variant)
         resolve_model_path(config.model.path)
     except (ConfigError, ModelLoadError) as exc:
         print(f"deltafin: config error: {exc}", file=sys.stderr)

@@ -68,13 +68,19 @@ def services(config: DeltafinConfig, loaded_model):
     return Services.from_engine(config, make_engine(loaded_model))
 
 
-TINY_FAMILIES = ("kimi_k3", "kimi_k2", "glm45", "glm47")
-#: family -> the Hydra overrides that serve its tiny model
+#: tiny model name -> (model.family, model.variant) it is written and served as
+TINY_SPECS = {
+    "kimi_k3": ("kimi_k3", None),
+    "kimi_k2": ("kimi_k2", None),
+    "glm45": ("glm", "glm45"),
+    "glm47": ("glm", "glm47"),
+    "qwen3": ("qwen3", None),
+}
+TINY_FAMILIES = tuple(TINY_SPECS)
+#: tiny model name -> the Hydra overrides that serve it (conf/model/FAMILY.yaml, plus the variant)
 TINY_OVERRIDES = {
-    "kimi_k3": ["model=kimi_k3"],
-    "kimi_k2": ["model=kimi_k2"],
-    "glm45": ["model=glm", "model.variant=glm45"],
-    "glm47": ["model=glm", "model.variant=glm47"],
+    name: [f"model={family}", *([f"model.variant={variant}"] if variant else [])]
+    for name, (family, variant) in TINY_SPECS.items()
 }
 
 
@@ -84,7 +90,7 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     from deltafin.tiny import write_tiny_model
 
     root = tmp_path_factory.mktemp("tiny")
-    return {family: write_tiny_model(family, root / family) for family in TINY_FAMILIES}
+    return {name: write_tiny_model(family, root / name, variant=variant) for name, (family, variant) in TINY_SPECS.items()}
 
 
 def tiny_config(family: str, path: Path, extra: list[str] | None = None) -> DeltafinConfig:

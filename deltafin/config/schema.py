@@ -7,9 +7,11 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
-#: Model families Deltafin knows; `model.family` and a rule's `families` must name one of these.
-#: `generic` is any chat model served with plain OpenAI semantics.
-KNOWN_FAMILIES = frozenset({"generic", "smollm2", "kimi_k2", "kimi_k3", "glm"})
+from deltafin.families import FAMILIES
+
+#: Model families Deltafin knows (the registry in deltafin/families/); `model.family` and a rule's
+#: `families` must name one of these. `generic` is any chat model served with plain OpenAI semantics.
+KNOWN_FAMILIES = frozenset(FAMILIES)
 
 
 @dataclass
@@ -18,12 +20,10 @@ class ModelConfig:
     family: str = MISSING
     path: str = MISSING
     aliases: list[str] = field(default_factory=list)
-    variant: Optional[str] = None
+    variant: Optional[str] = None  # a variant of the family (GLM: glm45 | glm47); null = the family's default
     context_length: Optional[int] = None
     chat_format: str = "template"
     content_format: str = "string"
-    reasoning_parser: Optional[str] = None
-    tool_parser: Optional[str] = None
     thinking_kwarg: Optional[str] = None
     trust_remote_code: bool = False
     dtype: str = "auto"

@@ -8,8 +8,9 @@ from typing import Any, AsyncIterator
 from deltafin.engine import Finished, GenerationJob, GenerationStream, TextDelta, TokenLogprob
 from deltafin.errors import InvalidRequestError
 from deltafin.prompt.chat_format import RenderedPrompt
+from deltafin.families import build_output_parser
+from deltafin.prompt.parsers import OutputParser, ParsedDelta
 from deltafin.prompt.sandbox import TemplateBudget, template_budget
-from deltafin.prompt.parsers import OutputParser, ParsedDelta, build_output_parser
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.rules import RuleContext
 from deltafin.serving.context import RequestStats, ServingContext, new_id
@@ -27,13 +28,9 @@ class ChoiceAssembly:
     reasoning: list[str] = field(default_factory=list)
     tool_calls: dict[int, dict[str, Any]] = field(default_factory=dict)
     logprobs: list[TokenLogprob] = field(default_factory=list)
-    retracted: bool = False
     finished: Finished | None = None
 
     def add(self, parsed: ParsedDelta) -> ParsedDelta:
-        if parsed.reasoning_retracted:
-            self.retracted = True
-            self.reasoning = []
         self.content.append(parsed.content)
         self.reasoning.append(parsed.reasoning)
         for delta in parsed.tool_calls:
@@ -141,10 +138,11 @@ class ChatService:
         model = self.ctx.config.model
         calls_allowed = bool(request.tools) and request.tool_choice != "none"
         return build_output_parser(
-            model.reasoning_parser,
-            model.tool_parser if calls_allowed else None,
+            model.family,
+            model.variant,
             prompt_text=prompt_text,
             tool_schemas=request.tools,
+            calls_allowed=calls_allowed,
             history_calls=sum(len(m.tool_calls or ()) for m in request.messages),
         )
 

@@ -2,8 +2,10 @@
 
     python -m deltafin.tiny --family kimi_k3 --out /tmp/tiny-k3
     python -m deltafin model=kimi_k3 model.path=/tmp/tiny-k3
+
+The recipe of each lives in the family's module (deltafin/families/).
 """
 
-from deltafin.tiny.families import FAMILIES, write_tiny_model
+from deltafin.tiny.writer import write_tiny_model
 
-__all__ = ["FAMILIES", "write_tiny_model"]
+__all__ = ["write_tiny_model"]

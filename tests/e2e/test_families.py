@@ -11,7 +11,7 @@ from transformers import AutoTokenizer
 from deltafin.prompt import build_chat_format
 from deltafin.protocol.chat import ChatMessage, FunctionCall, FunctionDefinition, ToolCall, ToolDefinition
 from deltafin.tiny import write_tiny_model
-from tests.conftest import TINY_FAMILIES, TINY_OVERRIDES, LiveServer, tiny_config
+from tests.conftest import TINY_FAMILIES, TINY_OVERRIDES, TINY_SPECS, LiveServer, tiny_config
 from tests.e2e.scripted import teach
 
 pytestmark = pytest.mark.e2e
@@ -40,6 +40,9 @@ SCRIPTS = {
     "glm47": ("Weather needed.</think><tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
               "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call><|observation|>",
               "Fine.</think>Sunny in Paris.<|endoftext|>"),
+    "qwen3": ('<think>Weather needed.</think><tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}'
+              "\n</tool_call><|im_end|>",
+              "<think>Fine.</think>Sunny in Paris.<|im_end|>"),
 }
 
 
@@ -68,9 +71,10 @@ def render(family, path, messages):
 @pytest.fixture(scope="module", params=TINY_FAMILIES)
 def family_server(request, tmp_path_factory):
     family = request.param
-    path = write_tiny_model(family, tmp_path_factory.mktemp(family) / "model")
+    name, variant = TINY_SPECS[family]
+    path = write_tiny_model(name, tmp_path_factory.mktemp(family) / "model", variant=variant)
     turn1, turn2 = SCRIPTS[family]
-    call_id = KIMI_ID if family.startswith("kimi") else "call_any"  # GLM prompts do not carry the id
+    call_id = KIMI_ID if family.startswith("kimi") else "call_any"  # GLM and Qwen3 prompts do not carry the id
     teach(path, [(render(family, path, QUESTION), turn1),
                  (render(family, path, follow_up(call_id, json.dumps(ARGUMENTS))), turn2)])
     server = LiveServer([*TINY_OVERRIDES[family], f"model.path={path}"])

@@ -4,51 +4,12 @@ import json
 
 import pytest
 
-from deltafin.prompt.parsers import build_output_parser
+from deltafin.families import build_output_parser
 from deltafin.prompt.parsers.base import split_at_marker
 from deltafin.prompt.parsers.kimi_k2 import name_from_id
-
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
-                                     "units": {"type": ["string", "null"]}, "opts": {"type": "object"}}}}},
-           {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
-
-K3_THINK = '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
-K3_RESPONSE = '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
-
-
-def ids(index, name):
-    return f"call_{index}"
-
-
-def make(fmt, prompt_text):
-    return build_output_parser(fmt, fmt, prompt_text=prompt_text, tool_schemas=WEATHER, new_id=ids)
-
-
-def collect(parser, pieces, finish="stop"):
-    result = {"content": "", "reasoning": "", "calls": {}, "retracted": False}
-    for delta in [parser.feed(p) for p in pieces] + [parser.finish(finish)]:
-        if delta.reasoning_retracted:
-            result["retracted"] = True
-        result["content"] += delta.content
-        result["reasoning"] += delta.reasoning
-        for call in delta.tool_calls:
-            entry = result["calls"].setdefault(call.index, {"id": call.id, "name": call.name, "arguments": ""})
-            entry["arguments"] += call.arguments
-    result["calls"] = [result["calls"][i] for i in sorted(result["calls"])]
-    return result
-
-
-def parse_whole(fmt, prompt, text, finish="stop"):
-    return collect(make(fmt, prompt), [text], finish)
-
-
-def assert_every_split_matches(fmt, prompt, text, finish="stop"):
-    whole = parse_whole(fmt, prompt, text, finish)
-    for cut in range(1, len(text)):
-        assert collect(make(fmt, prompt), [text[:cut], text[cut:]], finish) == whole, f"split at {cut}"
-    assert collect(make(fmt, prompt), list(text), finish) == whole, "one character at a time"
-    return whole
+from tests.prompt.parsing import (
+    K3_RESPONSE, K3_THINK, WEATHER, assert_every_split_matches, collect, make, parse_whole,
+)
 
 
 CASES = {
@@ -101,7 +62,7 @@ class TestKimiK3:
 
     def test_cut_mid_marker_leaks_nothing(self):
         result = parse_whole("kimi_k3", K3_THINK, "thought<|close|>think<|sep|><|open|>", finish="length")
-        assert result == {"content": "", "reasoning": "thought", "calls": [], "retracted": False}
+        assert result == {"content": "", "reasoning": "thought", "calls": []}
         result = parse_whole("kimi_k3", K3_THINK, "t<|close|>think<|sep|><|open|>response<|sep|>Hi<|clo", "length")
         assert result["content"] == "Hi"
 
@@ -111,9 +72,6 @@ class TestKimiK3:
         call = parse_whole("kimi_k3", K3_RESPONSE, text)["calls"][0]
         assert json.loads(call["arguments"]) == {'a"b&c': "x"}
 
-    def test_unclosed_prefilled_think_at_eos_is_the_answer(self):
-        result = parse_whole("kimi_k3", K3_THINK, "Just the answer.")
-        assert result["content"] == "Just the answer." and result["retracted"]
 
 
 class TestKimiK2:
@@ -129,9 +87,11 @@ class TestKimiK2:
         assert result["calls"] == [{"id": "functionsget_weather5", "name": "get_weather", "arguments": '{"city": "Oslo"}'}]
 
     @pytest.mark.parametrize("call_id,name", [
-        ("functions.get_weather:0", "get_weather"), ("call00003", "call"), ("functionsnow5", "now"), ("get_weather:2", "get_weather")])
+        ("functions.get_weather:0", "get_weather"), ("functionsnow5", "now"), ("get_weather:2", "get_weather"),
+        ("functions.get_weather_2", "get_weather_2"), ("functions.get_news:1", "get_news"),
+        ("functions.invalid_get_weather.0", "invalid_get_weather"), ("call00003", None), ("0", None)])
     def test_name_from_id(self, call_id, name):
-        assert name_from_id(call_id, ["get_weather", "now"] if call_id != "call00003" else []) == name
+        assert name_from_id(call_id, {"get_weather": {}, "now": {}, "get_weather_2": {}}) == name
 
     def test_placeholder_content_before_a_call_is_dropped(self):
         result = parse_whole(*CASES["kimi_k2_placeholder_content"])
@@ -164,9 +124,6 @@ class TestGlm:
         result = parse_whole(*CASES["glm47_tool_call_inside_reasoning"])
         assert result["reasoning"] == "thinking" and result["calls"][0]["name"] == "now"
 
-    def test_glm47_eos_without_think_close_is_not_swallowed(self):
-        result = parse_whole("glm47", "<|assistant|><think>", "The answer is 4.")
-        assert result["content"] == "The answer is 4." and result["retracted"]
 
     def test_glm47_cut_by_length_stays_reasoning(self):
         result = parse_whole("glm47", "<|assistant|><think>", "still thinking", finish="length")
@@ -177,7 +134,7 @@ class TestGlm:
 
     def test_glm45_thinking_off(self):
         result = parse_whole("glm45", "<|assistant|>\n<think></think>", "answer")
-        assert result == {"content": "answer", "reasoning": "", "calls": [], "retracted": False}
+        assert result == {"content": "answer", "reasoning": "", "calls": []}
 
     def test_undeclared_string_value_stays_text(self):
         text = "<tool_call>get_weather<arg_key>note</arg_key><arg_value>hello world</arg_value></tool_call>"
@@ -191,18 +148,18 @@ class TestIds:
     def test_kimi_ids_count_over_the_conversation(self):
         text = ('<|open|>tools<|sep|><|open|>call tool="now" index="1"<|sep|><|close|>call<|sep|>'
                 '<|open|>call tool="get_weather" index="2"<|sep|><|close|>call<|sep|><|close|>tools<|sep|>')
-        parser = build_output_parser("kimi_k3", "kimi_k3", prompt_text=K3_RESPONSE, tool_schemas=WEATHER, history_calls=2)
+        parser = build_output_parser("kimi_k3", prompt_text=K3_RESPONSE, tool_schemas=WEATHER, history_calls=2)
         assert [c["id"] for c in collect(parser, [text])["calls"]] == ["functions.now:2", "functions.get_weather:3"]
 
     def test_glm_ids_are_random_and_distinct(self):
-        parser = build_output_parser("glm47", "glm47", prompt_text="</think>", tool_schemas=WEATHER)
+        parser = build_output_parser("glm", "glm47", prompt_text="</think>", tool_schemas=WEATHER)
         calls = collect(parser, ["<tool_call>now</tool_call><tool_call>now</tool_call>"])["calls"]
         assert calls[0]["id"].startswith("call_") and calls[0]["id"] != calls[1]["id"]
 
 
 class TestWithoutTools:
     def test_tool_markup_is_content_when_no_tools_are_declared(self):
-        parser = build_output_parser("glm47", None, prompt_text="<|assistant|></think>")
+        parser = build_output_parser("glm", "glm47", prompt_text="<|assistant|></think>", tool_schemas=None)
         text = "<tool_call>now</tool_call>"
         assert collect(parser, [text])["content"] == text
 
@@ -227,8 +184,11 @@ class TestFuzz:
                     "(no content)", "{", "}", "x", " ", "\n"],
         "glm47": ["<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
                   "</arg_value>", "get_weather", "city", "days", "3", "x", " ", "\n", "{\"a\": 1}"],
+        "qwen3": ["<think>", "</think>", "<tool_call>", "</tool_call>", '{"name": "now", "arguments": ', "{", "}",
+                  '"city": ', '"x"', "x", " ", "\n", "<"],
     }
-    PROMPTS = {"kimi_k3": K3_THINK, "kimi_k2": "<|im_middle|><think>", "glm47": "<|assistant|><think>"}
+    PROMPTS = {"kimi_k3": K3_THINK, "kimi_k2": "<|im_middle|><think>", "glm47": "<|assistant|><think>",
+               "qwen3": "<|im_start|>assistant\n"}
 
     @pytest.mark.parametrize("fmt", sorted(PIECES))
     def test_random_soups(self, fmt):

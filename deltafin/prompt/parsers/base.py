@@ -2,14 +2,15 @@
 
 A parser is fed a choice's text as the engine produces it and returns what may be shown now: reasoning,
 answer content, tool-call deltas. Text that may be the start of a marker stays inside the parser until it
-is known; `finish()` flushes what is left, dropping a marker cut off by max_tokens.
+is known; `finish()` flushes what is left: at a normal end it is text (a trailing "<" is the model's), after
+max_tokens a cut-off marker is dropped.
 """
 
 from __future__ import annotations
 
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Callable, Protocol, Sequence
+from typing import Callable, Protocol, Sequence
 
 
 @dataclass
@@ -27,18 +28,14 @@ class ParsedDelta:
     content: str = ""
     reasoning: str = ""
     tool_calls: list[ToolCallDelta] = field(default_factory=list)
-    # Set by finish() when text streamed as reasoning turned out to be the answer (a prefilled <think> that
-    # never closed before EOS): `content` then repeats it, and whole responses drop the reasoning.
-    reasoning_retracted: bool = False
 
     def __bool__(self) -> bool:
-        return bool(self.content or self.reasoning or self.tool_calls or self.reasoning_retracted)
+        return bool(self.content or self.reasoning or self.tool_calls)
 
     def extend(self, other: "ParsedDelta") -> "ParsedDelta":
         self.content += other.content
         self.reasoning += other.reasoning
         self.tool_calls.extend(other.tool_calls)
-        self.reasoning_retracted = self.reasoning_retracted or other.reasoning_retracted
         return self
 
 
@@ -86,6 +83,14 @@ def is_partial_marker(text: str, markers: Sequence[str]) -> bool:
     return bool(stripped) and any(m.startswith(stripped) for m in markers)
 
 
+def released_at_finish(held: str, markers: Sequence[str], finish_reason: str) -> str:
+    """What held-back text becomes at the end. After a natural end a held "<" was never going to be a
+    marker: it is the model's text. After max_tokens it may be a marker cut in half: dropped, never leaked."""
+    if finish_reason == "length" and is_partial_marker(held, markers):
+        return ""
+    return held
+
+
 class PlainOutputParser:
     """Every character is answer content (models without reasoning or tool-call markup)."""
 
@@ -94,22 +99,3 @@ class PlainOutputParser:
 
     def finish(self, finish_reason: str) -> ParsedDelta:
         return ParsedDelta()
-
-
-def schema_types(tools: Sequence[Any] | None) -> dict[str, dict[str, str]]:
-    """{tool name: {argument: JSON-schema type}} from OpenAI tool definitions (dicts or protocol structs)."""
-    out: dict[str, dict[str, str]] = {}
-    for tool in tools or ():
-        function = tool["function"] if isinstance(tool, dict) else tool.function
-        name = function["name"] if isinstance(function, dict) else function.name
-        params = (function.get("parameters") if isinstance(function, dict) else function.parameters) or {}
-        props = params.get("properties") or {}
-        types: dict[str, str] = {}
-        for key, prop in props.items():
-            kind = prop.get("type") if isinstance(prop, dict) else None
-            if isinstance(kind, list):  # ["string", "null"]
-                kind = next((k for k in kind if k != "null"), None)
-            if isinstance(kind, str):
-                types[key] = kind
-        out[name] = types
-    return out

@@ -6,17 +6,19 @@
     <arg_value>Paris</arg_value>
     </tool_call>
 
-Values are raw text, typed from the tool's JSON schema: strings stay raw (whitespace kept, never
-stripped), other types are decoded as JSON. Names and keys are stripped. Arguments stream as OpenAI JSON
-fragments: string values character by character, other values when complete.
+Values are raw text, typed from the tool's JSON schema (`type`, a type list, `anyOf`/`oneOf`: a field that
+allows a string keeps the raw text): strings stay raw (whitespace kept, never stripped), other types are
+decoded as JSON. Names and keys are stripped; a call whose name is empty is dropped (no call without a
+name). Arguments stream as OpenAI JSON fragments: string values character by character, other values when
+complete; a call cut by max_tokens keeps the arguments it had.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
 
-from deltafin.prompt.parsers.base import IdFactory, ParsedDelta, ToolCallDelta, is_partial_marker, random_call_id, split_at_marker
+from deltafin.prompt.parsers.base import IdFactory, ParsedDelta, ToolCallDelta, random_call_id, released_at_finish, split_at_marker
+from deltafin.prompt.parsers.values import json_fragment, typed_value
 
 CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
 KEY_BEGIN, KEY_END = "<arg_key>", "</arg_key>"
@@ -24,20 +26,7 @@ VALUE_BEGIN, VALUE_END = "<arg_value>", "</arg_value>"
 ALL_MARKERS = (CALL_BEGIN, CALL_END, KEY_BEGIN, KEY_END, VALUE_BEGIN, VALUE_END)
 
 _TEXT, _NAME, _BETWEEN, _KEY, _BEFORE_VALUE, _VALUE = "text", "name", "between", "key", "before_value", "value"
-
-
-def _json_fragment(text: str) -> str:
-    return json.dumps(text, ensure_ascii=False)[1:-1]
-
-
-def typed_value(raw: str, kind: str | None) -> Any:
-    """A raw GLM value as the schema types it; undeclared arguments are JSON if they parse, else text."""
-    if kind == "string":
-        return raw
-    try:
-        return json.loads(raw)
-    except (json.JSONDecodeError, ValueError):
-        return raw
+_NAMELESS = "nameless"  # inside a call without a name: swallowed up to its </tool_call>
 
 
 class GlmToolParser:
@@ -77,12 +66,21 @@ class GlmToolParser:
                 if marker is None:
                     self._held = after
                     return out
-                self._index += 1
                 self._name, self._args = self._name.strip(), 0
-                out.tool_calls.append(ToolCallDelta(self._index, self._new_id(self._index, self._name), self._name, ""))
                 # A newline ends a 4.5 name; the tag that ended a 4.7 name is handled in the next state.
                 buffer = after if marker == "\n" else marker + after
+                if not self._name:
+                    self._state = _NAMELESS
+                    continue
+                self._index += 1
+                out.tool_calls.append(ToolCallDelta(self._index, self._new_id(self._index, self._name), self._name, ""))
                 self._state = _BETWEEN
+            elif state == _NAMELESS:
+                _, marker, after = split_at_marker(buffer, (CALL_END,))
+                if marker is None:
+                    self._held = after
+                    return out
+                buffer, self._state = after, _TEXT
             elif state == _BETWEEN:
                 stripped = buffer.lstrip()
                 if not stripped:
@@ -124,7 +122,7 @@ class GlmToolParser:
                 before, marker, after = split_at_marker(buffer, (VALUE_END,))
                 if self._kind() == "string":
                     if before:
-                        out.tool_calls.append(ToolCallDelta(self._index, arguments=_json_fragment(before)))
+                        out.tool_calls.append(ToolCallDelta(self._index, arguments=json_fragment(before)))
                 else:
                     self._value += before
                 if marker is None:
@@ -140,7 +138,11 @@ class GlmToolParser:
         return out
 
     def finish(self, finish_reason: str) -> ParsedDelta:
-        held, self._held = self._held, ""
-        if self._state == _TEXT and not is_partial_marker(held, ALL_MARKERS):
+        held = released_at_finish(self._held, ALL_MARKERS, finish_reason)
+        self._held = ""
+        if self._state == _TEXT:
             return ParsedDelta(content=held)
-        return ParsedDelta()  # a call cut off mid-way: its arguments stay incomplete (finish_reason length)
+        if self._state == _VALUE:  # a call cut inside a value reports what it had (the raw text of a non-string)
+            partial = json_fragment(held) if self._kind() == "string" else self._value + held
+            return ParsedDelta(tool_calls=[ToolCallDelta(self._index, arguments=partial)] if partial else [])
+        return ParsedDelta()  # cut between the parts of a call: its arguments stay as streamed so far

@@ -3,17 +3,21 @@
     <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{JSON}<|tool_call_end|>...<|tool_calls_section_end|>
 
 The id is reported verbatim (it is rendered back in later turns). Tolerated deviations seen in the wild: the
-singular `<|tool_call_section_begin|>`, a call without a section, ids like `call00003` or `functionsexec5`
-(the name is then recovered from the declared tools), and the placeholder content `(no content)` written
-before a tool section (dropped: the message has no content). Arguments stream as the model writes them.
+singular `<|tool_call_section_begin|>`, a call without a section, ids like `functionsexec5` or
+`functions.NAME.0`, ids that carry no name at all (`0`, `call00003`: the name is then the one declared tool,
+or the one declared tool whose parameters hold every argument, else the call is dropped: a name is never
+invented), and the placeholder content `(no content)` written before a tool section (dropped: the message
+has no content). Section and argument markers outside a section are control tokens, never content.
+Arguments stream as the model writes them.
 """
 
 from __future__ import annotations
 
+import json
 import re
-from typing import Sequence
+from typing import Any, Mapping
 
-from deltafin.prompt.parsers.base import IdFactory, ParsedDelta, ToolCallDelta, is_partial_marker, random_call_id, split_at_marker
+from deltafin.prompt.parsers.base import IdFactory, ParsedDelta, ToolCallDelta, random_call_id, released_at_finish, split_at_marker
 
 SECTION_BEGIN = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
 SECTION_END = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
@@ -21,32 +25,54 @@ CALL_BEGIN = "<|tool_call_begin|>"
 ARGS_BEGIN = "<|tool_call_argument_begin|>"
 CALL_END = "<|tool_call_end|>"
 ALL_MARKERS = (*SECTION_BEGIN, *SECTION_END, CALL_BEGIN, ARGS_BEGIN, CALL_END)
+_STRAY = (*SECTION_END, ARGS_BEGIN, CALL_END)  # dropped where they make no sense
 
-_ID = re.compile(r"^(?:functions\.)?(?P<name>.+?)(?::\d+)?$")
+# functions.NAME:IDX and its relatives: the prefix, a separator and the counter are all optional.
+_ID = re.compile(r"^(?:functions\.?)?(?P<name>.*?)[:._]?\d*$", re.DOTALL)
+_NAMELESS = re.compile(r"^(?:functions[.:]?|call_?)?\d*$")
 
-_TEXT, _SECTION, _ID_STATE, _ARGS = "text", "section", "id", "args"
+# _ARGS streams a named call's arguments; _INFER collects a nameless call's arguments to pick its tool.
+_TEXT, _SECTION, _ID_STATE, _ARGS, _INFER = "text", "section", "id", "args", "infer"
 PLACEHOLDER = "(no content)"
 
 
-def name_from_id(call_id: str, tool_names: Sequence[str]) -> str:
-    """`functions.get_weather:0` -> get_weather; odd ids fall back to the longest declared tool name inside."""
-    if call_id.startswith("functions.") or ":" in call_id:
-        match = _ID.match(call_id)
-        if match and (not tool_names or match.group("name") in tool_names):
-            return match.group("name")
-    inside = [name for name in tool_names if name in call_id]
-    if inside:
-        return max(inside, key=len)
-    return re.sub(r"\d+$", "", call_id.removeprefix("functions")).strip(".:_") or call_id
+def name_from_id(call_id: str, tools: Mapping[str, Any]) -> str | None:
+    """The function a call id names, exactly: `functions.get_weather:0` -> get_weather. None when the id
+    carries no name (`0`, `call00003`); an undeclared name is still the model's call and is returned."""
+    for candidate in (call_id, call_id.removeprefix("functions.")):
+        if candidate in tools:
+            return candidate
+    if _NAMELESS.match(call_id):
+        return None
+    match = _ID.match(call_id)
+    name = match.group("name") if match else ""
+    return name or None
+
+
+def infer_tool(tools: Mapping[str, Mapping[str, Any]], arguments: str) -> str | None:
+    """A nameless call's tool: the only declared one, or the only one whose parameters hold every argument
+    (JSON object required). Ambiguous or unreadable: None."""
+    if len(tools) == 1:
+        return next(iter(tools))
+    try:
+        keys = json.loads(arguments)
+    except (json.JSONDecodeError, ValueError):
+        return None
+    if not isinstance(keys, dict):
+        return None
+    fits = [name for name, props in tools.items() if set(keys) <= set(props)]
+    return fits[0] if len(fits) == 1 else None
 
 
 class KimiK2ToolParser:
-    def __init__(self, tool_names: Sequence[str] = (), new_id: IdFactory = random_call_id) -> None:
-        self._tool_names = list(tool_names)
+    def __init__(self, tools: Mapping[str, Mapping[str, Any]] | None = None, new_id: IdFactory = random_call_id) -> None:
+        """`tools`: {declared name: its parameters' properties}."""
+        self._tools = dict(tools or {})
         self._new_id = new_id
         self._state = _TEXT
         self._held = ""
         self._id = ""
+        self._args = ""
         self._index = -1
         self._at_start = True
 
@@ -64,6 +90,26 @@ class KimiK2ToolParser:
             return None
         return rest if rest.startswith(starts) else buffer
 
+    def _head(self, call_id: str, name: str, out: ParsedDelta) -> None:
+        self._index += 1
+        out.tool_calls.append(ToolCallDelta(self._index, call_id or self._new_id(self._index, name), name, ""))
+
+    def _start_call(self, out: ParsedDelta) -> None:
+        call_id = self._id.strip()
+        name = name_from_id(call_id, self._tools) if call_id else None
+        if name is not None:
+            self._head(call_id, name, out)
+            self._state = _ARGS
+        else:
+            self._state, self._args = _INFER, ""
+
+    def _end_inferred(self, out: ParsedDelta) -> None:
+        name = infer_tool(self._tools, self._args)
+        if name is not None:
+            self._head(self._id.strip(), name, out)
+            if self._args:
+                out.tool_calls.append(ToolCallDelta(self._index, arguments=self._args))
+
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
         buffer = self._held + text
@@ -76,11 +122,13 @@ class KimiK2ToolParser:
             self._at_start, buffer = False, decided
         while buffer:
             if self._state == _TEXT:
-                before, marker, buffer = split_at_marker(buffer, (*SECTION_BEGIN, CALL_BEGIN))
+                before, marker, buffer = split_at_marker(buffer, (*SECTION_BEGIN, CALL_BEGIN, *_STRAY))
                 out.content += before
                 if marker is None:
                     self._held = buffer
                     return out
+                if marker in _STRAY:
+                    continue
                 self._state = _SECTION if marker in SECTION_BEGIN else _ID_STATE
                 self._id = ""
             elif self._state == _SECTION:
@@ -100,26 +148,31 @@ class KimiK2ToolParser:
                     self._held = after
                     return out
                 buffer = after
-                self._index += 1
-                name = name_from_id(self._id.strip(), self._tool_names) if self._id.strip() else ""
-                call_id = self._id.strip() or self._new_id(self._index, name)
-                out.tool_calls.append(ToolCallDelta(self._index, call_id, name, ""))
-                self._state = _ARGS
-            else:  # _ARGS
+                self._start_call(out)
+            else:  # _ARGS, _INFER: up to the end of the call
                 before, marker, after = split_at_marker(buffer, (CALL_END, *SECTION_END))
-                if before:
+                if self._state == _ARGS and before:
                     out.tool_calls.append(ToolCallDelta(self._index, arguments=before))
+                elif self._state == _INFER:
+                    self._args += before
                 if marker is None:
                     self._held = after
                     return out
+                if self._state == _INFER:
+                    self._end_inferred(out)
                 buffer = after
                 self._state = _SECTION if marker == CALL_END else _TEXT
         return out
 
     def finish(self, finish_reason: str) -> ParsedDelta:
-        held, self._held = self._held, ""
-        if is_partial_marker(held, ALL_MARKERS) or self._state in (_SECTION, _ID_STATE):
-            return ParsedDelta()
-        if self._state == _ARGS:
-            return ParsedDelta(tool_calls=[ToolCallDelta(self._index, arguments=held)] if held else [])
-        return ParsedDelta(content=held)
+        held = released_at_finish(self._held, ALL_MARKERS, finish_reason)
+        self._held = ""
+        out = ParsedDelta()
+        if self._at_start or self._state == _TEXT:
+            out.content = held
+        elif self._state == _ARGS and held:  # a call cut by max_tokens keeps its partial arguments
+            out.tool_calls.append(ToolCallDelta(self._index, arguments=held))
+        elif self._state == _INFER:
+            self._args += held
+            self._end_inferred(out)
+        return out

@@ -3,8 +3,12 @@
 Text in `think` is reasoning, text in `response` is the answer; a `tools` channel holds `call` spans
 (`tool="NAME" index="N"`) with `argument` spans (`key="K" type="T"`): `type="string"` values are raw text,
 other types JSON. Attribute values unescape `&quot;` and `&amp;`. The prompt decides the starting channel
-(`...<|open|>think<|sep|>` with thinking on, `...<|open|>response<|sep|>` with it off). A header cut off by
-max_tokens is dropped, never leaked into content.
+(`...<|open|>think<|sep|>` with thinking on, `...<|open|>response<|sep|>` with it off); opening the channel
+that is already open (the model repeating the prompt's opener) is dropped. Reasoning still open at the end
+stays reasoning. The message ends at `<|close|>message<|sep|>`: `<|end_of_msg|>` and whatever follows are
+not content. Without calls allowed (no tools declared, or tool_choice "none") a `tools` channel is dropped
+whole, as SGLang does: XTML markers are control tokens, never content. A call without a tool name is
+dropped. A header cut off by max_tokens is dropped, never leaked into content.
 """
 
 from __future__ import annotations
@@ -12,10 +16,10 @@ from __future__ import annotations
 import json
 import re
 
-from deltafin.prompt.parsers.base import IdFactory, ParsedDelta, ToolCallDelta, random_call_id, split_at_marker
-from deltafin.prompt.parsers.glm import typed_value
+from deltafin.prompt.parsers.base import IdFactory, ParsedDelta, ToolCallDelta, random_call_id, released_at_finish, split_at_marker
+from deltafin.prompt.parsers.values import json_fragment, typed_value
 
-OPEN, CLOSE, SEP = "<|open|>", "<|close|>", "<|sep|>"
+OPEN, CLOSE, SEP, END = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 _MAX_HEADER = 1024
 _ATTR = re.compile(r'(\w+)="([^"]*)"')
 
@@ -37,14 +41,14 @@ def starting_channels(prompt_text: str) -> list[str]:
 class KimiK3Parser:
     """Reasoning and tool calls together: in XTML they are channels of one grammar."""
 
-    def __init__(self, *, channels: list[str], new_id: IdFactory = random_call_id) -> None:
+    def __init__(self, *, channels: list[str], calls_allowed: bool = True, new_id: IdFactory = random_call_id) -> None:
         self._stack = list(channels)
-        self._prefilled_think = bool(channels) and channels[-1] == "think"
-        self._think_closed = False
-        self._reasoning_seen = ""
+        self._calls_allowed = calls_allowed
         self._new_id = new_id
+        self._ended = False  # the message closed: nothing after it is part of the answer
         self._held = ""
         self._index = -1
+        self._in_call = False  # inside a call that is reported (named, and calls allowed)
         self._args = 0
         self._arg_type = "string"
         self._value = ""
@@ -53,12 +57,15 @@ class KimiK3Parser:
         out = ParsedDelta()
         buffer = self._held + text
         self._held = ""
-        while buffer:
-            before, marker, after = split_at_marker(buffer, (OPEN, CLOSE))
+        while buffer and not self._ended:
+            before, marker, after = split_at_marker(buffer, (OPEN, CLOSE, END))
             self._text(before, out)
             if marker is None:
                 self._held = after
                 return out
+            if marker == END:
+                buffer = after
+                continue
             header, sep, rest = after.partition(SEP)
             if not sep:
                 if len(after) <= _MAX_HEADER:
@@ -79,10 +86,11 @@ class KimiK3Parser:
         top = self._stack[-1] if self._stack else None
         if top == "think":
             out.reasoning += text
-            self._reasoning_seen += text
         elif top == "argument":
+            if not self._in_call:
+                return
             if self._arg_type == "string":
-                out.tool_calls.append(ToolCallDelta(self._index, arguments=json.dumps(text, ensure_ascii=False)[1:-1]))
+                out.tool_calls.append(ToolCallDelta(self._index, arguments=json_fragment(text)))
             else:
                 self._value += text
         elif top in ("tools", "call"):
@@ -94,42 +102,48 @@ class KimiK3Parser:
 
     def _open(self, header: str, out: ParsedDelta) -> None:
         name, _, attr_text = header.strip().partition(" ")
+        if self._stack and self._stack[-1] == name and name in ("think", "response"):
+            return  # the model repeated the opener the prompt already wrote
         attrs = {key: unescape(value) for key, value in _ATTR.findall(attr_text)}
         self._stack.append(name)
         if name == "call":
-            self._index += 1
             self._args = 0
-            name = attrs.get("tool", "")
-            out.tool_calls.append(ToolCallDelta(self._index, self._new_id(self._index, name), name, ""))
-        elif name == "argument":
+            tool = attrs.get("tool", "").strip()
+            self._in_call = self._calls_allowed and bool(tool)
+            if self._in_call:
+                self._index += 1
+                out.tool_calls.append(ToolCallDelta(self._index, self._new_id(self._index, tool), tool, ""))
+        elif name == "argument" and self._in_call:
             self._arg_type = attrs.get("type", "string")
             self._value = ""
             opening = "{" if self._args == 0 else ", "
             self._args += 1
             quote = '"' if self._arg_type == "string" else ""
-            key = json.dumps(attrs.get("key", ""), ensure_ascii=False)
-            out.tool_calls.append(ToolCallDelta(self._index, arguments=f"{opening}{key}: {quote}"))
+            key = json_fragment(attrs.get("key", ""))
+            out.tool_calls.append(ToolCallDelta(self._index, arguments=f'{opening}"{key}": {quote}'))
 
     def _close(self, name: str, out: ParsedDelta) -> None:
         if name in self._stack:
             while self._stack and self._stack.pop() != name:
                 pass
-        if name == "think":
-            self._think_closed = True
-        elif name == "argument":
+        if name == "message":
+            self._ended = True
+        elif name == "argument" and self._in_call:
             if self._arg_type == "string":
                 out.tool_calls.append(ToolCallDelta(self._index, arguments='"'))
             else:
-                value = json.dumps(typed_value(self._value, self._arg_type), ensure_ascii=False)
-                out.tool_calls.append(ToolCallDelta(self._index, arguments=value))
-        elif name == "call":
+                value = typed_value(self._value, self._arg_type)
+                out.tool_calls.append(ToolCallDelta(self._index, arguments=json.dumps(value, ensure_ascii=False)))
+        elif name == "call" and self._in_call:
             out.tool_calls.append(ToolCallDelta(self._index, arguments="}" if self._args else "{}"))
+            self._in_call = False
 
     def finish(self, finish_reason: str) -> ParsedDelta:
         held, self._held = self._held, ""
         out = ParsedDelta()
-        if held and not held.startswith((OPEN, CLOSE)) and not OPEN.startswith(held) and not CLOSE.startswith(held):
-            self._text(held, out)
-        if self._prefilled_think and not self._think_closed and finish_reason == "stop" and self._reasoning_seen:
-            return ParsedDelta(content=self._reasoning_seen, reasoning_retracted=True)
+        if self._ended or held.startswith((OPEN, CLOSE)):
+            return out  # a header cut off after its marker: never text
+        self._text(released_at_finish(held, (OPEN, CLOSE, END), finish_reason), out)
+        if self._stack and self._stack[-1] == "argument" and self._in_call and self._arg_type != "string" and self._value:
+            out.tool_calls.append(ToolCallDelta(self._index, arguments=self._value))  # a cut value, as written
         return out

@@ -1,0 +1,69 @@
+"""Model families by name (`model.family`): each module in this package registers its families, so a new
+family is one module here plus one conf/model/*.yaml. Nothing outside a family's module branches on it."""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from typing import Any, Sequence, TypeVar
+
+from deltafin.families.base import ModelFamily, TinyRecipe
+from deltafin.prompt.parsers.base import IdFactory, OutputParser, kimi_call_ids, random_call_id
+
+__all__ = ["FAMILIES", "ModelFamily", "TinyRecipe", "build_output_parser", "check_family", "get_family", "register"]
+
+FAMILIES: dict[str, ModelFamily] = {}
+
+F = TypeVar("F", bound=type[ModelFamily])
+
+
+def register(cls: F) -> F:
+    """Class decorator: one instance of the family, known by its `name`."""
+    if cls.name in FAMILIES:
+        raise ValueError(f"model family {cls.name!r} is registered twice")
+    FAMILIES[cls.name] = cls()
+    return cls
+
+
+def get_family(name: str) -> ModelFamily:
+    try:
+        return FAMILIES[name]
+    except KeyError:
+        raise ValueError(f"model.family: {name!r} is not a known family ({', '.join(sorted(FAMILIES))})") from None
+
+
+def check_family(family: str, variant: str | None) -> None:
+    """Start-up check of model.family / model.variant: a one-line ConfigError naming the key."""
+    from deltafin.config import ConfigError
+
+    try:
+        get_family(family).variant(variant)
+    except ValueError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def build_output_parser(
+    family: str,
+    variant: str | None = None,
+    *,
+    prompt_text: str = "",
+    tool_schemas: Sequence[Any] | None = None,
+    calls_allowed: bool | None = None,
+    history_calls: int = 0,
+    new_id: IdFactory | None = None,
+) -> OutputParser:
+    """A fresh parser for one choice. `prompt_text` tells where output starts (inside reasoning or not);
+    tool calls are parsed only when `calls_allowed` (default: when tools are declared); `history_calls`
+    (tool calls in earlier assistant messages) numbers Kimi-style ids."""
+    spec = get_family(family)
+    if new_id is None:
+        new_id = kimi_call_ids(history_calls) if spec.kimi_ids else random_call_id
+    allowed = bool(tool_schemas) if calls_allowed is None else calls_allowed
+    return spec.output_parser(
+        spec.variant(variant), prompt_text=prompt_text, tools=tool_schemas or (), calls_allowed=allowed, new_id=new_id
+    )
+
+
+for _module in pkgutil.iter_modules(__path__):
+    if _module.name != "base":
+        importlib.import_module(f"{__name__}.{_module.name}")

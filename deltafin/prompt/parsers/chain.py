@@ -1,0 +1,65 @@
+"""How a family's parsers are put together for one choice."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from deltafin.prompt.parsers.base import OutputParser, ParsedDelta
+
+
+class ChainedParser:
+    """Reasoning parser first; the answer text it lets through goes to the tool-call parser."""
+
+    def __init__(self, reasoning: Any | None, tools: Any | None) -> None:
+        self._reasoning = reasoning
+        self._tools = tools
+
+    def _tools_on(self, delta: ParsedDelta, feed: Callable[[str], ParsedDelta] | None) -> ParsedDelta:
+        if feed is None or not delta.content:
+            return delta
+        parsed = feed(delta.content)
+        delta.content = parsed.content
+        delta.tool_calls.extend(parsed.tool_calls)
+        return delta
+
+    def feed(self, text: str) -> ParsedDelta:
+        delta = self._reasoning.feed(text) if self._reasoning else ParsedDelta(content=text)
+        return self._tools_on(delta, self._tools.feed if self._tools else None)
+
+    def finish(self, finish_reason: str) -> ParsedDelta:
+        delta = self._reasoning.finish(finish_reason) if self._reasoning else ParsedDelta()
+        delta = self._tools_on(delta, self._tools.feed if self._tools else None)
+        if self._tools is not None:
+            delta.extend(self._tools.finish(finish_reason))
+        return delta
+
+
+class BlankContentBesideCalls:
+    """Whitespace-only content beside tool calls is no content (`null`, as vLLM returns it): layout such as
+    "\\n    " before a call is held until the answer shows real text (then released with it) or ends (then
+    dropped if calls were made, kept if not). Once real text was shown, all content passes unchanged."""
+
+    def __init__(self, inner: OutputParser) -> None:
+        self._inner = inner
+        self._pending = ""
+        self._shown = False
+        self._calls = False
+
+    def _filter(self, delta: ParsedDelta, *, final: bool) -> ParsedDelta:
+        self._calls = self._calls or bool(delta.tool_calls)
+        if self._shown:
+            return delta
+        text = self._pending + delta.content
+        if text.strip():
+            self._shown, self._pending, delta.content = True, "", text
+        elif final:
+            self._pending, delta.content = "", "" if self._calls else text
+        else:
+            self._pending, delta.content = text, ""
+        return delta
+
+    def feed(self, text: str) -> ParsedDelta:
+        return self._filter(self._inner.feed(text), final=False)
+
+    def finish(self, finish_reason: str) -> ParsedDelta:
+        return self._filter(self._inner.finish(finish_reason), final=True)
