@@ -83,7 +83,7 @@ async def tokenize(
     request: Request, payload: NamedDependency[TokenizeRequest], services: NamedDependency[Services]
 ) -> dict[str, Any]:
     stats = _stats(request)
-    return await services.ctx.off_loop(services.tokenize.tokenize, payload, stats, size=stats.body_bytes)
+    return await services.ctx.off_loop(services.tokenize.tokenize, payload, stats, size=stats.body_bytes, stats=stats)
 
 
 @post(["/detokenize", "/v1/detokenize"], status_code=200, summary="Turn token ids back into text", **_body(DetokenizeRequest))

@@ -151,12 +151,11 @@ class ChatService:
 
         async def produce(request: ChatCompletionRequest) -> dict[str, Any] | ChunkStream:
             self.ctx.check_model(request.model)
-            deadline = self.ctx.deadline(stats)
-            prompt = await self.ctx.off_loop(self.render, request, size=stats.body_bytes, deadline=deadline)
+            prompt = await self.ctx.off_loop(self.render, request, size=stats.body_bytes, stats=stats)
             jobs = self.jobs(request, prompt)
             stats.prompt_tokens = len(prompt.token_ids)
             choices = [ChoiceAssembly(self.output_parser(request, prompt.text)) for _ in jobs]
-            stream = await self.ctx.engine.start(jobs, deadline=deadline)
+            stream = await self.ctx.engine.start(jobs, deadline=self.ctx.deadline(stats))
             stats.queue_wait_s = stream.queue_wait
             if request.stream:
                 return ChunkStream(self._chunks(request, stream, choices, stats, rule_ctx), stream.close)

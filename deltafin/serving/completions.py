@@ -64,13 +64,12 @@ class CompletionService:
         async def produce(request: CompletionRequest) -> dict[str, Any] | ChunkStream:
             self.ctx.check_model(request.model)
             # A raw prompt is the client's whole input: special tokens in it are meant as such.
-            deadline = self.ctx.deadline(stats)
             prompt_ids = await self.ctx.off_loop(
-                lambda: list(self.ctx.tokenizer(request.prompt).input_ids), size=stats.body_bytes, deadline=deadline
+                lambda: list(self.ctx.tokenizer(request.prompt).input_ids), size=stats.body_bytes, stats=stats
             )
             jobs = self.jobs(request, prompt_ids)
             stats.prompt_tokens = len(prompt_ids)
-            stream = await self.ctx.engine.start(jobs, deadline=deadline)
+            stream = await self.ctx.engine.start(jobs, deadline=self.ctx.deadline(stats))
             stats.queue_wait_s = stream.queue_wait
             if request.stream:
                 return ChunkStream(self._chunks(request, stream, stats), stream.close)

@@ -27,6 +27,7 @@ class RequestStats:
     started: float = field(default_factory=time.perf_counter)
     arrived: float = field(default_factory=time.monotonic)  # admission's deadline counts from here
     body_bytes: int = 0
+    prompt_work_s: float = 0.0  # the request's own prompt work, which its admission deadline does not count
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -89,15 +90,27 @@ class ServingContext:
         return self.prompt.tokenizers.get()
 
     def deadline(self, stats: RequestStats) -> float:
-        """When a request must be admitted to the engine or refused: `queue.timeout_s` after it arrived."""
-        return stats.arrived + self.config.server.queue.timeout_s
+        """When a request must be admitted to the engine or refused: `queue.timeout_s` of waiting after it
+        arrived (its own prompt work, done so far, not counted)."""
+        return stats.arrived + self.config.server.queue.timeout_s + stats.prompt_work_s
 
     def count_tokens(self, text: str) -> int:
         return len(self._loop_tokenizer(text, add_special_tokens=False).input_ids)
 
-    async def off_loop(self, fn: Callable[..., T], *args: Any, size: int = 0, deadline: float | None = None) -> T:
-        """Run prompt work on a prompt thread: the lane for a body of `size` bytes, refused past `deadline`."""
-        return await self.prompt.run(lambda: fn(*args), size=size, deadline=deadline)
+    async def off_loop(self, fn: Callable[..., T], *args: Any, size: int = 0, stats: RequestStats | None = None) -> T:
+        """Run prompt work on a prompt thread: the lane for a body of `size` bytes; with `stats`, refused if no
+        thread is free by the request's deadline, and the work's own time recorded."""
+        if stats is None:
+            return await self.prompt.run(lambda: fn(*args), size=size)
+
+        def timed() -> T:
+            began = time.monotonic()
+            try:
+                return fn(*args)
+            finally:
+                stats.prompt_work_s += time.monotonic() - began
+
+        return await self.prompt.run(timed, size=size, deadline=self.deadline(stats))
 
     fingerprint: str = "fp_deltafin"
 

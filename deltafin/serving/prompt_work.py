@@ -6,8 +6,9 @@ that it needs its prompt rendered and tokenized, which for a 4 MB body takes sec
 - two lanes, each one thread: bodies of `server.queue.large_body_bytes` or more go to the large lane, the rest
   to the small one, so a one-line chat never waits behind megabytes of someone else's prompt;
 - the large lane holds at most `server.queue.max_large_prompts` requests (queued or running); past that, 429;
-- a request whose deadline passes while it waits for a lane, or while its prompt is being worked on, is
-  refused then (429); work it left queued is skipped when its turn comes.
+- a request whose deadline passes while it waits for a lane is refused then (429), and the work it left
+  queued is skipped when its turn comes. Once its own prompt work has started it is not cut short: the
+  deadline bounds waiting, and the caller moves the engine's deadline on by the time the work took.
 
 Tokenizers are per thread: encoding flips `split_special_tokens` on the Rust object, so a tokenizer shared
 between threads could encode a prompt's content with control tokens live.
@@ -71,28 +72,35 @@ class PromptWork:
         return EngineBusyError(f"The server is busy ({why}); retry after {retry_after} s.", headers={"Retry-After": retry_after})
 
     async def run(self, fn: Callable[[], T], *, size: int = 0, deadline: float | None = None) -> T:
-        """`fn()` on the lane for a body of `size` bytes; 429 if it cannot finish by `deadline` (monotonic)."""
+        """`fn()` on the lane for a body of `size` bytes; 429 if it cannot start by `deadline` (monotonic)."""
         large = size >= self._large_body_bytes
         if large and self._large_held >= self._max_large:
             raise self._busy(f"{self._large_held} large prompts already in work")
+        loop = asyncio.get_running_loop()
+        started = asyncio.Event()
 
         def guarded() -> T:
             if deadline is not None and time.monotonic() > deadline:
                 raise _Expired()
+            loop.call_soon_threadsafe(started.set)
             return fn()
 
         lane = self._large if large else self._small
-        future = asyncio.get_running_loop().run_in_executor(lane, guarded)
+        future = loop.run_in_executor(lane, guarded)
         if large:
             self._large_held += 1
             future.add_done_callback(self._large_done)
-        if deadline is None:
-            return await future
+        if deadline is not None:
+            began = asyncio.ensure_future(started.wait())
+            done, _ = await asyncio.wait({future, began}, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED)
+            began.cancel()
+            if not done:
+                future.add_done_callback(_consume)  # abandoned: skipped when its turn comes
+                raise self._busy(f"no prompt thread free within {self._timeout_s:g} s")
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout=max(0.0, deadline - time.monotonic()))
-        except (asyncio.TimeoutError, _Expired):
-            future.add_done_callback(_consume)  # abandoned: nobody awaits it any more
-            raise self._busy(f"prompt not ready within {self._timeout_s:g} s") from None
+            return await future
+        except _Expired:
+            raise self._busy(f"no prompt thread free within {self._timeout_s:g} s") from None
 
     def _large_done(self, _: asyncio.Future) -> None:
         self._large_held -= 1
