@@ -102,6 +102,33 @@ class ShuttingDownError(EngineUnavailableError):
     default_code = "server_shutting_down"
 
 
+class UpstreamUnavailableError(EngineUnavailableError):
+    """The upstream engine cannot be reached (or says it is not ready); the message names it."""
+
+    default_code = "upstream_unavailable"
+
+
+class UpstreamBusyError(EngineBusyError):
+    """The upstream engine's own queue is full; clients should retry after Retry-After."""
+
+    default_code = "upstream_busy"
+
+
+class UpstreamError(DeltafinError):
+    """The upstream answered 5xx, an unexpected status, or a stream Deltafin cannot read."""
+
+    status = 502
+    type = "upstream_error"
+    default_code = "upstream_error"
+
+
+class UpstreamTimeoutError(UpstreamError):
+    """No byte from the upstream within `engine.read_timeout_s`."""
+
+    status = 504
+    default_code = "upstream_timeout"
+
+
 class InternalError(DeltafinError):
     status = 500
     type = "internal_error"

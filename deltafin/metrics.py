@@ -36,11 +36,21 @@ class Metrics:
         self.rule_firings = Counter("deltafin_rule_firings", "Requests a compat rule changed, by rule", ["rule"], registry=r)
         self.queue_depth = Gauge("deltafin_queue_depth", "Requests waiting for the engine", registry=r)
         self.engine_busy = Gauge("deltafin_engine_busy", "1 while the engine is generating", registry=r)
+        # Gateway mode (an upstream engine): how long each upstream generation took, and what went wrong.
+        self.upstream_seconds = Histogram("deltafin_upstream_seconds", "Upstream generation time per choice", ["engine"], registry=r)
+        self.upstream_errors = Counter("deltafin_upstream_errors", "Upstream failures by kind", ["engine", "kind"], registry=r)
 
     def watch_engine(self, queue_depth: Callable[[], float], busy: Callable[[], float]) -> None:
         """Read the engine's queue and state at scrape time (no bookkeeping on the request path)."""
         self.queue_depth.set_function(queue_depth)
         self.engine_busy.set_function(busy)
+
+    # The upstream engines' observer interface (deltafin.engine.upstream.engine.UpstreamObserver).
+    def upstream_latency(self, engine: str, seconds: float) -> None:
+        self.upstream_seconds.labels(engine=engine).observe(seconds)
+
+    def upstream_error(self, engine: str, kind: str) -> None:
+        self.upstream_errors.labels(engine=engine, kind=kind).inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -19,7 +19,7 @@ from deltafin.app.auth import ApiKeyGate
 from deltafin.app.body import publish_body_schemas
 from deltafin.app.connections import BodyDeadline
 from deltafin.app.routes import BODY_TYPES, ROUTES
-from deltafin.app.services import Services
+from deltafin.app.services import Services, engine_name
 from deltafin.app.shutdown import Drain, DrainGate
 from deltafin.config import DeltafinConfig
 from deltafin.errors import EngineUnavailableError
@@ -59,7 +59,12 @@ def _engine_state(readiness: Readiness) -> tuple[float, float]:
 async def health(state: State) -> Response:
     readiness: Readiness = state.readiness
     if readiness.services is not None:
-        return Response({"status": "ok", "model": state.config.model.name})
+        engine = readiness.services.ctx.engine
+        upstream = await engine.readiness()  # an upstream engine: is it there and ready?
+        if not upstream.ready:
+            return Response({"status": "upstream_unavailable", "engine": engine.name, "error": upstream.detail},
+                            status_code=503, headers={"Retry-After": "5"})
+        return Response({"status": "ok", "model": state.config.model.name, "engine": engine.name})
     status = "failed" if readiness.error else "loading"
     return Response({"status": status, "error": readiness.error}, status_code=503)
 
@@ -86,6 +91,7 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
         async def load() -> None:
             try:
                 readiness.services = await asyncio.to_thread(Services.load, config)
+                readiness.services.ctx.engine.observe(app_metrics)  # upstream latency and errors
                 log.info("ready", model=config.model.name)
             except Exception as exc:  # shown by /health and 503s; the process stays up to say so
                 readiness.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -113,6 +119,6 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
     # checked before routing so a request without one never has its body read; the body's deadline.
     inner = BodyDeadline(litestar_app, config.server.connections.body_timeout_s)
     inner = ApiKeyGate(inner, config.server.api_keys, config.server.open_routes)
-    app = RequestContext(DrainGate(inner, drain), app_metrics)
+    app = RequestContext(DrainGate(inner, drain), app_metrics, engine=engine_name(config))
     app.drain = drain  # the server starts draining it on SIGTERM/SIGINT (deltafin.app.server)
     return app

@@ -40,10 +40,11 @@ def route_template(scope: dict[str, Any]) -> str:
 
 
 class RequestContext:
-    def __init__(self, app: Any, metrics: Metrics) -> None:
+    def __init__(self, app: Any, metrics: Metrics, engine: str = "local") -> None:
         self.app = app
         self.metrics = metrics
         self.drain: Any = None  # set by build_app
+        self.engine = engine
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -103,6 +104,7 @@ class RequestContext:
             route=route,
             path=scope.get("path", "")[:_MAX_LOGGED_PATH],
             status=status,
+            engine=self.engine,
             completed=completed,
             prompt_tokens=stats.prompt_tokens,
             completion_tokens=stats.generated_tokens,

@@ -6,9 +6,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from deltafin.config import DeltafinConfig
-from deltafin.engine import EngineFront
-from deltafin.engine.loader import load_model
-from deltafin.engine.local import LocalEngine
+from deltafin.engine import EngineClient, EngineFront
 from deltafin.prompt import build_chat_format
 from deltafin.rules import build_pipeline
 from deltafin.serving.chat import ChatService
@@ -54,15 +52,40 @@ class Services:
 
     @classmethod
     def load(cls, config: DeltafinConfig) -> "Services":
-        loaded = load_model(config.model, config.placement)
-        local = LocalEngine(
-            loaded,
-            prefix_cache_min_tokens=config.server.prefix_cache.min_tokens if config.server.prefix_cache.enabled else None,
-        )
-        return cls.from_engine(config, front_for(config, local))
+        return cls.from_engine(config, front_for(config, build_engine(config)))
 
 
-def front_for(config: DeltafinConfig, engine: "LocalEngine") -> EngineFront:
+def build_engine(config: DeltafinConfig) -> EngineClient:
+    """The engine `engine._target_` names (conf/engine/*.yaml): a callable (config) -> EngineClient."""
+    from hydra.utils import get_method
+
+    return get_method(config.engine._target_)(config)
+
+
+def build_local_engine(config: DeltafinConfig) -> EngineClient:
+    """The built-in torch engine over model.path's weights."""
+    from deltafin.engine.loader import load_model
+    from deltafin.engine.local import LocalEngine
+
+    loaded = load_model(config.model, config.placement)
+    # engine.max_batch goes here once the batched LocalEngine (its `max_batch` argument) lands.
+    return LocalEngine(
+        loaded,
+        prefix_cache_min_tokens=config.server.prefix_cache.min_tokens if config.server.prefix_cache.enabled else None,
+    )
+
+
+def engine_name(config: DeltafinConfig) -> str:
+    """The engine's short name for logs and metrics, known before it is built."""
+    from hydra.utils import get_method
+
+    return getattr(get_method(config.engine._target_), "engine_name", config.engine._target_)
+
+
+build_local_engine.engine_name = "local"  # type: ignore[attr-defined]
+
+
+def front_for(config: DeltafinConfig, engine: EngineClient) -> EngineFront:
     """Admission and memo, sized by the server config, in front of `engine`."""
     return EngineFront(
         engine,

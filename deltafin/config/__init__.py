@@ -3,6 +3,7 @@
 from deltafin.config.schema import (
     CompatConfig,
     DeltafinConfig,
+    EngineConfig,
     MemoConfig,
     ModelConfig,
     PlacementConfig,
@@ -16,6 +17,7 @@ __all__ = [
     "CompatConfig",
     "ConfigError",
     "DeltafinConfig",
+    "EngineConfig",
     "MemoConfig",
     "ModelConfig",
     "PlacementConfig",

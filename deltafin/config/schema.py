@@ -103,8 +103,28 @@ class ServerConfig:
 
 
 @dataclass
+class EngineConfig:
+    """One schema for every engine; each conf/engine/*.yaml sets the keys its engine reads (documented there)."""
+
+    # A callable `(config) -> EngineClient`; an upstream's builder also needs `url`.
+    _target_: str = "deltafin.app.services.build_local_engine"
+    # local engine
+    max_batch: int = 8
+    # upstream engines
+    url: Optional[str] = None
+    api: str = "auto"
+    model: Optional[str] = None
+    api_key: Optional[str] = None
+    max_inflight: int = 64
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    retry_after_s: int = 2
+
+
+@dataclass
 class DeltafinConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     placement: PlacementConfig = field(default_factory=PlacementConfig)
     compat: CompatConfig = field(default_factory=CompatConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    engine: EngineConfig = field(default_factory=EngineConfig)

@@ -33,11 +33,17 @@ _RANGES: dict[str, tuple[float, float]] = {
     "server.connections.header_timeout_s": (0.1, 3600),
     "server.connections.body_timeout_s": (0.1, 3600),
     "server.connections.keep_alive_s": (0.1, 3600),
+    "engine.max_batch": (1, 1024),
+    "engine.max_inflight": (1, 1 << 16),
+    "engine.connect_timeout_s": (0.001, 3600),
+    "engine.read_timeout_s": (0.001, 86400),
+    "engine.retry_after_s": (0, 3600),
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.chat_format": ("template", "xtml"),
     "model.content_format": ("string", "openai"),
     "server.log_level": ("debug", "info", "warning", "error"),
+    "engine.api": ("auto", "generate", "completions"),
 }
 
 
@@ -76,4 +82,20 @@ def validate_config(cfg: DictConfig | dict[str, Any]) -> DeltafinConfig:
         value = OmegaConf.select(merged, key)
         if value not in allowed:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
+    _check_engine(merged)
     return merged  # type: ignore[return-value]
+
+
+def _check_engine(merged: Any) -> None:
+    """The engine's builder must import; an upstream needs an http(s) URL."""
+    from hydra.utils import get_method
+
+    target = merged.engine._target_
+    try:
+        builder = get_method(target)
+    except Exception:  # hydra wraps import failures in several types
+        raise ConfigError(f"engine._target_: {target!r} cannot be imported") from None
+    if getattr(builder, "needs_url", False):
+        url = merged.engine.url
+        if not url or not str(url).startswith(("http://", "https://")):
+            raise ConfigError(f"engine.url: an upstream engine needs http(s)://HOST:PORT (got {url!r})")

@@ -49,6 +49,10 @@ class EngineFront:
     def capabilities(self) -> EngineCapabilities:
         return self.engine.capabilities
 
+    def observe(self, observer: Any) -> None:
+        """Hand the engine the app's metrics (upstream latency and errors by kind)."""
+        self.engine.observer = observer
+
     async def readiness(self) -> Readiness:
         return await self.engine.readiness()
 
@@ -76,6 +80,11 @@ class EngineFront:
             self.engine.submit(jobs, stream)
         except BaseException:
             stream.end()
+            raise
+        try:
+            await self.engine.started(stream)
+        except BaseException:  # the upstream refused, or the client left while we waited: stop it all
+            stream.close()
             raise
         return stream
 

@@ -11,6 +11,9 @@ Contract of `submit(jobs, stream)`:
 - it ends every submission with `stream.end()`, or `stream.fail(error)` when it cannot go on, after it has
   freed whatever the submission held (so "ended" always means "capacity free");
 - it watches `stream.cancelled` (the client left) and stops at the next token, emitting no `Finished`.
+
+`started(stream)` lets an engine that learns of failures late (an upstream over HTTP) hold the answer until the
+generation is known to run: an error raised there is a real HTTP status, not an in-stream error event.
 """
 
 from __future__ import annotations
@@ -53,10 +56,15 @@ class EngineClient(ABC):
     #: generations (rows) that may run at once; admission queues the rest
     capacity: int
     capabilities: EngineCapabilities = EngineCapabilities()
+    #: where an engine that talks to an upstream reports its latency and errors (the app's metrics); optional
+    observer: Any = None
 
     @abstractmethod
     def submit(self, jobs: Sequence[GenerationJob], stream: "GenerationStream") -> None:
         """Start generating `jobs` (the choices of one request); see the module docstring."""
+
+    async def started(self, stream: "GenerationStream") -> None:
+        """Return once `stream`'s generation is under way, or raise the DeltafinError that prevents it."""
 
     async def readiness(self) -> Readiness:
         return Readiness(True)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
-
+from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from deltafin.engine import Finished, GenerationJob, GenerationStream, PromptLogprobs, TextDelta, TokenLogprob
@@ -63,25 +63,46 @@ class CompletionService:
 
         async def produce(request: CompletionRequest) -> dict[str, Any] | ChunkStream:
             self.ctx.check_model(request.model)
-            # A raw prompt is the client's whole input: special tokens in it are meant as such.
-            prompt_ids = await self.ctx.off_loop(
-                lambda: list(self.ctx.tokenizer(request.prompt).input_ids), size=stats.body_bytes, stats=stats
-            )
+            prompt = await self._prompt(request, stats)
+            prompt_ids = prompt.ids
             jobs = self.jobs(request, prompt_ids)
             stats.prompt_tokens = len(prompt_ids)
             stream = await self.ctx.engine.start(jobs, deadline=self.ctx.deadline(stats))
             stats.queue_wait_s = stream.queue_wait
             if request.stream:
-                return ChunkStream(self._chunks(request, stream, stats), stream.close)
-            return await self._collect(request, stream, stats)
+                return ChunkStream(self._chunks(request, prompt, stream, stats), stream.close)
+            return await self._collect(request, prompt, stream, stats)
 
         return await serve_with_rules(self.ctx, request, rule_ctx, stats, produce)
+
+    async def _prompt(self, request: CompletionRequest, stats: RequestStats) -> "_Prompt":
+        ids = request.prompt_token_ids(self.ctx.engine.vocab_size)
+        # ctx.tokenizer is the prompt thread's own (deltafin.serving.prompt_work), so it is read on that thread.
+        size = stats.body_bytes
+        if ids is None:
+            # A raw prompt is the client's whole input: special tokens in it are meant as such.
+            ids = await self.ctx.off_loop(lambda: list(self.ctx.tokenizer(request.prompt).input_ids), size=size, stats=stats)
+            return _Prompt(ids, request.prompt)
+        # Token ids in: the echoed text is their decoding, special tokens included.
+        if not request.echo:
+            return _Prompt(ids, "")
+        text = await self.ctx.off_loop(lambda: self.ctx.tokenizer.decode(ids, skip_special_tokens=False), size=size, stats=stats)
+        return _Prompt(ids, text)
+
+    def _token_text(self, request: CompletionRequest) -> Any:
+        if request.return_tokens_as_token_ids:
+            return _token_id_text
+        return self.ctx.token_text
 
     def _base(self) -> dict[str, Any]:
         return {"id": new_id("cmpl"), "object": "text_completion", "created": self.ctx.created_now(), "model": self.ctx.model_name}
 
-    async def _collect(self, request: CompletionRequest, stream: GenerationStream, stats: RequestStats) -> dict[str, Any]:
+    async def _collect(
+        self, request: CompletionRequest, prompt: "_Prompt", stream: GenerationStream, stats: RequestStats
+    ) -> dict[str, Any]:
         n = request.n
+        token_text = self._token_text(request)
+        ids: list[list[int]] = [[] for _ in range(n)]
         texts: list[list[str]] = [[] for _ in range(n)]
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
         finished: list[Finished | None] = [None] * n
@@ -93,38 +114,50 @@ class CompletionService:
                     stats.first_token()
                 texts[event.choice].append(event.text)
                 logprobs[event.choice].extend(event.logprobs)
+                ids[event.choice].extend(event.token_ids)
             elif isinstance(event, PromptLogprobs):
                 prompts[event.choice] = event
             else:
                 finished[event.choice] = event
                 stats.record(event)
-        prefix = request.prompt if request.echo else ""
+        prefix = prompt.text if request.echo else ""
         choices = []
         for index in range(n):
             end = finished[index]
             assert end is not None
-            choices.append(
-                {
-                    "index": index,
-                    "text": prefix + "".join(texts[index]),
-                    "logprobs": completion_logprobs(logprobs[index], self.ctx.token_text, len(prefix), prompts[index])
-                    if request.logprobs is not None
-                    else None,
-                    "finish_reason": end.reason,
-                }
-            )
+            choice = {
+                "index": index,
+                "text": prefix + "".join(texts[index]),
+                "logprobs": completion_logprobs(logprobs[index], token_text, len(prefix), prompts[index])
+                if request.logprobs is not None
+                else None,
+                "finish_reason": end.reason,
+            }
+            if request.return_token_ids:
+                choice.update(prompt_token_ids=prompt.ids, token_ids=ids[index])
+            choices.append(choice)
         usage = self.ctx.usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
         return {**self._base(), "choices": choices, "usage": usage}
 
     async def _chunks(
-        self, request: CompletionRequest, stream: GenerationStream, stats: RequestStats
+        self, request: CompletionRequest, prompt: "_Prompt", stream: GenerationStream, stats: RequestStats
     ) -> AsyncIterator[dict[str, Any]]:
         base = self._base()
         include_usage = request.include_usage
+        token_text = self._token_text(request)
         offsets: dict[int, int] = {}
+        # return_token_ids: ids of held-back text wait for the next chunk that is sent (or the last one).
+        pending_ids: dict[int, list[int]] = {}
+        announced: set[int] = set()
 
         def chunk(index: int, text: str, *, finish: str | None = None, logprobs: Any = None) -> dict[str, Any]:
-            body = {**base, "choices": [{"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}]}
+            choice: dict[str, Any] = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+            if request.return_token_ids:
+                choice["token_ids"] = pending_ids.pop(index, [])
+                if index not in announced:
+                    announced.add(index)
+                    choice["prompt_token_ids"] = prompt.ids
+            body = {**base, "choices": [choice]}
             if include_usage:
                 body["usage"] = None
             return body
@@ -135,22 +168,23 @@ class CompletionService:
             if index not in offsets:
                 offsets[index] = 0
                 if request.echo:
-                    offsets[index] = len(request.prompt)
+                    offsets[index] = len(prompt.text)
                     prompt_lp = None
                     if isinstance(event, PromptLogprobs):
-                        prompt_lp = completion_logprobs((), self.ctx.token_text, 0, event)
-                    yield chunk(index, request.prompt, logprobs=prompt_lp)
+                        prompt_lp = completion_logprobs((), token_text, 0, event)
+                    yield chunk(index, prompt.text, logprobs=prompt_lp)
             if isinstance(event, PromptLogprobs):
                 continue
             if isinstance(event, TextDelta):
                 stats.saw(event)
                 pending.setdefault(index, []).extend(event.logprobs)
+                pending_ids.setdefault(index, []).extend(event.token_ids)
                 if not event.text:
                     continue
                 stats.first_token()
                 lp = None
                 if request.logprobs is not None:
-                    lp = completion_logprobs(pending.pop(index, []), self.ctx.token_text, offsets[index])
+                    lp = completion_logprobs(pending.pop(index, []), token_text, offsets[index])
                 offsets[index] += len(event.text)
                 yield chunk(index, event.text, logprobs=lp)
             else:
@@ -159,3 +193,14 @@ class CompletionService:
         if include_usage:
             usage = self.ctx.usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
             yield {**base, "choices": [], "usage": usage}
+
+
+@dataclass(frozen=True)
+class _Prompt:
+    ids: list[int]
+    #: what `echo` repeats: the prompt string, or the decoding of a token-id prompt
+    text: str
+
+
+def _token_id_text(token_id: int) -> str:
+    return f"token_id:{token_id}"

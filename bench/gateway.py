@@ -1,0 +1,193 @@
+"""What Deltafin adds in front of an upstream engine: TTFT and inter-token latency, gateway vs direct, same run.
+
+    .venv/bin/python bench/gateway.py --upstream llama-server --streams 16 --tokens 32 --reps 3
+    .venv/bin/python bench/gateway.py --upstream deltafin --streams 4 --tokens 16 --reps 2
+    .venv/bin/python bench/gateway.py --upstream fake --tokens 800
+
+`fake` is an in-process llama-server stand-in that answers at once (no network, no model): the CPU the
+gateway's whole serving path (upstream SSE parsing, decoding, chat chunks, SSE out) spends per token.
+
+The upstream is a real llama-server (serving the default model's GGUF, `-np STREAMS`) or a second Deltafin.
+Each rep sends STREAMS concurrent streamed chat requests straight to the upstream's own chat endpoint and then
+the same requests through the gateway (`engine=llama_server` / `engine=vllm`), alternating which goes first.
+Figures are medians over every request: TTFT (request sent to first content byte) and inter-token latency
+(mean gap between content chunks). Then the gateway's CPU time (from /proc) per request and per token, split
+by a last burst with 4x the tokens: what the gateway costs, free of the upstream's (and a busy machine's) noise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from tests.conftest import LiveServer, compose_config, free_port  # noqa: E402
+
+PROMPT = [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}]
+
+
+def llama_server_binary() -> Path:
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deltafin" / "llama-server-11434.0.0"
+    return Path(os.environ.get("DELTAFIN_LLAMA_SERVER", cache / "bin" / "llama-server"))
+
+
+def start_llama_server(streams: int) -> tuple[subprocess.Popen, str]:
+    from deltafin.engine.loader import resolve_model_path
+
+    gguf = resolve_model_path(compose_config().model.path)
+    port = free_port()
+    process = subprocess.Popen(
+        [str(llama_server_binary()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+         "-c", str(1024 * streams), "-np", str(streams), "-t", "2"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:
+        try:
+            if httpx.get(url + "/health", timeout=1).status_code == 200:
+                return process, url
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    process.kill()
+    raise RuntimeError("llama-server did not become ready")
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, tokens: int) -> tuple[float, list[float]]:
+    body = {"messages": PROMPT, "max_tokens": tokens, "temperature": 0, "stream": True, "ignore_eos": True}
+    sent = time.perf_counter()
+    arrivals: list[float] = []
+    async with client.stream("POST", url + "/v1/chat/completions", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
+                arrivals.append(time.perf_counter())
+    if not arrivals:
+        raise RuntimeError(f"no content from {url}")
+    gaps = [b - a for a, b in zip(arrivals, arrivals[1:])]
+    return arrivals[0] - sent, gaps
+
+
+async def burst(url: str, streams: int, tokens: int) -> list[tuple[float, list[float]]]:
+    async with httpx.AsyncClient(timeout=600) as client:
+        return await asyncio.gather(*(one_stream(client, url, tokens) for _ in range(streams)))
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def in_process(tokens: int) -> None:
+    """The gateway app in this process, its upstream a fake that has every token ready: CPU per streamed token."""
+    from litestar.testing import TestClient
+
+    from deltafin.app.factory import build_app
+    from deltafin.app.services import Services
+    from deltafin.engine import EngineFront
+    from deltafin.engine.tokenizer_only import load_tokenizer_only
+    from deltafin.engine.upstream.engine import UpstreamEngine, UpstreamSettings
+    from deltafin.engine.upstream.llama_server import LlamaServerAdapter
+    from tests.gateway.fakes import Fake, ScriptedBody
+
+    config = compose_config(["server.memo.entries=0"])
+    bundle = load_tokenizer_only(config.model)
+    ids = bundle.tokenizer("The quick brown fox jumps over the lazy dog. " * (tokens // 8 + 1), add_special_tokens=False).input_ids[:tokens]
+    events = [{"content": "x", "tokens": [i], "stop": False} for i in ids]
+    events.append({"content": "", "tokens": [], "stop": True, "stop_type": "limit", "timings": {"cache_n": 0}})
+    fake = Fake(lambda body, path: ScriptedBody(events))
+    engine = UpstreamEngine(LlamaServerAdapter(UpstreamSettings(url="http://fake")), bundle, transport=fake.transport())
+    app = build_app(config, Services.from_engine(config, EngineFront(engine, max_waiting=4, timeout_s=5, memo_entries=0)))
+    body = {"messages": PROMPT, "max_tokens": tokens, "stream": True, "temperature": 0}
+    with TestClient(app) as client:
+        def one() -> int:
+            with client.stream("POST", "/v1/chat/completions", json=body) as response:
+                return sum(1 for line in response.iter_lines() if line.startswith("data: {"))
+
+        one()  # warm up
+        started = time.process_time()
+        chunks = sum(one() for _ in range(5))
+        spent = time.process_time() - started
+    print(f"in-process gateway (fake upstream, client included): {spent * 1000 / chunks:.3f} ms CPU per streamed token "
+          f"({chunks} chunks)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--upstream", choices=("llama-server", "deltafin", "fake"), default="llama-server")
+    parser.add_argument("--streams", type=int, default=16)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=3)
+    args = parser.parse_args()
+    if args.upstream == "fake":
+        in_process(args.tokens)
+        return
+
+    stop_upstream = None
+    if args.upstream == "llama-server":
+        process, upstream_url = start_llama_server(args.streams)
+        stop_upstream = process.kill
+        engine = ["engine=llama_server", f"engine.max_inflight={args.streams}"]
+    else:
+        up = LiveServer(["server.memo.entries=0", f"server.queue.max_waiting={args.streams}", "server.queue.timeout_s=600"])
+        up.wait_ready()
+        stop_upstream, upstream_url = up.stop, up.base_url
+        engine = ["engine=vllm", "engine.max_inflight=1"]
+    gateway = LiveServer([*engine, f"engine.url={upstream_url}", "server.memo.entries=0",
+                          f"server.queue.max_waiting={args.streams}", "server.queue.timeout_s=600"])
+    try:
+        gateway.wait_ready()
+        asyncio.run(burst(gateway.base_url, 2, 4))  # warm both paths (connections, tokenizer caches)
+        asyncio.run(burst(upstream_url, 2, 4))
+        results: dict[str, list[tuple[float, list[float]]]] = {"direct": [], "gateway": []}
+        gateway_cpu = 0.0
+        for rep in range(args.reps):
+            order = ["direct", "gateway"] if rep % 2 == 0 else ["gateway", "direct"]
+            for side in order:
+                url = upstream_url if side == "direct" else gateway.base_url
+                before = cpu_seconds(gateway.process.pid)
+                results[side] += asyncio.run(burst(url, args.streams, args.tokens))
+                if side == "gateway":
+                    gateway_cpu += cpu_seconds(gateway.process.pid) - before
+        # The gateway's CPU per request is a + b * tokens: a second burst with 4x the tokens separates a and b.
+        before = cpu_seconds(gateway.process.pid)
+        asyncio.run(burst(gateway.base_url, args.streams, 4 * args.tokens))
+        long_cpu = (cpu_seconds(gateway.process.pid) - before) / args.streams
+    finally:
+        gateway.stop()
+        stop_upstream()
+
+    def summary(side: str) -> tuple[float, float]:
+        ttft = statistics.median(r[0] for r in results[side])
+        itl = statistics.median(statistics.mean(r[1]) for r in results[side] if r[1])
+        return ttft * 1000, itl * 1000
+
+    requests = args.streams * args.reps
+    tokens = requests * args.tokens
+    d_ttft, d_itl = summary("direct")
+    g_ttft, g_itl = summary("gateway")
+    print(f"upstream: {args.upstream}, streams: {args.streams}, tokens/request: {args.tokens}, reps: {args.reps}")
+    print(f"direct : TTFT median {d_ttft:8.1f} ms, inter-token median {d_itl:6.2f} ms")
+    print(f"gateway: TTFT median {g_ttft:8.1f} ms, inter-token median {g_itl:6.2f} ms")
+    print(f"overhead: TTFT {g_ttft - d_ttft:+.1f} ms per request, inter-token {g_itl - d_itl:+.3f} ms per token")
+    short_cpu = gateway_cpu / requests
+    per_token = (long_cpu - short_cpu) / (3 * args.tokens)
+    per_request = short_cpu - per_token * args.tokens
+    print(f"gateway CPU: {short_cpu * 1000:.2f} ms per {args.tokens}-token request, {long_cpu * 1000:.2f} ms per "
+          f"{4 * args.tokens}-token request ({requests} + {args.streams} requests, {tokens} + {4 * args.tokens * args.streams} tokens)")
+    print(f"gateway CPU split: {per_request * 1000:.2f} ms per request + {per_token * 1000:.3f} ms per token")
+
+
+if __name__ == "__main__":
+    main()

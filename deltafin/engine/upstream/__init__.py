@@ -1,0 +1,55 @@
+"""Upstream engines: Deltafin in front of vLLM, SGLang or llama-server (selected by conf/engine/*.yaml).
+
+Each builder takes the composed config and returns an `EngineClient`; only the tokenizer is loaded here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from deltafin.config import DeltafinConfig
+from deltafin.engine.upstream.engine import Adapter, UpstreamEngine, UpstreamSettings
+
+
+def settings_of(config: DeltafinConfig) -> UpstreamSettings:
+    e = config.engine
+    return UpstreamSettings(
+        url=str(e.url), max_inflight=e.max_inflight, connect_timeout_s=e.connect_timeout_s,
+        read_timeout_s=e.read_timeout_s, retry_after_s=e.retry_after_s, model=e.model, api_key=e.api_key,
+    )
+
+
+def _builder(name: str, make_adapter: Callable[[DeltafinConfig], Adapter]) -> Callable[..., UpstreamEngine]:
+    def build(config: DeltafinConfig, **kwargs: Any) -> UpstreamEngine:
+        from deltafin.engine.tokenizer_only import load_tokenizer_only
+
+        return UpstreamEngine(make_adapter(config), load_tokenizer_only(config.model), **kwargs)
+
+    build.needs_url = True  # type: ignore[attr-defined]  # read by config validation
+    build.engine_name = name  # type: ignore[attr-defined]  # for the log line, before the engine exists
+    return build
+
+
+def _vllm(config: DeltafinConfig) -> Adapter:
+    from deltafin.engine.upstream.vllm import VllmAdapter
+
+    return VllmAdapter(settings_of(config), api=config.engine.api)
+
+
+def _sglang(config: DeltafinConfig) -> Adapter:
+    from deltafin.engine.upstream.sglang import SglangAdapter
+
+    return SglangAdapter(settings_of(config))
+
+
+def _llama_server(config: DeltafinConfig) -> Adapter:
+    from deltafin.engine.upstream.llama_server import LlamaServerAdapter
+
+    return LlamaServerAdapter(settings_of(config))
+
+
+build_vllm = _builder("vllm", _vllm)
+build_sglang = _builder("sglang", _sglang)
+build_llama_server = _builder("llama_server", _llama_server)
+
+__all__ = ["UpstreamEngine", "UpstreamSettings", "build_llama_server", "build_sglang", "build_vllm"]

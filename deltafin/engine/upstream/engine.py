@@ -1,0 +1,356 @@
+"""`UpstreamEngine`: an `EngineClient` whose tokens come from another server over HTTP.
+
+Deltafin renders and tokenizes, sends token ids, and runs its own detokenizer and stop matcher on the ids that
+come back (`ChoiceDecoder`); the adapter (`vllm`, `sglang`, `llama_server`) only knows its wire protocol.
+Every choice streams from the upstream, even for a non-streamed client request, so a client that leaves
+closes the upstream request at once (and the adapter's abort endpoint is called where there is one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+import uuid
+import weakref
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import httpx
+import structlog
+
+from deltafin.engine.decode import ChoiceDecoder
+from deltafin.engine.events import GenerationJob
+from deltafin.engine.interface import EngineCapabilities, EngineClient, Readiness
+from deltafin.engine.stream import GenerationStream
+from deltafin.engine.tokenizer_only import TokenizerBundle
+from deltafin.engine.upstream.wire import (
+    Chunk,
+    Garbled,
+    Target,
+    error_for_status,
+    error_in_stream,
+    sse_payloads,
+)
+from deltafin.errors import DeltafinError, UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
+
+log = structlog.get_logger("deltafin.upstream")
+# httpx logs every request at INFO in its own format; the request's one log line already says what matters.
+logging.getLogger("httpx").setLevel(logging.WARNING)
+
+#: /health answers are reused this long: a load balancer probing every 100 ms must not become upstream load
+HEALTH_TTL_S = 1.0
+
+
+@dataclass(frozen=True)
+class UpstreamSettings:
+    url: str
+    max_inflight: int = 64
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    retry_after_s: int = 2
+    #: the `model` field sent upstream (None: left out, the upstream serves its only model)
+    model: str | None = None
+    api_key: str | None = None
+
+
+class UpstreamObserver(Protocol):
+    """Where upstream latency and errors go (the app's metrics)."""
+
+    def upstream_latency(self, engine: str, seconds: float) -> None: ...
+
+    def upstream_error(self, engine: str, kind: str) -> None: ...
+
+
+class Adapter(ABC):
+    """One upstream's wire protocol: the request for a job, and the meaning of each stream event."""
+
+    engine: str
+    health_path = "/health"
+    capabilities = EngineCapabilities(prompt_logprobs=False, grammar=True, cached_tokens=True)
+
+    def __init__(self, settings: UpstreamSettings) -> None:
+        self.settings = settings
+
+    @abstractmethod
+    def request(self, job: GenerationJob, request_id: str, stop_ids: frozenset[int]) -> tuple[str, dict[str, Any]]:
+        """(path, JSON body) of a streamed generation of `job`."""
+
+    def new_state(self, job: GenerationJob) -> Any:
+        """Per-choice parsing state (SGLang's cumulative streams need to know what was already seen)."""
+        return None
+
+    @abstractmethod
+    def parse(self, payload: Any, state: Any) -> Chunk:
+        """One decoded stream event; raise `Garbled` when it is not what the protocol promises."""
+
+    def fallback(self, status: int) -> bool:
+        """After `status` on the primary endpoint, switch to another one and retry (True) or not."""
+        return False
+
+    def abort(self, request_id: str) -> tuple[str, dict[str, Any]] | None:
+        """(path, body) that frees the request upstream, where closing the connection is not enough."""
+        return None
+
+
+class UpstreamEngine(EngineClient):
+    def __init__(self, adapter: Adapter, bundle: TokenizerBundle, *, transport: httpx.AsyncBaseTransport | None = None,
+                 observer: UpstreamObserver | None = None) -> None:
+        self.adapter = adapter
+        self.settings = adapter.settings
+        self.name = adapter.engine
+        self.tokenizer = bundle.tokenizer
+        self.context_length = bundle.context_length
+        self.stop_token_ids = bundle.stop_token_ids
+        self.vocab_size = bundle.vocab_size
+        self.capacity = self.settings.max_inflight
+        self.capabilities = adapter.capabilities
+        self.observer = observer
+        self.target = Target(self.name, self.settings.url.rstrip("/"), self.settings.retry_after_s)
+        self._transport = transport
+        self._client: httpx.AsyncClient | None = None
+        self._started: weakref.WeakKeyDictionary[GenerationStream, asyncio.Future[None]] = weakref.WeakKeyDictionary()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._health: tuple[float, Readiness] | None = None
+
+    # -- the EngineClient contract ------------------------------------------------------------------------
+
+    def submit(self, jobs: Sequence[GenerationJob], stream: GenerationStream) -> None:
+        loop = asyncio.get_running_loop()
+        self._started[stream] = gate = loop.create_future()
+        left = asyncio.Event()
+        stream.cancelled = _AwaitableCancel(loop, left, already=stream.cancelled.is_set())
+        task = loop.create_task(self._run(jobs, stream, _Gate(gate, len(jobs)), left))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def started(self, stream: GenerationStream) -> None:
+        """Wait for every choice's first upstream event, so errors known before then become HTTP statuses."""
+        gate = self._started.pop(stream, None)
+        if gate is not None:
+            await gate
+
+    async def readiness(self) -> Readiness:
+        now = time.monotonic()
+        if self._health is not None and now - self._health[0] < HEALTH_TTL_S:
+            return self._health[1]
+        try:
+            response = await self.client.get(self.target.url + self.adapter.health_path, timeout=self.settings.connect_timeout_s)
+            ready = Readiness(response.status_code == 200, f"{self.target} answered {response.status_code} on {self.adapter.health_path}")
+        except httpx.HTTPError as exc:
+            ready = Readiness(False, f"{self.target} is unreachable: {type(exc).__name__}")
+        self._health = (now, ready)
+        return ready
+
+    async def aclose(self) -> None:
+        for task in list(self._tasks):
+            task.cancel()
+        if self._client is not None:
+            await self._client.aclose()
+
+    # -- one submission -------------------------------------------------------------------------------------
+
+    @property
+    def client(self) -> httpx.AsyncClient:
+        if self._client is None:  # built on the event loop that uses it
+            s = self.settings
+            headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
+            self._client = httpx.AsyncClient(
+                transport=self._transport,
+                headers=headers,
+                timeout=httpx.Timeout(s.read_timeout_s, connect=s.connect_timeout_s, write=s.connect_timeout_s, pool=s.connect_timeout_s),
+                limits=httpx.Limits(max_connections=s.max_inflight + 8, max_keepalive_connections=s.max_inflight + 8),
+            )
+        return self._client
+
+    async def _run(self, jobs: Sequence[GenerationJob], stream: GenerationStream, gate: "_Gate",
+                   left: asyncio.Event) -> None:
+        with structlog.contextvars.bound_contextvars(**stream.log_context):
+            rids = [uuid.uuid4().hex for _ in jobs]
+            tasks = [asyncio.create_task(self._choice(job, i, rids[i], stream, gate)) for i, job in enumerate(jobs)]
+            watcher = asyncio.create_task(left.wait())
+            try:
+                pending: set[asyncio.Task[None]] = set(tasks)
+                while pending:
+                    done, _ = await asyncio.wait(pending | {watcher}, return_when=asyncio.FIRST_COMPLETED)
+                    pending -= done
+                    failed = any(not t.cancelled() and t.exception() is not None for t in done if t is not watcher)
+                    if failed or watcher in done:
+                        break
+                if pending:  # a choice failed or the client left: the rest stop, upstream too
+                    await self._stop(pending, rids, tasks)
+                error = next((t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
+            except asyncio.CancelledError:  # engine shutdown
+                await self._stop({t for t in tasks if not t.done()}, rids, tasks)
+                stream.end()
+                raise
+            finally:
+                watcher.cancel()
+            if error is not None and not stream.cancelled.is_set():
+                gate.fail(error)
+                stream.fail(error if isinstance(error, DeltafinError) else str(error))
+                return
+            gate.cancel()
+            stream.end()
+
+    async def _stop(self, pending: set[asyncio.Task[None]], rids: list[str], tasks: list[asyncio.Task[None]]) -> None:
+        for task in pending:
+            task.cancel()
+        await asyncio.gather(*pending, return_exceptions=True)
+        for task, rid in zip(tasks, rids):
+            if task in pending:
+                await self._abort(rid)
+
+    async def _abort(self, rid: str) -> None:
+        call = self.adapter.abort(rid)
+        if call is None:
+            return
+        path, body = call
+        try:
+            await self.client.post(self.target.url + path, json=body, timeout=self.settings.connect_timeout_s)
+        except httpx.HTTPError as exc:  # the connection is closed anyway; the upstream notices in time
+            log.warning("upstream_abort_failed", engine=self.name, error=type(exc).__name__)
+
+    async def _choice(self, job: GenerationJob, choice: int, rid: str, stream: GenerationStream, gate: "_Gate") -> None:
+        started = time.perf_counter()
+        try:
+            await self._stream_choice(job, choice, rid, stream, gate, started)
+        except DeltafinError as exc:
+            self._count_error(exc.code or type(exc).__name__)
+            raise
+        except httpx.ConnectError as exc:
+            self._count_error("unreachable")
+            raise UpstreamUnavailableError(
+                f"The upstream {self.target} is unreachable ({type(exc).__name__}).",
+                headers={"Retry-After": str(self.settings.retry_after_s)},
+            ) from None
+        except httpx.TimeoutException as exc:
+            self._count_error("timeout")
+            raise UpstreamTimeoutError(f"The upstream {self.target} timed out ({type(exc).__name__}).") from None
+        except httpx.HTTPError as exc:  # the connection broke mid-stream
+            self._count_error("disconnected")
+            raise UpstreamError(f"The upstream {self.target} closed the stream ({type(exc).__name__}).") from None
+
+    async def _stream_choice(self, job: GenerationJob, choice: int, rid: str, stream: GenerationStream,
+                             gate: "_Gate", started: float) -> None:
+        stop_ids = self.stop_token_ids | frozenset(job.params.stop_token_ids)
+        prompt_len = len(job.prompt_ids)
+        # The client's request id travels upstream, so one grep finds both log lines.
+        request_id = stream.log_context.get("request_id")
+        headers = {"x-request-id": f"{request_id}-{choice}" if choice else str(request_id)} if request_id else {}
+        for attempt in range(2):
+            path, body = self.adapter.request(job, rid, stop_ids)
+            async with self.client.stream("POST", self.target.url + path, json=body, headers=headers) as response:
+                if response.status_code != 200:
+                    raw = await response.aread()
+                    if attempt == 0 and self.adapter.fallback(response.status_code):
+                        continue
+                    raise error_for_status(self.target, response.status_code, raw, response.headers,
+                                           context_length=self.context_length, prompt_tokens=prompt_len)
+                await self._read(response, job, choice, stream, gate, started, stop_ids)
+                return
+
+    async def _read(self, response: httpx.Response, job: GenerationJob, choice: int, stream: GenerationStream,
+                    gate: "_Gate", started: float, stop_ids: frozenset[int]) -> None:
+        decoder = ChoiceDecoder(self.tokenizer, job.params, stop_ids, choice)
+        state = self.adapter.new_state(job)
+        finish: Chunk | None = None
+        prompt_tokens, cached = len(job.prompt_ids), 0
+        first_token_s: float | None = None
+        async for payload in sse_payloads(response):
+            chunk = self.adapter.parse(payload, state)
+            if chunk.error is not None:
+                raise error_in_stream(self.target, chunk.error, context_length=self.context_length, prompt_tokens=len(job.prompt_ids))
+            gate.arrived()
+            if chunk.prompt_tokens is not None:
+                prompt_tokens = chunk.prompt_tokens
+            if chunk.cached_tokens is not None:
+                cached = chunk.cached_tokens
+            if chunk.token_ids and first_token_s is None:
+                first_token_s = time.perf_counter() - started
+            for token_id, logprob in _aligned(chunk):
+                delta = decoder.push(token_id, logprob)
+                if delta is not None:
+                    stream.emit(delta)
+            if chunk.finish_reason is not None:
+                if chunk.finish_reason not in ("stop", "length"):  # vLLM's "abort" (preempted, shut down ...)
+                    raise UpstreamError(f"The upstream {self.target} ended the generation: {chunk.finish_reason}.")
+                finish = chunk
+            elif decoder.done:
+                break  # Deltafin stopped (a stop string, a stop id the upstream does not know): close upstream
+        else:
+            if finish is None and not decoder.done:
+                raise Garbled(f"The upstream {self.target} ended the stream before the generation finished.")
+        total = time.perf_counter() - started
+        if self.observer is not None:
+            self.observer.upstream_latency(self.name, total)
+        timings = {"total_s": total}
+        if first_token_s is not None:
+            timings["prefill_s"] = first_token_s  # the upstream's queue + prefill, as seen from here
+        reason = finish.finish_reason if finish is not None else None  # "stop" or "length", checked above
+        tail, finished = decoder.finish(reason, prompt_tokens=prompt_tokens, cached_tokens=cached,
+                                        stop_reason=finish.stop_reason if finish is not None else None, timings=timings)
+        if tail is not None:
+            stream.emit(tail)
+        stream.emit(finished)
+
+    def _count_error(self, kind: str) -> None:
+        log.warning("upstream_error", engine=self.name, kind=kind, upstream=self.target.url)
+        if self.observer is not None:
+            self.observer.upstream_error(self.name, kind)
+
+
+class _AwaitableCancel(threading.Event):
+    """`stream.cancelled`, made awaitable: `close()` (on any thread) also sets an asyncio.Event on our loop, so a
+    submission wakes at once when its client leaves instead of polling a threading.Event."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, mirror: asyncio.Event, *, already: bool) -> None:
+        super().__init__()
+        self._loop = loop
+        self._mirror = mirror
+        if already:
+            self.set()
+
+    def set(self) -> None:
+        super().set()
+        try:
+            self._loop.call_soon_threadsafe(self._mirror.set)
+        except RuntimeError:  # the loop is gone (shutdown): nothing left to wake
+            pass
+
+
+class _Gate:
+    """Resolves once every choice saw its first upstream event; fails with the first error before that."""
+
+    def __init__(self, future: asyncio.Future[None], choices: int) -> None:
+        self._future = future
+        self._waiting = choices
+
+    def arrived(self) -> None:
+        if self._waiting > 0:
+            self._waiting -= 1
+            if self._waiting == 0 and not self._future.done():
+                self._future.set_result(None)
+
+    def fail(self, error: BaseException) -> None:
+        if not self._future.done():
+            self._future.set_exception(error)
+            self._future.exception()  # mark retrieved: nobody may be waiting any more
+
+    def cancel(self) -> None:
+        if not self._future.done():
+            self._future.set_result(None)
+
+
+def _aligned(chunk: Chunk):
+    """(id, logprob) pairs; logprobs are matched by id, as an upstream may leave the stop token's out."""
+    logprobs = list(chunk.logprobs)
+    cursor = 0
+    for token_id in chunk.token_ids:
+        item = None
+        if cursor < len(logprobs) and (logprobs[cursor] is None or logprobs[cursor].token_id == token_id):
+            item = logprobs[cursor]
+            cursor += 1
+        yield token_id, item

@@ -1,0 +1,104 @@
+"""A real foreign engine: the default SmolLM2 GGUF served by llama.cpp's `llama-server`, with a Deltafin gateway
+(`engine=llama_server`) in front, driven by the openai client. Skipped unless `scripts/build-llama-server` has
+built the binary (or DELTAFIN_LLAMA_SERVER names one)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+import openai
+import pytest
+
+from deltafin.engine.loader import resolve_model_path
+from tests.conftest import LiveServer, compose_config, free_port
+
+pytestmark = pytest.mark.e2e
+
+_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deltafin" / "llama-server-11434.0.0"
+BINARY = Path(os.environ.get("DELTAFIN_LLAMA_SERVER", _CACHE / "bin" / "llama-server"))
+if not BINARY.exists():
+    pytest.skip(f"llama-server not built ({BINARY}); run scripts/build-llama-server", allow_module_level=True)
+
+HELLO = [{"role": "user", "content": "Say hello in one sentence."}]
+
+
+@pytest.fixture(scope="module")
+def llama():
+    gguf = resolve_model_path(compose_config().model.path)
+    port = free_port()
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{port}.log", "w")
+    process = subprocess.Popen([str(BINARY), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
+                                "-c", "4096", "-np", "2", "-t", "2", "--no-webui"], stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:
+            try:
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                time.sleep(0.2)
+        gateway = LiveServer(["engine=llama_server", f"engine.url={url}", "engine.max_inflight=2",
+                              "model.context_length=2048"])  # -c 4096 shared by 2 slots
+        try:
+            gateway.wait_ready()
+            yield gateway, url
+        finally:
+            gateway.stop()
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
+        log.close()
+
+
+def client(server):
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=300)
+
+
+def test_greedy_chat_is_llama_servers_own_tokens_decoded_by_deltafin(llama):
+    gateway, url = llama
+    via = client(gateway).chat.completions.create(model="smollm2", messages=HELLO, max_tokens=8, temperature=0)
+    prompt = httpx.post(f"{gateway.base_url}/tokenize", json={"messages": HELLO}).json()["tokens"]
+    direct = httpx.post(f"{url}/completion", timeout=300, json={
+        "prompt": prompt, "n_predict": 8, "temperature": 0, "return_tokens": True, "samplers": ["temperature"]}).json()
+    detok = httpx.post(f"{gateway.base_url}/detokenize", json={"tokens": direct["tokens"]}).json()["prompt"]
+    assert via.choices[0].message.content == detok and via.usage.completion_tokens == 8
+    assert via.usage.prompt_tokens == len(prompt)
+
+
+def test_streaming_logprobs_and_llama_servers_prompt_cache(llama):
+    gateway, _ = llama
+    chunks = list(client(gateway).chat.completions.create(
+        model="smollm2", messages=HELLO, max_tokens=6, temperature=0, stream=True, logprobs=True, top_logprobs=2,
+        stream_options={"include_usage": True}))
+    content = [c.choices[0] for c in chunks if c.choices and c.choices[0].delta.content]
+    entries = [e for c in content for e in (c.logprobs.content or [])]
+    assert len(entries) == 6 and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
+    usage = chunks[-1].usage
+    assert usage.completion_tokens == 6
+    # the same prompt again (a different max_tokens, so not a memo hit): llama-server reuses its slot's cache
+    again = client(gateway).chat.completions.create(model="smollm2", messages=HELLO, max_tokens=3, temperature=0)
+    assert again.usage.prompt_tokens_details.cached_tokens > 0
+
+
+def test_stop_string_and_disconnect(llama):
+    gateway, _ = llama
+    full = client(gateway).chat.completions.create(model="smollm2", messages=HELLO, max_tokens=8,
+                                                   temperature=0).choices[0].message.content
+    word = full.split()[1]
+    cut = client(gateway).chat.completions.create(model="smollm2", messages=HELLO, max_tokens=8, temperature=0,
+                                                  stop=[word])
+    assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == full[: full.index(word)]
+    with httpx.stream("POST", f"{gateway.base_url}/v1/chat/completions", timeout=300,
+                      json={"messages": HELLO, "max_tokens": 500, "ignore_eos": True, "stream": True}) as r:
+        for line in r.iter_lines():
+            if '"content":"' in line and '"content":""' not in line:
+                break
+    # both slots free again soon: two requests at once complete
+    started = time.monotonic()
+    client(gateway).chat.completions.create(model="smollm2", messages=HELLO, max_tokens=2)
+    assert time.monotonic() - started < 60
