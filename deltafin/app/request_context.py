@@ -21,7 +21,7 @@ ROUTE_KEY = "deltafin_route"
 #: A client's x-request-id is echoed and logged only if it looks like an id; anything else (64 KB, control
 #: characters, spaces) is replaced by our own, so a client cannot inflate responses or forge log fields.
 _CLIENT_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:\-]{1,128}")
-#: The raw path is logged (not used as a metric label), cut to this length.
+#: The raw path is logged as `route` (it is never a metric label), cut to this length.
 _MAX_LOGGED_PATH = 256
 
 
@@ -101,8 +101,8 @@ class RequestContext:
         log.info(
             "request",
             method=scope.get("method"),
-            route=route,
-            path=scope.get("path", "")[:_MAX_LOGGED_PATH],
+            route=scope.get("path", "")[:_MAX_LOGGED_PATH],  # the path asked for, as before
+            route_template=route,  # what metrics are labelled with
             status=status,
             engine=self.engine,
             completed=completed,
