@@ -39,6 +39,7 @@ class Services:
         prompt = prompt_work_for(config, engine.tokenizer)
         # Prompt work runs on two threads (deltafin.serving.prompt_work): each renders with its own tokenizer.
         chat_format = PerThreadChatFormat(chat_format_with, prompt.tokenizers)
+        prompt.prepare(chat_format.prepare)
         rules = build_pipeline(config.compat.rules, config.model.family)
         ctx = ServingContext(config=config, engine=engine, chat_format=chat_format, rules=rules, prompt=prompt)
         chat = ChatService(ctx)

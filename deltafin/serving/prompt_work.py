@@ -52,6 +52,10 @@ class PerThreadChatFormat:
     def render(self, *args: Any, **kwargs: Any) -> Any:
         return self._formats.get().render(*args, **kwargs)
 
+    def prepare(self) -> None:
+        """Build the calling thread's format (and tokenizer) now rather than on its first request."""
+        self._formats.get()
+
 
 class _Expired(Exception):
     """The request behind a queued piece of work was refused before the work began."""
@@ -66,6 +70,11 @@ class PromptWork:
         self._small = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltafin-prompt")
         self._large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltafin-prompt-large")
         self._large_held = 0  # queued or running in the large lane
+
+    def prepare(self, *makers: Callable[[], Any]) -> None:
+        """Run `makers` on each lane's thread ahead of the first request (tokenizer copies take a moment)."""
+        for lane in (self._small, self._large):
+            lane.submit(lambda: [make() for make in (self.tokenizers.get, *makers)])
 
     def _busy(self, why: str) -> EngineBusyError:
         retry_after = str(max(1, math.ceil(self._timeout_s)))
