@@ -14,9 +14,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import time
 from collections import Counter
@@ -25,6 +23,10 @@ from pathlib import Path
 import httpx
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+from tests.conftest import LiveServer  # noqa: E402
 
 
 def rss_mb(pid: int | None) -> float | None:
@@ -34,37 +36,6 @@ def rss_mb(pid: int | None) -> float | None:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return None
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def start_server(overrides: list[str]) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    log = open(os.environ.get("TMPDIR", "/tmp") + f"/deltafin-load-{port}.log", "w")
-    process = subprocess.Popen(
-        [sys.executable, "-m", "deltafin", f"server.port={port}", *overrides],
-        cwd=REPO,
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env={**os.environ, "HF_HUB_OFFLINE": "1"},
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise SystemExit(f"server exited early; see {log.name}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    process.terminate()
-    raise SystemExit("server not ready in 300 s")
 
 
 def request_for(client_index: int, request_index: int, max_tokens: int) -> tuple[str, dict]:
@@ -118,12 +89,13 @@ def main() -> None:
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for the server this script starts")
     args = parser.parse_args()
 
-    process = None
+    server = None
     if args.url:
         url, pid = args.url.rstrip("/"), args.pid
     else:
-        process, url = start_server(args.overrides)
-        pid = process.pid
+        server = LiveServer(args.overrides)  # python -m deltafin on a free loopback port, log in $TMPDIR
+        server.wait_ready(timeout=300)
+        url, pid = server.base_url, server.process.pid
     try:
         # One request first, so "before" includes what any first generation allocates (weights touched,
         # per-thread tokenizers, torch's workspace): the growth left is what the load itself costs.
@@ -134,9 +106,8 @@ def main() -> None:
         wall = time.perf_counter() - started
         after = rss_mb(pid)
     finally:
-        if process is not None:
-            process.terminate()
-            process.wait(30)
+        if server is not None:
+            server.stop()
 
     statuses = Counter(status for status, _ in results)
     ok = [seconds for status, seconds in results if status == 200]
