@@ -25,22 +25,12 @@ def main(raw: DictConfig) -> None:
         print(f"deltafin: config error: {exc}", file=sys.stderr)
         sys.exit(2)
 
-    import uvicorn
-
     from deltafin.app import build_app
+    from deltafin.app.server import serve
     from deltafin.logging import configure_logging
 
     configure_logging(config.server.log_level)
-    app = build_app(config)
-    uvicorn.run(
-        app,
-        host=config.server.host,
-        port=config.server.port,
-        log_level=config.server.log_level,
-        access_log=False,  # the request-context layer writes one richer line per request
-        timeout_graceful_shutdown=5,
-    )
-
+    serve(build_app(config), config)
 
 if __name__ == "__main__":
     main()

@@ -68,6 +68,14 @@ class MethodNotAllowedError(DeltafinError):
     default_code = "method_not_allowed"
 
 
+class RequestTimeoutError(DeltafinError):
+    """The client did not send its whole body in time (a slow or stalled upload); the connection is closed."""
+
+    status = 408
+    type = "invalid_request_error"
+    default_code = "request_timeout"
+
+
 class PayloadTooLargeError(DeltafinError):
     status = 413
     type = "PayloadTooLargeError"
@@ -86,6 +94,12 @@ class EngineUnavailableError(DeltafinError):
     status = 503
     type = "service_unavailable_error"
     default_code = "model_loading"
+
+
+class ShuttingDownError(EngineUnavailableError):
+    """The server got SIGTERM/SIGINT: it takes no new work, and work past the shutdown grace is cancelled."""
+
+    default_code = "server_shutting_down"
 
 
 class UpstreamUnavailableError(EngineUnavailableError):
@@ -127,6 +141,7 @@ def error_for_status(status: int, message: str) -> DeltafinError:
         400: InvalidRequestError,
         401: AuthenticationError,
         404: NotFoundError,
+        408: RequestTimeoutError,
         405: MethodNotAllowedError,
         413: PayloadTooLargeError,
         429: EngineBusyError,

@@ -1,29 +1,49 @@
-"""Prometheus counters for requests and tokens, served at /metrics."""
+"""Prometheus metrics, served at /metrics.
+
+HTTP metrics are labelled by route *template* (`/v1/models/{name:str}`), never by the raw path: a label per
+path let anyone grow /metrics and the process without bound by asking for random URLs. Paths that match no
+route share one `unmatched` label; requests refused by the API-key check share `unauthenticated`.
+"""
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from typing import Callable
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+UNMATCHED = "unmatched"
+UNAUTHENTICATED = "unauthenticated"
+
+#: Latency buckets for token timings (seconds): a CPU decode step is ~50 ms, a GPU one ~10 ms.
+_TOKEN_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
 
 
 class Metrics:
     def __init__(self) -> None:
         # A registry per app, so several apps in one process (tests) do not collide.
-        self.registry = CollectorRegistry()
-        self.requests = Counter(
-            "deltafin_requests", "HTTP requests by route and status", ["route", "status"], registry=self.registry
+        self.registry = r = CollectorRegistry()
+        self.requests = Counter("deltafin_requests", "HTTP requests by route template and status", ["route", "status"], registry=r)
+        self.latency = Histogram("deltafin_request_seconds", "Request latency by route template", ["route"], registry=r)
+        self.prompt_tokens = Counter("deltafin_prompt_tokens", "Prompt tokens processed", registry=r)
+        self.completion_tokens = Counter("deltafin_completion_tokens", "Completion tokens generated", registry=r)
+        self.memo_hits = Counter("deltafin_memo_hits", "Requests answered from the deterministic memo", registry=r)
+        self.prefix_hits = Counter("deltafin_prefix_cache_hits", "Requests that reused a cached prompt prefix", registry=r)
+        self.cached_tokens = Counter("deltafin_prefix_cache_tokens", "Prompt tokens served from the prefix cache", registry=r)
+        self.ttft = Histogram("deltafin_time_to_first_token_seconds", "Time to first token", buckets=_TOKEN_BUCKETS, registry=r)
+        self.inter_token = Histogram(
+            "deltafin_inter_token_seconds", "Mean time between output tokens, per request", buckets=_TOKEN_BUCKETS, registry=r
         )
-        self.prompt_tokens = Counter("deltafin_prompt_tokens", "Prompt tokens processed", registry=self.registry)
-        self.completion_tokens = Counter("deltafin_completion_tokens", "Completion tokens generated", registry=self.registry)
-        self.memo_hits = Counter("deltafin_memo_hits", "Requests answered from the deterministic memo", registry=self.registry)
-        self.latency = Histogram("deltafin_request_seconds", "Request latency", ["route"], registry=self.registry)
-        self.ttft = Histogram("deltafin_time_to_first_token_seconds", "Time to first token", registry=self.registry)
+        self.rule_firings = Counter("deltafin_rule_firings", "Requests a compat rule changed, by rule", ["rule"], registry=r)
+        self.queue_depth = Gauge("deltafin_queue_depth", "Requests waiting for the engine", registry=r)
+        self.engine_busy = Gauge("deltafin_engine_busy", "1 while the engine is generating", registry=r)
         # Gateway mode (an upstream engine): how long each upstream generation took, and what went wrong.
-        self.upstream_seconds = Histogram(
-            "deltafin_upstream_seconds", "Upstream generation time per choice", ["engine"], registry=self.registry
-        )
-        self.upstream_errors = Counter(
-            "deltafin_upstream_errors", "Upstream failures by kind", ["engine", "kind"], registry=self.registry
-        )
+        self.upstream_seconds = Histogram("deltafin_upstream_seconds", "Upstream generation time per choice", ["engine"], registry=r)
+        self.upstream_errors = Counter("deltafin_upstream_errors", "Upstream failures by kind", ["engine", "kind"], registry=r)
+
+    def watch_engine(self, queue_depth: Callable[[], float], busy: Callable[[], float]) -> None:
+        """Read the engine's queue and state at scrape time (no bookkeeping on the request path)."""
+        self.queue_depth.set_function(queue_depth)
+        self.engine_busy.set_function(busy)
 
     # The upstream engines' observer interface (deltafin.engine.upstream.engine.UpstreamObserver).
     def upstream_latency(self, engine: str, seconds: float) -> None:

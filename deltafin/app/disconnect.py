@@ -23,8 +23,16 @@ async def until_disconnected(
 ) -> T:
     """Await `work`; if the client goes first, cancel it. A result that was produced anyway (the race of
     both finishing together) is handed to `on_abandoned` so its generation is stopped too."""
+    return await cancel_when(work, _wait_for_disconnect(receive), on_abandoned, lambda: ClientClosedRequest("client disconnected"))
+
+
+async def cancel_when(
+    work: Awaitable[T], stop: Awaitable[None], on_abandoned: Callable[[T], None], error: Callable[[], Exception]
+) -> T:
+    """Await `work` unless `stop` completes first: then cancel the work and raise `error()`. A result
+    produced anyway goes to `on_abandoned`."""
     task = asyncio.ensure_future(work)
-    watcher = asyncio.ensure_future(_wait_for_disconnect(receive))
+    watcher = asyncio.ensure_future(stop)
     try:
         await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
     except asyncio.CancelledError:
@@ -39,4 +47,4 @@ async def until_disconnected(
         on_abandoned(await task)
     except (asyncio.CancelledError, Exception):
         pass
-    raise ClientClosedRequest("client disconnected")
+    raise error()

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import re
+from typing import Any, Awaitable, Callable
 
+import msgspec
 import structlog
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
@@ -60,3 +62,12 @@ def handle_exception(request: Request, exc: Exception) -> Response:
         exc = NotFoundError(f"{request.method} {request.url.path} is not served. {SERVED}", code="route_not_found")
     err = to_deltafin_error(exc)
     return Response(err.body(), status_code=err.status, headers=err.headers)
+
+
+async def send_error(send: Callable[[dict[str, Any]], Awaitable[None]], err: DeltafinError) -> None:
+    """Answer with `err` straight from an ASGI layer that runs before Litestar (auth, shutdown)."""
+    body = msgspec.json.encode(err.body())
+    headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
+    headers += [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in err.headers.items()]
+    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.body", "body": body})

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
 from contextlib import asynccontextmanager
 from typing import Any, AsyncIterator
 
 import structlog
-from litestar import Litestar, Request, Response, get
+from litestar import Litestar, Response, get
 from litestar.datastructures import State
 from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
@@ -16,10 +15,14 @@ from litestar.openapi import OpenAPIConfig
 from deltafin import __version__
 from deltafin.app.errors import handle_exception
 from deltafin.app.request_context import RequestContext
-from deltafin.app.routes import ROUTES
+from deltafin.app.auth import ApiKeyGate
+from deltafin.app.body import publish_body_schemas
+from deltafin.app.connections import BodyDeadline
+from deltafin.app.routes import BODY_TYPES, ROUTES
 from deltafin.app.services import Services, engine_name
+from deltafin.app.shutdown import Drain, DrainGate
 from deltafin.config import DeltafinConfig
-from deltafin.errors import AuthenticationError, EngineUnavailableError
+from deltafin.errors import EngineUnavailableError
 from deltafin.metrics import Metrics
 
 log = structlog.get_logger("deltafin.app")
@@ -33,14 +36,8 @@ class Readiness:
         self.error: str | None = None
 
 
-def _provide_services(request: Request, state: State) -> Services:
+def _provide_services(state: State) -> Services:
     readiness: Readiness = state.readiness
-    keys = state.config.server.api_keys
-    if keys:
-        supplied = request.headers.get("authorization", "")
-        token = supplied[7:] if supplied.lower().startswith("bearer ") else ""
-        if not any(hmac.compare_digest(token, key) for key in keys):
-            raise AuthenticationError("Incorrect or missing API key (send `Authorization: Bearer <key>`).")
     if readiness.services is None:
         if readiness.error:
             raise EngineUnavailableError(
@@ -48,6 +45,14 @@ def _provide_services(request: Request, state: State) -> Services:
             )
         raise EngineUnavailableError("Service unavailable: the model is still loading.", headers={"Retry-After": "5"})
     return readiness.services
+
+
+def _engine_state(readiness: Readiness) -> tuple[float, float]:
+    """(requests waiting, 1.0 if generating) for the gauges; zeros while the model loads."""
+    if readiness.services is None:
+        return 0.0, 0.0
+    admission = readiness.services.ctx.engine.admission
+    return float(admission.waiting), float(admission.busy)
 
 
 @get("/health", summary="200 when the model is loaded, 503 while loading", include_in_schema=True)
@@ -73,6 +78,8 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
     """The ASGI app. With `services` given (tests) it is ready at once; else it loads in the background."""
     readiness = Readiness()
     app_metrics = Metrics()
+    drain = Drain(config.server.shutdown_grace_s)
+    app_metrics.watch_engine(lambda: _engine_state(readiness)[0], lambda: _engine_state(readiness)[1])
 
     @asynccontextmanager
     async def load_in_background(app: Litestar) -> AsyncIterator[None]:
@@ -101,9 +108,17 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
         dependencies={"services": Provide(_provide_services, sync_to_thread=False)},
         exception_handlers={Exception: handle_exception},
         lifespan=[load_in_background],
-        state=State({"readiness": readiness, "config": config, "metrics": app_metrics}),
+        state=State({"readiness": readiness, "config": config, "metrics": app_metrics, "drain": drain}),
         request_max_body_size=config.server.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Deltafin", version=__version__, path="/schema"),
         debug=False,
+        logging_config=None,  # Litestar's default would give the root logger its own plain-text format
     )
-    return RequestContext(litestar_app, app_metrics, engine=engine_name(config))
+    publish_body_schemas(litestar_app, BODY_TYPES)
+    # Outermost first: request id + log line + metrics; refuse new work while draining; the API key,
+    # checked before routing so a request without one never has its body read; the body's deadline.
+    inner = BodyDeadline(litestar_app, config.server.connections.body_timeout_s)
+    inner = ApiKeyGate(inner, config.server.api_keys, config.server.open_routes)
+    app = RequestContext(DrainGate(inner, drain), app_metrics, engine=engine_name(config))
+    app.drain = drain  # the server starts draining it on SIGTERM/SIGINT (deltafin.app.server)
+    return app

@@ -2,38 +2,55 @@
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any
 
 import structlog
 
-from deltafin.metrics import Metrics
+from deltafin.metrics import UNMATCHED, Metrics
 from deltafin.serving.context import RequestStats
 
 log = structlog.get_logger("deltafin.access")
 
 STATS_KEY = "deltafin_stats"
+#: Set by an ASGI layer that answers before routing (the API-key gate) to label its requests.
+ROUTE_KEY = "deltafin_route"
+
+#: A client's x-request-id is echoed and logged only if it looks like an id; anything else (64 KB, control
+#: characters, spaces) is replaced by our own, so a client cannot inflate responses or forge log fields.
+_CLIENT_REQUEST_ID = re.compile(rb"[A-Za-z0-9._:\-]{1,128}")
+#: The raw path is logged as `route` (it is never a metric label), cut to this length.
+_MAX_LOGGED_PATH = 256
 
 
-def _header(scope: dict[str, Any], name: bytes) -> str | None:
+def request_id_of(scope: dict[str, Any]) -> str:
     for key, value in scope.get("headers", ()):
-        if key.lower() == name:
-            return value.decode("latin-1")
-    return None
+        if key.lower() == b"x-request-id":
+            if _CLIENT_REQUEST_ID.fullmatch(value):
+                return value.decode("ascii")
+            break
+    return uuid.uuid4().hex
+
+
+def route_template(scope: dict[str, Any]) -> str:
+    """The matched route's template, or one shared label for everything that matched nothing."""
+    return scope.get(ROUTE_KEY) or scope.get("path_template") or UNMATCHED
 
 
 class RequestContext:
     def __init__(self, app: Any, metrics: Metrics, engine: str = "local") -> None:
         self.app = app
         self.metrics = metrics
+        self.drain: Any = None  # set by build_app
         self.engine = engine
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = _header(scope, b"x-request-id") or uuid.uuid4().hex
+        request_id = request_id_of(scope)
         stats = RequestStats()
         scope.setdefault("state", {})[STATS_KEY] = stats
         status = 500
@@ -44,7 +61,7 @@ class RequestContext:
             if message["type"] == "http.response.start":
                 status = message["status"]
                 headers = list(message.get("headers", []))
-                headers.append((b"x-request-id", request_id.encode("latin-1")))
+                headers.append((b"x-request-id", request_id.encode("ascii")))
                 if stats.rules:
                     headers.append((b"x-deltafin-rules", ",".join(stats.rules).encode("latin-1")))
                 message = {**message, "headers": headers}
@@ -59,26 +76,38 @@ class RequestContext:
             self._log(scope, stats, status, completed=done)
             structlog.contextvars.unbind_contextvars("request_id")
 
-    def _log(self, scope: dict[str, Any], stats: RequestStats, status: int, *, completed: bool) -> None:
-        route = scope.get("path", "")
-        total = time.perf_counter() - stats.started
-        self.metrics.requests.labels(route=route, status=str(status)).inc()
-        self.metrics.latency.labels(route=route).observe(total)
-        self.metrics.prompt_tokens.inc(stats.prompt_tokens)
-        self.metrics.completion_tokens.inc(stats.completion_tokens)
+    def _observe(self, route: str, stats: RequestStats, status: int, total: float) -> None:
+        m = self.metrics
+        m.requests.labels(route=route, status=str(status)).inc()
+        m.latency.labels(route=route).observe(total)
+        m.prompt_tokens.inc(stats.prompt_tokens)
+        m.completion_tokens.inc(stats.generated_tokens)
         if stats.memo_hit:
-            self.metrics.memo_hits.inc()
+            m.memo_hits.inc()
+        if stats.cached_tokens:
+            m.prefix_hits.inc()
+            m.cached_tokens.inc(stats.cached_tokens)
         if stats.ttft_s is not None:
-            self.metrics.ttft.observe(stats.ttft_s)
+            m.ttft.observe(stats.ttft_s)
+            if stats.generated_tokens > 1:
+                m.inter_token.observe(max(0.0, total - stats.ttft_s) / (stats.generated_tokens - 1))
+        for rule in stats.rules:  # rule names come from the config, so this label set is bounded
+            m.rule_firings.labels(rule=rule).inc()
+
+    def _log(self, scope: dict[str, Any], stats: RequestStats, status: int, *, completed: bool) -> None:
+        route = route_template(scope)
+        total = time.perf_counter() - stats.started
+        self._observe(route, stats, status, total)
         log.info(
             "request",
             method=scope.get("method"),
-            route=route,
+            route=scope.get("path", "")[:_MAX_LOGGED_PATH],  # the path asked for, as before
+            route_template=route,  # what metrics are labelled with
             status=status,
             engine=self.engine,
             completed=completed,
             prompt_tokens=stats.prompt_tokens,
-            completion_tokens=stats.completion_tokens,
+            completion_tokens=stats.generated_tokens,
             cached_tokens=stats.cached_tokens,
             queue_wait_ms=_ms(stats.queue_wait_s),
             ttft_ms=_ms(stats.ttft_s),

@@ -6,12 +6,14 @@ from typing import Any
 
 from litestar import Request, Response, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath, JSONBody
+from litestar.params import FromPath
 from litestar.response import Stream
 
+from deltafin.app.body import documented_body, strict_body
 from deltafin.app.disconnect import until_disconnected
 from deltafin.app.request_context import STATS_KEY
 from deltafin.app.services import Services
+from deltafin.app.shutdown import Drain
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.completions import CompletionRequest
 from deltafin.protocol.parse import ParseRequest
@@ -19,6 +21,15 @@ from deltafin.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from deltafin.serving.context import RequestStats
 from deltafin.serving.models import get_model, list_models
 from deltafin.serving.sse import StreamingResponse
+
+
+#: The request types whose schemas /schema publishes (deltafin.app.body.publish_body_schemas).
+BODY_TYPES = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, ParseRequest]
+
+
+def _body(request_type: type) -> dict[str, Any]:
+    """Route options that decode the body strictly as `payload` and document it in /schema."""
+    return {"dependencies": {"payload": strict_body(request_type)}, "operation_class": documented_body(request_type)}
 
 
 def _stats(request: Request) -> RequestStats:
@@ -32,26 +43,29 @@ def _close(result: Any) -> None:
 
 
 async def _respond(request: Request, work: Any) -> Response | Stream:
-    # Queue wait and non-streamed generation race the client's disconnect; a streamed body is
-    # cancelled by Litestar itself when the client goes.
+    # Queue wait and non-streamed generation race the client's disconnect and a shutdown (deltafin.app.shutdown);
+    # a streamed body is cancelled by Litestar itself when the client goes.
+    drain: Drain = request.app.state.drain
+    stats = _stats(request)
+    work = drain.guard(work, admitted=lambda: stats.queue_wait_s is not None, on_abandoned=_close)
     result = await until_disconnected(request.receive, work, _close)
     if isinstance(result, StreamingResponse):
-        return Stream(result.body, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return Stream(drain.stream(result.body), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return Response(result)
 
 
-@post(["/v1/chat/completions", "/chat/completions"], status_code=200, summary="Create a chat completion")
+@post(["/v1/chat/completions", "/chat/completions"], status_code=200, summary="Create a chat completion", **_body(ChatCompletionRequest))
 async def chat_completions(
-    request: Request, data: JSONBody[ChatCompletionRequest], services: NamedDependency[Services]
+    request: Request, payload: NamedDependency[ChatCompletionRequest], services: NamedDependency[Services]
 ) -> Response | Stream:
-    return await _respond(request, services.chat.create(data, _stats(request)))
+    return await _respond(request, services.chat.create(payload, _stats(request)))
 
 
-@post(["/v1/completions", "/completions"], status_code=200, summary="Create a text completion")
+@post(["/v1/completions", "/completions"], status_code=200, summary="Create a text completion", **_body(CompletionRequest))
 async def completions(
-    request: Request, data: JSONBody[CompletionRequest], services: NamedDependency[Services]
+    request: Request, payload: NamedDependency[CompletionRequest], services: NamedDependency[Services]
 ) -> Response | Stream:
-    return await _respond(request, services.completions.create(data, _stats(request)))
+    return await _respond(request, services.completions.create(payload, _stats(request)))
 
 
 @get(["/v1/models", "/models"], summary="List the served model")
@@ -64,21 +78,22 @@ async def model(name: FromPath[str], services: NamedDependency[Services]) -> dic
     return get_model(services.ctx, name)
 
 
-@post(["/tokenize", "/v1/tokenize"], status_code=200, summary="Tokenize a prompt or chat messages")
+@post(["/tokenize", "/v1/tokenize"], status_code=200, summary="Tokenize a prompt or chat messages", **_body(TokenizeRequest))
 async def tokenize(
-    request: Request, data: JSONBody[TokenizeRequest], services: NamedDependency[Services]
+    request: Request, payload: NamedDependency[TokenizeRequest], services: NamedDependency[Services]
 ) -> dict[str, Any]:
-    return await services.ctx.off_loop(services.tokenize.tokenize, data, _stats(request))
+    stats = _stats(request)
+    return await services.ctx.off_loop(services.tokenize.tokenize, payload, stats, size=stats.body_bytes, stats=stats)
 
 
-@post(["/detokenize", "/v1/detokenize"], status_code=200, summary="Turn token ids back into text")
-async def detokenize(data: JSONBody[DetokenizeRequest], services: NamedDependency[Services]) -> dict[str, Any]:
-    return await services.ctx.off_loop(services.tokenize.detokenize, data)
+@post(["/detokenize", "/v1/detokenize"], status_code=200, summary="Turn token ids back into text", **_body(DetokenizeRequest))
+async def detokenize(payload: NamedDependency[DetokenizeRequest], services: NamedDependency[Services]) -> dict[str, Any]:
+    return await services.ctx.off_loop(services.tokenize.detokenize, payload)
 
 
-@post(["/parse", "/v1/parse"], status_code=200, summary="Parse raw model output with the served model's parsers")
-async def parse(data: JSONBody[ParseRequest], services: NamedDependency[Services]) -> dict[str, Any]:
-    return await services.ctx.off_loop(services.parse.parse, data)
+@post(["/parse", "/v1/parse"], status_code=200, summary="Parse raw model output with the served model's parsers", **_body(ParseRequest))
+async def parse(payload: NamedDependency[ParseRequest], services: NamedDependency[Services]) -> dict[str, Any]:
+    return await services.ctx.off_loop(services.parse.parse, payload)
 
 
 ROUTES = [chat_completions, completions, models, model, tokenize, detokenize, parse]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from deltafin.config import DeltafinConfig
 from deltafin.engine import EngineClient, EngineFront
@@ -10,7 +11,8 @@ from deltafin.prompt import build_chat_format
 from deltafin.rules import build_pipeline
 from deltafin.serving.chat import ChatService
 from deltafin.serving.completions import CompletionService
-from deltafin.serving.context import ServingContext
+from deltafin.serving.context import ServingContext, prompt_work_for
+from deltafin.serving.prompt_work import PerThreadChatFormat
 from deltafin.serving.parse import ParseService
 from deltafin.serving.tokenize import TokenizeService
 
@@ -25,14 +27,21 @@ class Services:
 
     @classmethod
     def from_engine(cls, config: DeltafinConfig, engine: EngineFront) -> "Services":
-        chat_format = build_chat_format(
-            config.model.chat_format,
-            engine.tokenizer,
-            content_format=config.model.content_format,
-            default_kwargs=dict(config.model.chat_template_kwargs),
-        )
+        def chat_format_with(tokenizer: Any) -> Any:
+            return build_chat_format(
+                config.model.chat_format,
+                tokenizer,
+                content_format=config.model.content_format,
+                default_kwargs=dict(config.model.chat_template_kwargs),
+            )
+
+        chat_format_with(engine.tokenizer)  # a format the checkpoint cannot serve fails here, at load
+        prompt = prompt_work_for(config, engine.tokenizer)
+        # Prompt work runs on two threads (deltafin.serving.prompt_work): each renders with its own tokenizer.
+        chat_format = PerThreadChatFormat(chat_format_with, prompt.tokenizers)
+        prompt.prepare(chat_format.prepare)
         rules = build_pipeline(config.compat.rules, config.model.family)
-        ctx = ServingContext(config=config, engine=engine, chat_format=chat_format, rules=rules)
+        ctx = ServingContext(config=config, engine=engine, chat_format=chat_format, rules=rules, prompt=prompt)
         chat = ChatService(ctx)
         return cls(
             ctx=ctx,

@@ -52,7 +52,9 @@ class CompatConfig:
 @dataclass
 class QueueConfig:
     max_waiting: int = 16
-    timeout_s: float = 5.0
+    timeout_s: float = 30.0
+    large_body_bytes: int = 65536
+    max_large_prompts: int = 2
 
 
 @dataclass
@@ -64,6 +66,21 @@ class MemoConfig:
 class PrefixCacheConfig:
     enabled: bool = True
     min_tokens: int = 16
+
+
+@dataclass
+class TemplateConfig:
+    trust_request_chat_template: bool = False
+    render_timeout_s: float = 2.0
+    max_rendered_chars: int = 8 * 1024 * 1024
+
+
+@dataclass
+class ConnectionsConfig:
+    max_open: int = 256
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 30.0
+    keep_alive_s: float = 5.0
 
 
 @dataclass
@@ -80,6 +97,10 @@ class ServerConfig:
     queue: QueueConfig = field(default_factory=QueueConfig)
     memo: MemoConfig = field(default_factory=MemoConfig)
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
+    open_routes: list[str] = field(default_factory=lambda: ["/health", "/metrics", "/schema"])
+    shutdown_grace_s: float = 10.0
+    templates: TemplateConfig = field(default_factory=TemplateConfig)
+    connections: ConnectionsConfig = field(default_factory=ConnectionsConfig)
 
 
 @dataclass

@@ -22,8 +22,17 @@ _RANGES: dict[str, tuple[float, float]] = {
     "server.max_top_logprobs": (0, 1000),
     "server.queue.max_waiting": (0, 1 << 20),
     "server.queue.timeout_s": (0, 86400),
+    "server.queue.large_body_bytes": (1, 1 << 40),
+    "server.queue.max_large_prompts": (1, 1 << 20),
     "server.memo.entries": (0, 1 << 20),
     "server.prefix_cache.min_tokens": (1, 1 << 30),
+    "server.shutdown_grace_s": (0, 3600),
+    "server.templates.render_timeout_s": (0.01, 600),
+    "server.templates.max_rendered_chars": (1, 1 << 34),
+    "server.connections.max_open": (1, 1 << 20),
+    "server.connections.header_timeout_s": (0.1, 3600),
+    "server.connections.body_timeout_s": (0.1, 3600),
+    "server.connections.keep_alive_s": (0.1, 3600),
     "engine.max_batch": (1, 1024),
     "engine.max_inflight": (1, 1 << 16),
     "engine.connect_timeout_s": (0.001, 3600),
@@ -36,6 +45,10 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "server.log_level": ("debug", "info", "warning", "error"),
     "engine.api": ("auto", "generate", "completions"),
 }
+
+
+#: Routes `server.open_routes` may exempt from the API key (`/schema` covers everything under it).
+OPENABLE_ROUTES = ("/health", "/metrics", "/schema")
 
 
 class ConfigError(ValueError):
@@ -62,6 +75,9 @@ def validate_config(cfg: DictConfig | dict[str, Any]) -> DeltafinConfig:
     if merged.model.family not in KNOWN_FAMILIES:
         known = ", ".join(sorted(KNOWN_FAMILIES))
         raise ConfigError(f"model.family: {merged.model.family!r} is not a known family ({known})")
+    for route in merged.server.open_routes:
+        if route not in OPENABLE_ROUTES:
+            raise ConfigError(f"server.open_routes: {route!r} is not one of {', '.join(OPENABLE_ROUTES)}")
     for key, allowed in _CHOICES.items():
         value = OmegaConf.select(merged, key)
         if value not in allowed:

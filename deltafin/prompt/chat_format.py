@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 from deltafin.errors import InvalidRequestError
+from deltafin.prompt.sandbox import render_bounded
 from deltafin.protocol.chat import ChatMessage, ImagePart, TextPart, ToolDefinition
 
 
@@ -91,8 +92,11 @@ class TemplateChatFormat:
 
         tool_dicts = [_tool_dict(t) for t in tools] if tools else None
         try:
-            return self._tokenizer.apply_chat_template(
-                conversation, tools=tool_dicts, add_generation_prompt=gen, tokenize=False, **kwargs
+            # Bounded in time and size: the template is code, and a request may bring its own (sandbox.py).
+            return render_bounded(
+                lambda: self._tokenizer.apply_chat_template(
+                    conversation, tools=tool_dicts, add_generation_prompt=gen, tokenize=False, **kwargs
+                )
             )
         except (TemplateError, TypeError, ValueError, KeyError) as exc:
             # Templates raise on conversations they do not support (e.g. role order); that is the client's input.

@@ -17,6 +17,9 @@ Temperature = Annotated[float, Meta(ge=0.0, le=2.0)]
 UnitOpenLeft = Annotated[float, Meta(gt=0.0, le=1.0)]
 Unit = Annotated[float, Meta(ge=0.0, le=1.0)]
 Penalty = Annotated[float, Meta(ge=-2.0, le=2.0)]
+# HF-style: positive logits are divided by it. Near 0 that overflows to inf and the sampler sees NaN, so it is
+# bounded away from 0 (vLLM requires > 0; 0.01 keeps a 100x boost, far past any useful setting).
+RepetitionPenalty = Annotated[float, Meta(ge=0.01, le=10.0)]
 
 
 class StreamOptions(Struct, kw_only=True):
@@ -38,13 +41,14 @@ class SamplingFields(Struct, kw_only=True):
     min_p: Optional[Unit] = None
     presence_penalty: Optional[Penalty] = None
     frequency_penalty: Optional[Penalty] = None
-    repetition_penalty: Optional[Annotated[float, Meta(gt=0.0, le=10.0)]] = None
+    repetition_penalty: Optional[RepetitionPenalty] = None
     logit_bias: Optional[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]]] = None
     stop_token_ids: Optional[list[Annotated[int, Meta(ge=0)]]] = None
     ignore_eos: bool = False
     user: Optional[str] = None
-    # A default set by the server's rules (chat_default_max_tokens, max_tokens_cap), not a client request:
-    # bounded by the room the prompt leaves instead of failing the context check.
+    # Internal, set only by the server's rules (chat_default_max_tokens, max_tokens_cap): bounded by the room
+    # the prompt leaves instead of failing the context check. decode_request drops a client's value for it
+    # and /schema leaves it out (deltafin.protocol.decode.INTERNAL_FIELDS).
     max_tokens_default: Optional[PositiveInt] = None
 
     @property

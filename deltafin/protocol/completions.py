@@ -14,8 +14,9 @@ TokenId = Annotated[int, Meta(ge=0)]
 
 
 class CompletionRequest(SamplingFields, kw_only=True):
-    # A string, or token ids as OpenAI and vLLM accept them (ids are checked against the vocabulary).
-    prompt: Union[str, list[TokenId]]
+    # A string, or token ids as OpenAI and vLLM accept them (ids are checked against the vocabulary). Neither may
+    # be empty: with no token to condition on (this tokenizer adds no BOS) it is a 400, not generation from nothing.
+    prompt: Union[Annotated[str, Meta(min_length=1)], Annotated[list[TokenId], Meta(min_length=1)]]
     max_tokens: Optional[PositiveInt] = None
     echo: bool = False
     # Completions' logprobs is the number of alternatives per position (0 = only the chosen token).

@@ -6,9 +6,11 @@ from dataclasses import dataclass, field, replace
 from typing import Any, AsyncIterator
 
 from deltafin.engine import Finished, GenerationJob, GenerationStream, TextDelta, TokenLogprob
+from deltafin.errors import InvalidRequestError
 from deltafin.prompt.chat_format import RenderedPrompt
 from deltafin.families import build_output_parser
 from deltafin.prompt.parsers import OutputParser, ParsedDelta
+from deltafin.prompt.sandbox import TemplateBudget, template_budget
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.rules import RuleContext
 from deltafin.serving.constraints import build_constraint, check_tools
@@ -88,18 +90,28 @@ class ChatService:
         )
 
     def render(self, request: ChatCompletionRequest, *, add_generation_prompt: bool = True) -> RenderedPrompt:
-        return self.ctx.chat_format.render(
-            request.messages,
-            request.tools,
-            dict(request.chat_template_kwargs or {}),
-            add_generation_prompt=add_generation_prompt,
-        )
+        kwargs = dict(request.chat_template_kwargs or {})
+        templates = self.ctx.config.server.templates
+        # A request's own template could put real control tokens in the prompt and drop the operator's system
+        # prompt; only an operator who trusts every client turns that on (vLLM: --trust-request-chat-template).
+        if "chat_template" in kwargs and not templates.trust_request_chat_template:
+            raise InvalidRequestError(
+                "chat_template_kwargs.chat_template is not accepted by this server "
+                "(server.templates.trust_request_chat_template is off)",
+                param="chat_template_kwargs.chat_template",
+            )
+        with template_budget(TemplateBudget(templates.render_timeout_s, templates.max_rendered_chars)):
+            return self.ctx.chat_format.render(
+                request.messages, request.tools, kwargs, add_generation_prompt=add_generation_prompt
+            )
 
     def jobs(self, request: ChatCompletionRequest, prompt: RenderedPrompt) -> list[GenerationJob]:
         limits = self.ctx.config.server
         request.check(max_n=limits.max_n, max_stop=limits.max_stop_sequences, max_top_logprobs=limits.max_top_logprobs)
         requested = request.requested_max_tokens()
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "messages"
+        if not prompt.token_ids:
+            raise InvalidRequestError("the chat template rendered an empty prompt", param="messages")
         room = self.ctx.check_context(len(prompt.token_ids), requested, param)
         if requested is not None:
             max_tokens = requested
@@ -149,11 +161,11 @@ class ChatService:
         async def produce(request: ChatCompletionRequest) -> dict[str, Any] | ChunkStream:
             self.ctx.check_model(request.model)
             check_tools(request, self.ctx.config.model, self.ctx.model_name)
-            prompt = await self.ctx.off_loop(self.render, request)
+            prompt = await self.ctx.off_loop(self.render, request, size=stats.body_bytes, stats=stats)
             jobs = self.constrained(request, prompt, self.jobs(request, prompt))
             stats.prompt_tokens = len(prompt.token_ids)
             choices = [ChoiceAssembly(self.output_parser(request, prompt.text)) for _ in jobs]
-            stream = await self.ctx.engine.start(jobs)
+            stream = await self.ctx.engine.start(jobs, deadline=self.ctx.deadline(stats))
             stats.queue_wait_s = stream.queue_wait
             if request.stream:
                 return ChunkStream(self._chunks(request, stream, choices, stats, rule_ctx), stream.close)
@@ -181,6 +193,7 @@ class ChatService:
         async for event in stream:
             choice = choices[event.choice]
             if isinstance(event, TextDelta):
+                stats.saw(event)
                 if event.text:
                     stats.first_token()
                     choice.add(choice.parser.feed(event.text))
@@ -246,6 +259,7 @@ class ChatService:
                 started.add(index)
                 yield chunk(index, {"role": "assistant", "content": ""})
             if isinstance(event, TextDelta):
+                stats.saw(event)
                 pending.setdefault(index, []).extend(event.logprobs)
                 if not event.text:
                     continue

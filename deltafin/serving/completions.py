@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any, AsyncIterator
 
 from deltafin.engine import Finished, GenerationJob, GenerationStream, PromptLogprobs, TextDelta, TokenLogprob
+from deltafin.errors import InvalidRequestError
 from deltafin.protocol.completions import CompletionRequest
 from deltafin.serving.context import RequestStats, ServingContext, new_id
 from deltafin.serving.logprobs import completion_logprobs
@@ -22,6 +23,8 @@ class CompletionService:
     def jobs(self, request: CompletionRequest, prompt_ids: list[int]) -> list[GenerationJob]:
         limits = self.ctx.config.server
         request.check(max_n=limits.max_n, max_stop=limits.max_stop_sequences, max_top_logprobs=limits.max_top_logprobs)
+        if not prompt_ids:  # the protocol refuses "", this is for a tokenizer that yields nothing for a text
+            raise InvalidRequestError("the prompt is empty", param="prompt")
         room = self.ctx.check_context(len(prompt_ids), request.max_tokens, "prompt")
         if request.max_tokens is not None:
             max_tokens = request.max_tokens  # an explicit value is always honoured
@@ -60,11 +63,11 @@ class CompletionService:
 
         async def produce(request: CompletionRequest) -> dict[str, Any] | ChunkStream:
             self.ctx.check_model(request.model)
-            prompt = await self._prompt(request)
+            prompt = await self._prompt(request, stats)
             prompt_ids = prompt.ids
             jobs = self.jobs(request, prompt_ids)
             stats.prompt_tokens = len(prompt_ids)
-            stream = await self.ctx.engine.start(jobs)
+            stream = await self.ctx.engine.start(jobs, deadline=self.ctx.deadline(stats))
             stats.queue_wait_s = stream.queue_wait
             if request.stream:
                 return ChunkStream(self._chunks(request, prompt, stream, stats), stream.close)
@@ -72,15 +75,18 @@ class CompletionService:
 
         return await serve_with_rules(self.ctx, request, rule_ctx, stats, produce)
 
-    async def _prompt(self, request: CompletionRequest) -> "_Prompt":
+    async def _prompt(self, request: CompletionRequest, stats: RequestStats) -> "_Prompt":
         ids = request.prompt_token_ids(self.ctx.engine.vocab_size)
-        tokenizer = self.ctx.engine.tokenizer
+        # ctx.tokenizer is the prompt thread's own (deltafin.serving.prompt_work), so it is read on that thread.
+        size = stats.body_bytes
         if ids is None:
             # A raw prompt is the client's whole input: special tokens in it are meant as such.
-            ids = await self.ctx.off_loop(lambda: list(tokenizer(request.prompt).input_ids))
+            ids = await self.ctx.off_loop(lambda: list(self.ctx.tokenizer(request.prompt).input_ids), size=size, stats=stats)
             return _Prompt(ids, request.prompt)
         # Token ids in: the echoed text is their decoding, special tokens included.
-        text = await self.ctx.off_loop(lambda: tokenizer.decode(ids, skip_special_tokens=False)) if request.echo else ""
+        if not request.echo:
+            return _Prompt(ids, "")
+        text = await self.ctx.off_loop(lambda: self.ctx.tokenizer.decode(ids, skip_special_tokens=False), size=size, stats=stats)
         return _Prompt(ids, text)
 
     def _token_text(self, request: CompletionRequest) -> Any:
@@ -103,6 +109,7 @@ class CompletionService:
         prompts: list[PromptLogprobs | None] = [None] * n
         async for event in stream:
             if isinstance(event, TextDelta):
+                stats.saw(event)
                 if event.text:
                     stats.first_token()
                 texts[event.choice].append(event.text)
@@ -169,6 +176,7 @@ class CompletionService:
             if isinstance(event, PromptLogprobs):
                 continue
             if isinstance(event, TextDelta):
+                stats.saw(event)
                 pending.setdefault(index, []).extend(event.logprobs)
                 pending_ids.setdefault(index, []).extend(event.token_ids)
                 if not event.text:

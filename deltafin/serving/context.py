@@ -6,15 +6,15 @@ import asyncio
 import copy
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
 from deltafin.config import DeltafinConfig
-from deltafin.engine import EngineFront, Finished
+from deltafin.engine import EngineFront, Finished, TextDelta
 from deltafin.errors import ContextLengthError, ModelNotFoundError
 from deltafin.prompt import ChatFormat
 from deltafin.rules import RulePipeline
+from deltafin.serving.prompt_work import PromptWork
 
 
 T = TypeVar("T")
@@ -25,6 +25,9 @@ class RequestStats:
     """Filled in by serving, read by the access log line and the metrics."""
 
     started: float = field(default_factory=time.perf_counter)
+    arrived: float = field(default_factory=time.monotonic)  # admission's deadline counts from here
+    body_bytes: int = 0
+    prompt_work_s: float = 0.0  # the request's own prompt work, which its admission deadline does not count
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
@@ -35,7 +38,19 @@ class RequestStats:
     finish_reasons: list[str] = field(default_factory=list)
     rules: list[str] = field(default_factory=list)
 
+    # Tokens of choices still generating, so a request cut short (disconnect, shutdown) logs what it produced.
+    _partial: dict[int, int] = field(default_factory=dict, repr=False)
+
+    def saw(self, delta: TextDelta) -> None:
+        self._partial[delta.choice] = self._partial.get(delta.choice, 0) + len(delta.token_ids)
+
+    @property
+    def generated_tokens(self) -> int:
+        """Finished choices' completion tokens plus those seen so far of unfinished ones."""
+        return self.completion_tokens + sum(self._partial.values())
+
     def record(self, finished: Finished) -> None:
+        self._partial.pop(finished.choice, None)
         self.completion_tokens += finished.completion_tokens
         self.cached_tokens = max(self.cached_tokens, finished.cached_tokens)
         self.memo_hit = self.memo_hit or finished.memo_hit
@@ -59,22 +74,43 @@ class ServingContext:
     rules: RulePipeline = field(default_factory=RulePipeline)
     created: int = field(default_factory=lambda: int(time.time()))
     _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
-    _prompt_thread: ThreadPoolExecutor = field(
-        default_factory=lambda: ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltafin-prompt"), repr=False
-    )
+    prompt: PromptWork | None = None  # None: built from the config in __post_init__
 
     def __post_init__(self) -> None:
         # Each thread gets its own tokenizer: encoding flips `split_special_tokens` state on the Rust object, so
         # a shared one could let a prompt's content be encoded with control tokens live. The prompt thread
         # uses engine.tokenizer (through the chat format), the event loop this copy, the engine its own.
         self._loop_tokenizer = copy.deepcopy(self.engine.tokenizer)
+        if self.prompt is None:
+            self.prompt = prompt_work_for(self.config, self.engine.tokenizer)
+
+    @property
+    def tokenizer(self) -> Any:
+        """The calling thread's own tokenizer (prompt threads; see prompt_work)."""
+        return self.prompt.tokenizers.get()
+
+    def deadline(self, stats: RequestStats) -> float:
+        """When a request must be admitted to the engine or refused: `queue.timeout_s` of waiting after it
+        arrived (its own prompt work, done so far, not counted)."""
+        return stats.arrived + self.config.server.queue.timeout_s + stats.prompt_work_s
 
     def count_tokens(self, text: str) -> int:
         return len(self._loop_tokenizer(text, add_special_tokens=False).input_ids)
 
-    async def off_loop(self, fn: Callable[..., T], *args: Any) -> T:
-        """Run prompt work on the prompt thread (one at a time: the tokenizer is not shared across threads)."""
-        return await asyncio.get_running_loop().run_in_executor(self._prompt_thread, lambda: fn(*args))
+    async def off_loop(self, fn: Callable[..., T], *args: Any, size: int = 0, stats: RequestStats | None = None) -> T:
+        """Run prompt work on a prompt thread: the lane for a body of `size` bytes; with `stats`, refused if no
+        thread is free by the request's deadline, and the work's own time recorded."""
+        if stats is None:
+            return await self.prompt.run(lambda: fn(*args), size=size)
+
+        def timed() -> T:
+            began = time.monotonic()
+            try:
+                return fn(*args)
+            finally:
+                stats.prompt_work_s += time.monotonic() - began
+
+        return await self.prompt.run(timed, size=size, deadline=self.deadline(stats))
 
     fingerprint: str = "fp_deltafin"
 
@@ -131,3 +167,10 @@ class ServingContext:
 
 def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex}"
+
+
+def prompt_work_for(config: DeltafinConfig, tokenizer: Any) -> PromptWork:
+    queue = config.server.queue
+    return PromptWork(
+        tokenizer, large_body_bytes=queue.large_body_bytes, max_large=queue.max_large_prompts, timeout_s=queue.timeout_s
+    )

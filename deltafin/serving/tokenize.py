@@ -34,7 +34,7 @@ class TokenizeService:
         if request.prompt is not None and request.messages is not None:
             raise InvalidRequestError("give either `prompt` or `messages`, not both", param="prompt")
         if request.prompt is not None:
-            tokenizer = self.ctx.engine.tokenizer
+            tokenizer = self.ctx.tokenizer
             ids = list(tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids)
         else:
             chat_request = self.as_chat_request(request)
@@ -44,13 +44,13 @@ class TokenizeService:
             ids = self.chat.render(chat_request, add_generation_prompt=request.add_generation_prompt).token_ids
         body: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": self.ctx.engine.context_length}
         if request.return_token_strs:
-            body["token_strs"] = self.ctx.engine.tokenizer.convert_ids_to_tokens(ids)
+            body["token_strs"] = self.ctx.tokenizer.convert_ids_to_tokens(ids)
         return body
 
     def detokenize(self, request: DetokenizeRequest) -> dict[str, Any]:
         self.ctx.check_model(request.model)
-        vocab = len(self.ctx.engine.tokenizer)
+        vocab = len(self.ctx.tokenizer)
         for i, token in enumerate(request.tokens):
             if token >= vocab:
                 raise InvalidRequestError(f"token {token} is outside the vocabulary (size {vocab})", param=f"tokens[{i}]")
-        return {"prompt": self.ctx.engine.tokenizer.decode(request.tokens, skip_special_tokens=False)}
+        return {"prompt": self.ctx.tokenizer.decode(request.tokens, skip_special_tokens=False)}

@@ -36,3 +36,19 @@ def test_any_configured_key_works(keyed_server, key):
 
 def test_health_needs_no_key(keyed_server):
     assert httpx.get(f"{keyed_server.base_url}/health").status_code == 200
+
+
+def test_non_ascii_key_is_401_not_500(keyed_server):
+    response = httpx.get(f"{keyed_server.base_url}/v1/models", headers=[(b"authorization", b"Bearer \xc3\xa9\xff")])
+    assert response.status_code == 401 and response.json()["error"]["code"] == "invalid_api_key"
+
+
+@pytest.mark.parametrize("path", ["/metrics", "/schema/openapi.json"])
+def test_open_routes_need_no_key(keyed_server, path):
+    assert httpx.get(f"{keyed_server.base_url}{path}").status_code == 200
+
+
+def test_unknown_paths_and_bodies_wait_for_the_key(keyed_server):
+    assert httpx.get(f"{keyed_server.base_url}/nothing").status_code == 401
+    response = httpx.post(f"{keyed_server.base_url}/v1/chat/completions", content=b"{not json")
+    assert response.status_code == 401

@@ -1,0 +1,51 @@
+"""The API-key gate: an ASGI layer that answers 401 before routing, so no body is read (or parsed) for a
+request without a valid key. Routes in `server.open_routes` are served without one."""
+
+from __future__ import annotations
+
+import hmac
+from typing import Any, Sequence
+
+from deltafin.app.errors import send_error
+from deltafin.app.request_context import ROUTE_KEY
+from deltafin.errors import AuthenticationError
+from deltafin.metrics import UNAUTHENTICATED
+
+_BEARER = b"bearer "
+
+
+def is_open(path: str, open_routes: Sequence[str]) -> bool:
+    """`/schema` in open_routes opens /schema and everything under it; other entries open exactly that path."""
+    return any(path == route or path.startswith(route.rstrip("/") + "/") for route in open_routes)
+
+
+def key_matches(authorization: bytes, keys: Sequence[bytes]) -> bool:
+    """Constant-time compare on bytes: a header with non-ASCII bytes is simply a wrong key."""
+    if authorization[: len(_BEARER)].lower() != _BEARER:
+        return False
+    token = authorization[len(_BEARER) :].strip()
+    matched = False
+    for key in keys:  # no early exit: the time taken does not say which key came closest
+        matched |= hmac.compare_digest(token, key)
+    return matched
+
+
+class ApiKeyGate:
+    def __init__(self, app: Any, api_keys: Sequence[str], open_routes: Sequence[str]) -> None:
+        self.app = app
+        self.keys = [key.encode("utf-8") for key in api_keys]
+        self.open_routes = list(open_routes)
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http" or not self.keys or is_open(scope.get("path", ""), self.open_routes):
+            await self.app(scope, receive, send)
+            return
+        authorization = next((v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"), b"")
+        if key_matches(authorization, self.keys):
+            await self.app(scope, receive, send)
+            return
+        scope[ROUTE_KEY] = UNAUTHENTICATED
+        error = AuthenticationError(
+            "Incorrect or missing API key (send `Authorization: Bearer <key>`).", headers={"WWW-Authenticate": "Bearer"}
+        )
+        await send_error(send, error)

@@ -1,0 +1,108 @@
+"""Slow and excess clients. uvicorn reads headers and bodies with no deadline and takes any number of
+connections, so one client sending a byte a second (slowloris), or declaring 1 MB and sending 1 KB, holds a
+connection forever. Here:
+
+- `BodyDeadline` (ASGI): the whole body must arrive within `body_timeout_s` of the headers; else 408 JSON and
+  the connection is closed;
+- `guarded_h11(limits)` (uvicorn protocol): a request line and headers must arrive within
+  `header_timeout_s` (from the connection, or from the first byte of a keep-alive request), else 408 and
+  close; beyond `max_open` connections a new one is answered 503 JSON and closed at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+from uvicorn.protocols.http.h11_impl import H11Protocol
+
+from deltafin.config.schema import ConnectionsConfig
+from deltafin.errors import DeltafinError, EngineUnavailableError, RequestTimeoutError
+
+
+class BodyDeadline:
+    def __init__(self, app: Any, timeout_s: float) -> None:
+        self.app = app
+        self.timeout_s = timeout_s
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s
+        complete = False
+
+        async def bounded_receive() -> dict[str, Any]:
+            nonlocal complete
+            if complete:  # the body is in; later receives wait for a disconnect and must not time out
+                return await receive()
+            try:
+                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
+            except asyncio.TimeoutError:
+                raise RequestTimeoutError(
+                    f"The request body did not arrive within {self.timeout_s:g} s.", headers={"Connection": "close"}
+                ) from None
+            if message["type"] != "http.request" or not message.get("more_body", False):
+                complete = True
+            return message
+
+        await self.app(scope, bounded_receive, send)
+
+
+def _raw_response(err: DeltafinError) -> bytes:
+    body = msgspec.json.encode(err.body())
+    head = (
+        f"HTTP/1.1 {err.status} {'Request Timeout' if err.status == 408 else 'Service Unavailable'}\r\n"
+        f"content-type: application/json\r\ncontent-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode("ascii") + body
+
+
+def guarded_h11(limits: ConnectionsConfig) -> type[H11Protocol]:
+    """uvicorn's h11 protocol with a header deadline and a cap on open connections."""
+
+    class GuardedH11Protocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            if len(self.connections) > limits.max_open:
+                self._refuse(EngineUnavailableError("Too many open connections; retry later.", code="too_many_connections"))
+                return
+            self._arm()
+
+        def data_received(self, data: bytes) -> None:
+            if self._awaiting_headers():
+                self._arm()
+            super().data_received(data)
+            if not self._awaiting_headers():
+                self._disarm()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+        def _awaiting_headers(self) -> bool:
+            return self.cycle is None or self.cycle.response_complete
+
+        def _arm(self) -> None:
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_later(limits.header_timeout_s, self._headers_too_slow)
+
+        def _disarm(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+                self._header_timer = None
+
+        def _headers_too_slow(self) -> None:
+            self._header_timer = None
+            if self._awaiting_headers() and not self.transport.is_closing():
+                self._refuse(RequestTimeoutError(f"The request headers did not arrive within {limits.header_timeout_s:g} s."))
+
+        def _refuse(self, err: DeltafinError) -> None:
+            self.transport.write(_raw_response(err))
+            self.transport.close()
+
+    return GuardedH11Protocol

@@ -1,0 +1,49 @@
+"""Serve the app with uvicorn: JSON logs, slow-client limits, and a graceful stop that exits 0."""
+
+from __future__ import annotations
+
+from types import FrameType
+from typing import Any, Callable
+
+import uvicorn
+
+from deltafin.app.connections import guarded_h11
+from deltafin.config import DeltafinConfig
+
+#: uvicorn's own last resort (cancel what is left) comes this long after Deltafin's grace, which ends streams
+#: cleanly first.
+_UVICORN_MARGIN_S = 5.0
+
+
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, telling the app when a stop signal arrives (uvicorn tells it only after every
+    connection has closed) and exiting normally afterwards instead of re-raising the signal."""
+
+    def __init__(self, config: uvicorn.Config, on_signal: Callable[[], None]) -> None:
+        super().__init__(config)
+        self._on_signal = on_signal
+
+    def handle_exit(self, sig: int, frame: FrameType | None) -> None:
+        first = not self.should_exit
+        super().handle_exit(sig, frame)
+        # uvicorn re-raises captured signals once it has stopped, which makes the exit status "killed by
+        # SIGTERM"; a drained, orderly stop is exit 0.
+        self._captured_signals.clear()
+        if first:
+            self._on_signal()
+
+
+def serve(app: Any, config: DeltafinConfig) -> None:
+    server = config.server
+    uvicorn_config = uvicorn.Config(
+        app,
+        host=server.host,
+        port=server.port,
+        log_config=None,  # keep deltafin.logging's handlers: uvicorn's lines come out as JSON too
+        log_level=server.log_level,
+        access_log=False,  # the request-context layer writes one richer line per request
+        http=guarded_h11(server.connections),
+        timeout_keep_alive=server.connections.keep_alive_s,
+        timeout_graceful_shutdown=server.shutdown_grace_s + _UVICORN_MARGIN_S,
+    )
+    GracefulServer(uvicorn_config, on_signal=app.drain.begin_from_signal).run()

@@ -1,0 +1,120 @@
+"""Prompt work (templating, tokenizing) off the event loop, bounded so that admission keeps its promise.
+
+A request is admitted to the engine or refused (429) within `server.queue.timeout_s` of its arrival. Before
+that it needs its prompt rendered and tokenized, which for a 4 MB body takes seconds. So:
+
+- two lanes, each one thread: bodies of `server.queue.large_body_bytes` or more go to the large lane, the rest
+  to the small one, so a one-line chat never waits behind megabytes of someone else's prompt;
+- the large lane holds at most `server.queue.max_large_prompts` requests (queued or running); past that, 429;
+- a request whose deadline passes while it waits for a lane is refused then (429), and the work it left
+  queued is skipped when its turn comes. Once its own prompt work has started it is not cut short: the
+  deadline bounds waiting, and the caller moves the engine's deadline on by the time the work took.
+
+Tokenizers are per thread: encoding flips `split_special_tokens` on the Rust object, so a tokenizer shared
+between threads could encode a prompt's content with control tokens live.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import math
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, TypeVar
+
+from deltafin.errors import EngineBusyError
+
+T = TypeVar("T")
+
+
+class PerThread:
+    """One object per thread, made by `make` on the thread's first use."""
+
+    def __init__(self, make: Callable[[], Any]) -> None:
+        self._make = make
+        self._local = threading.local()
+
+    def get(self) -> Any:
+        value = getattr(self._local, "value", None)
+        if value is None:
+            value = self._local.value = self._make()
+        return value
+
+
+class PerThreadChatFormat:
+    """A ChatFormat whose renders use a chat format (and so a tokenizer) of the calling thread's own."""
+
+    def __init__(self, make: Callable[[Any], Any], tokenizers: PerThread) -> None:
+        self._formats = PerThread(lambda: make(tokenizers.get()))
+
+    def render(self, *args: Any, **kwargs: Any) -> Any:
+        return self._formats.get().render(*args, **kwargs)
+
+    def prepare(self) -> None:
+        """Build the calling thread's format (and tokenizer) now rather than on its first request."""
+        self._formats.get()
+
+
+class _Expired(Exception):
+    """The request behind a queued piece of work was refused before the work began."""
+
+
+class PromptWork:
+    def __init__(self, tokenizer: Any, *, large_body_bytes: int, max_large: int, timeout_s: float) -> None:
+        self.tokenizers = PerThread(lambda: copy.deepcopy(tokenizer))
+        self._large_body_bytes = large_body_bytes
+        self._max_large = max_large
+        self._timeout_s = timeout_s
+        self._small = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltafin-prompt")
+        self._large = ThreadPoolExecutor(max_workers=1, thread_name_prefix="deltafin-prompt-large")
+        self._large_held = 0  # queued or running in the large lane
+
+    def prepare(self, *makers: Callable[[], Any]) -> None:
+        """Run `makers` on each lane's thread ahead of the first request (tokenizer copies take a moment)."""
+        for lane in (self._small, self._large):
+            lane.submit(lambda: [make() for make in (self.tokenizers.get, *makers)])
+
+    def _busy(self, why: str) -> EngineBusyError:
+        retry_after = str(max(1, math.ceil(self._timeout_s)))
+        return EngineBusyError(f"The server is busy ({why}); retry after {retry_after} s.", headers={"Retry-After": retry_after})
+
+    async def run(self, fn: Callable[[], T], *, size: int = 0, deadline: float | None = None) -> T:
+        """`fn()` on the lane for a body of `size` bytes; 429 if it cannot start by `deadline` (monotonic)."""
+        large = size >= self._large_body_bytes
+        if large and self._large_held >= self._max_large:
+            raise self._busy(f"{self._large_held} large prompts already in work")
+        loop = asyncio.get_running_loop()
+        started = asyncio.Event()
+
+        def guarded() -> T:
+            if deadline is not None and time.monotonic() > deadline:
+                raise _Expired()
+            loop.call_soon_threadsafe(started.set)
+            return fn()
+
+        lane = self._large if large else self._small
+        future = loop.run_in_executor(lane, guarded)
+        if large:
+            self._large_held += 1
+            future.add_done_callback(self._large_done)
+        if deadline is not None:
+            began = asyncio.ensure_future(started.wait())
+            done, _ = await asyncio.wait({future, began}, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED)
+            began.cancel()
+            if not done:
+                future.add_done_callback(_consume)  # abandoned: skipped when its turn comes
+                raise self._busy(f"no prompt thread free within {self._timeout_s:g} s")
+        try:
+            return await future
+        except _Expired:
+            raise self._busy(f"no prompt thread free within {self._timeout_s:g} s") from None
+
+    def _large_done(self, _: asyncio.Future) -> None:
+        self._large_held -= 1
+
+
+def _consume(future: asyncio.Future) -> None:
+    if not future.cancelled():
+        future.exception()  # mark it retrieved, so asyncio does not log "exception was never retrieved"

@@ -1,0 +1,163 @@
+"""Faults of the process and its connections, on a real server process over loopback: slow clients, too many
+connections, a client that leaves mid-stream, SIGTERM with work in flight, and the one log format."""
+
+import json
+import signal
+import socket
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import LiveServer
+
+pytestmark = pytest.mark.e2e
+
+LIMITS = [
+    "server.connections.header_timeout_s=1",
+    "server.connections.body_timeout_s=1",
+    "server.connections.max_open=4",
+    "server.shutdown_grace_s=3",
+]
+LONG = {"prompt": "Once upon a time", "max_tokens": 400, "ignore_eos": True, "temperature": 1.0}
+
+
+@pytest.fixture(scope="module")
+def server():
+    live = LiveServer(LIMITS)
+    try:
+        live.wait_ready()
+        yield live
+    finally:
+        live.stop()
+
+
+def connect(server) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+    return sock
+
+
+def read_until_closed(sock: socket.socket, limit_s: float) -> tuple[bytes, float]:
+    """Everything the server sends until it closes the connection, and how long that took."""
+    started = time.monotonic()
+    sock.settimeout(limit_s)
+    data = b""
+    while True:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return data, time.monotonic() - started
+        data += chunk
+
+
+def json_body(response: bytes) -> dict:
+    return json.loads(response.split(b"\r\n\r\n", 1)[1])
+
+
+class TestSlowClients:
+    def test_slow_headers_are_cut_off(self, server):
+        sock = connect(server)
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")
+        started = time.monotonic()
+        try:
+            for _ in range(20):  # a byte every 0.2 s would hold the connection forever without a deadline
+                time.sleep(0.2)
+                sock.sendall(b"X")
+        except (BrokenPipeError, ConnectionResetError):
+            pass
+        data, _ = read_until_closed(sock, 5)
+        assert time.monotonic() - started < 4
+        assert data.startswith(b"HTTP/1.1 408") and json_body(data)["error"]["code"] == "request_timeout"
+
+    def test_short_body_is_408_and_closed(self, server):
+        sock = connect(server)
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ncontent-type: application/json\r\ncontent-length: 1000000\r\n\r\n"
+        sock.sendall(head + b"{" + b" " * 1023)
+        data, took = read_until_closed(sock, 5)
+        assert took < 4
+        assert data.startswith(b"HTTP/1.1 408") and json_body(data)["error"]["code"] == "request_timeout"
+
+    def test_connections_beyond_the_cap_get_503(self, server):
+        held = [connect(server) for _ in range(4)]
+        try:
+            time.sleep(0.2)
+            extra = connect(server)
+            data, _ = read_until_closed(extra, 5)
+            assert data.startswith(b"HTTP/1.1 503") and json_body(data)["error"]["code"] == "too_many_connections"
+        finally:
+            for sock in held:
+                sock.close()
+        time.sleep(0.3)
+        assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
+def test_disconnect_mid_stream_logs_the_tokens_generated(server):
+    request_id = "disconnect-mid-stream"
+    with httpx.Client(timeout=30) as client:
+        with client.stream(
+            "POST", f"{server.base_url}/v1/completions", json={**LONG, "stream": True}, headers={"x-request-id": request_id}
+        ) as response:
+            lines = response.iter_lines()
+            seen = 0
+            for line in lines:
+                if line.startswith("data: {"):
+                    seen += 1
+                if seen >= 4:
+                    break
+    line = server.request_log(request_id, timeout=15)
+    assert line["completed"] is False and line["completion_tokens"] >= 3
+
+
+def test_every_log_line_is_json(server):
+    httpx.get(f"{server.base_url}/v1/models")
+    lines = [line for line in server.log_lines() if line.strip()]
+    assert any('"logger": "uvicorn.error"' in line for line in lines)  # uvicorn's boot lines, as JSON
+    bad = [line for line in lines if not line.startswith("{") and "Loading weights" not in line]
+    assert not bad, bad[:5]
+    records = [json.loads(line) for line in lines if line.startswith("{")]
+    # Nothing above (slow clients, a client leaving mid-stream) is a server error.
+    assert not [r for r in records if r["level"] in ("error", "critical")]
+
+
+def test_sigterm_drains_and_exits_zero():
+    live = LiveServer(LIMITS)
+    try:
+        live.wait_ready()
+        base = live.base_url
+        events: list[str] = []
+        queued: dict = {}
+
+        def stream_long():
+            with httpx.stream("POST", f"{base}/v1/completions", json={**LONG, "stream": True}, timeout=60) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: "):
+                        events.append(line[6:])
+
+        def wait_in_queue():
+            response = httpx.post(f"{base}/v1/completions", json={"prompt": "Hi", "max_tokens": 2}, timeout=60)
+            queued["status"], queued["body"] = response.status_code, response.json()
+
+        streamer = threading.Thread(target=stream_long)
+        streamer.start()
+        deadline = time.monotonic() + 60
+        while len(events) < 2 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        waiter = threading.Thread(target=wait_in_queue)
+        waiter.start()
+        time.sleep(0.5)  # it is queued behind the stream (one engine)
+
+        live.process.send_signal(signal.SIGTERM)
+        started = time.monotonic()
+        waiter.join(30)
+        streamer.join(30)
+        rc = live.process.wait(30)
+
+        assert queued["status"] == 503 and queued["body"]["error"]["code"] == "server_shutting_down"
+        # The stream ran past the 3 s grace: it ends with an error event, then [DONE].
+        assert events[-1] == "[DONE]"
+        assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
+        assert rc == 0
+        assert time.monotonic() - started < 15
+    finally:
+        if live.process.poll() is None:
+            live.stop()
