@@ -70,9 +70,9 @@ def build_local_engine(config: DeltafinConfig) -> EngineClient:
     from deltafin.grammar.compiled import constraint_factory, logits_width
 
     loaded = load_model(config.model, config.placement)
-    # engine.max_batch goes here once the batched LocalEngine (its `max_batch` argument) lands.
     return LocalEngine(
         loaded,
+        max_batch=config.engine.max_batch,
         constraint_factory=constraint_factory(loaded.tokenizer, logits_width(loaded.model), loaded.stop_token_ids),
         prefix_cache_min_tokens=config.server.prefix_cache.min_tokens if config.server.prefix_cache.enabled else None,
     )

@@ -21,6 +21,10 @@ class ModelConfig:
     path: str = MISSING
     aliases: list[str] = field(default_factory=list)
     variant: Optional[str] = None  # a variant of the family (GLM: glm45 | glm47); null = the family's default
+    # Parser names as vLLM / SGLang deployments spell them (`model.tool_parser=glm47`): accepted for
+    # familiarity, they only select the family's variant; the family owns its parsers.
+    tool_parser: Optional[str] = None
+    reasoning_parser: Optional[str] = None
     context_length: Optional[int] = None
     chat_format: str = "template"
     content_format: str = "string"

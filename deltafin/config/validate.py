@@ -75,6 +75,7 @@ def validate_config(cfg: DictConfig | dict[str, Any]) -> DeltafinConfig:
     if merged.model.family not in KNOWN_FAMILIES:
         known = ", ".join(sorted(KNOWN_FAMILIES))
         raise ConfigError(f"model.family: {merged.model.family!r} is not a known family ({known})")
+    _parser_names_select_variant(merged.model)
     for route in merged.server.open_routes:
         if route not in OPENABLE_ROUTES:
             raise ConfigError(f"server.open_routes: {route!r} is not one of {', '.join(OPENABLE_ROUTES)}")
@@ -84,6 +85,24 @@ def validate_config(cfg: DictConfig | dict[str, Any]) -> DeltafinConfig:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
     _check_engine(merged)
     return merged  # type: ignore[return-value]
+
+
+def _parser_names_select_variant(model: Any) -> None:
+    """`model.tool_parser` / `model.reasoning_parser` name the family or one of its variants; a variant
+    named there becomes `model.variant` (two different ones are a contradiction)."""
+    from deltafin.families import get_family
+
+    variants = get_family(model.family).variants
+    for key in ("tool_parser", "reasoning_parser"):
+        name = model[key]
+        if name is None or name == model.family:
+            continue
+        if name not in variants:
+            known = ", ".join((model.family, *variants))
+            raise ConfigError(f"model.{key}: {name!r} is not a parser of family {model.family!r} (known: {known})")
+        if model.variant is not None and model.variant != name:
+            raise ConfigError(f"model.{key}: {name!r} contradicts model.variant={model.variant!r}")
+        model.variant = name
 
 
 def _check_engine(merged: Any) -> None:

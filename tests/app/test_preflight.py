@@ -16,10 +16,10 @@ def failing_client(loaded_model, overrides):
     config = compose_config(overrides)
     engine = make_engine(loaded_model)
 
-    def broken(job, choice, stream):
+    def broken(submission, choices):
         raise RuntimeError("CUDA error: device-side assert triggered")
 
-    engine.engine._generate = broken
+    engine.engine._admit_group = broken  # fails at prefill, as a broken device would
     return TestClient(build_app(config, Services.from_engine(config, engine)))
 
 

@@ -55,6 +55,25 @@ class TestValidation:
             compose_config(["model.content_format=xml"])
 
 
+class TestParserNames:
+    """vLLM-style `model.tool_parser=glm47` selects the family's variant; nothing else is accepted."""
+
+    def test_a_variant_named_as_parser_becomes_the_variant(self):
+        cfg = compose_config(["model=glm", "model.path=/m", "model.tool_parser=glm47"])
+        assert cfg.model.variant == "glm47"
+
+    def test_the_family_name_keeps_the_default(self):
+        assert compose_config(["model=kimi_k2", "model.path=/m", "model.reasoning_parser=kimi_k2"]).model.variant is None
+
+    def test_an_unknown_parser_names_the_key(self):
+        with pytest.raises(ConfigError, match=r"^model\.tool_parser: 'hermes' is not a parser of family 'glm'"):
+            compose_config(["model=glm", "model.path=/m", "model.tool_parser=hermes"])
+
+    def test_a_contradiction_with_the_variant_is_an_error(self):
+        with pytest.raises(ConfigError, match=r"contradicts model\.variant"):
+            compose_config(["model=glm", "model.path=/m", "model.variant=glm45", "model.tool_parser=glm47"])
+
+
 class TestCommandLine:
     def run(self, *args):
         return subprocess.run(

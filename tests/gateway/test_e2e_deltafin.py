@@ -171,7 +171,7 @@ def glm_pair(tmp_path_factory):
     family = "glm47"
     from deltafin.tiny import write_tiny_model
 
-    path = write_tiny_model(family, tmp_path_factory.mktemp(family) / "model")
+    path = write_tiny_model("glm", tmp_path_factory.mktemp(family) / "model", variant="glm47")
     turn1, turn2 = SCRIPTS[family]
     teach(path, [(render(family, path, QUESTION), turn1),
                  (render(family, path, follow_up("call_any", json.dumps(ARGUMENTS))), turn2)])

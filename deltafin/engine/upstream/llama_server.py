@@ -13,6 +13,7 @@ from typing import Any
 from deltafin.engine.events import GenerationJob, TokenLogprob
 from deltafin.engine.upstream.engine import Adapter
 from deltafin.engine.upstream.wire import Chunk, Garbled, error_event, token_logprob
+from deltafin.errors import InvalidRequestError
 
 #: the samplers Deltafin's parameters describe, in llama.cpp's order; penalties first as in the local engine
 SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]
@@ -59,7 +60,13 @@ class LlamaServerAdapter(Adapter):
             elif kind == "json_schema":
                 body["json_schema"] = json.loads(value)
             else:
-                body["grammar"] = value  # a GBNF grammar the structured-outputs layer produced
+                # A structural tag (an enforced tool call, reasoning then JSON) is xgrammar's own format;
+                # llama-server reads GBNF only, so it is refused rather than sent and misread.
+                raise InvalidRequestError(
+                    "Enforced tool calls (tool_choice `required` or a named function) and response_format with "
+                    "reasoning are not available through a llama-server upstream; use tool_choice `auto`.",
+                    param="tool_choice",
+                )
         return "/completion", body
 
     def new_state(self, job: GenerationJob) -> int:

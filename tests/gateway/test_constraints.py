@@ -1,0 +1,62 @@
+"""Constrained decoding travels to each upstream in that engine's own field (or is refused where it cannot)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from deltafin.engine import GenerationJob
+from deltafin.engine.upstream.engine import UpstreamSettings
+from deltafin.engine.upstream.llama_server import LlamaServerAdapter
+from deltafin.engine.upstream.sglang import SglangAdapter
+from deltafin.engine.upstream.vllm import VllmAdapter
+from deltafin.errors import InvalidRequestError
+from deltafin.protocol.sampling import Constraint, SamplingParams
+
+SCHEMA = '{"properties": {"city": {"type": "string"}}, "type": "object"}'
+TAG = '{"format": {"type": "const_string", "value": "x"}, "type": "structural_tag"}'
+SETTINGS = UpstreamSettings(url="http://127.0.0.1:1")
+
+
+def body(adapter, constraint):
+    job = GenerationJob((1, 2), SamplingParams(max_tokens=4, temperature=0.0, constraint=constraint))
+    return adapter.request(job, "rid-1", frozenset({0}))[1]
+
+
+class TestVllm:
+    @pytest.mark.parametrize("api", ["auto", "completions"])
+    def test_each_kind_goes_in_structured_outputs(self, api):
+        adapter = VllmAdapter(SETTINGS, api=api)
+
+        def knobs(constraint):
+            sent = body(adapter, constraint)
+            return (sent["sampling_params"] if "sampling_params" in sent else sent)["structured_outputs"]
+
+        assert knobs(Constraint("json_schema", SCHEMA)) == {"json": json.loads(SCHEMA)}
+        assert knobs(Constraint("json_object")) == {"json_object": True}
+        assert knobs(Constraint("structural_tag", TAG)) == {"structural_tag": TAG}
+
+    def test_no_constraint_sends_none(self):
+        assert "structured_outputs" in json.dumps(body(VllmAdapter(SETTINGS), Constraint("json_object")))
+        assert "structured_outputs" not in json.dumps(body(VllmAdapter(SETTINGS), None))
+
+
+class TestSglang:
+    def test_each_kind_goes_in_sampling_params(self):
+        adapter = SglangAdapter(SETTINGS)
+        assert body(adapter, Constraint("json_schema", SCHEMA))["sampling_params"]["json_schema"] == SCHEMA
+        assert json.loads(body(adapter, Constraint("json_object"))["sampling_params"]["json_schema"]) == {"type": "object"}
+        assert body(adapter, Constraint("structural_tag", TAG))["sampling_params"]["structural_tag"] == TAG
+
+
+class TestLlamaServer:
+    def test_json_constraints_go_in_json_schema(self):
+        adapter = LlamaServerAdapter(SETTINGS)
+        assert body(adapter, Constraint("json_schema", SCHEMA))["json_schema"] == json.loads(SCHEMA)
+        assert body(adapter, Constraint("json_object"))["json_schema"] == {"type": "object"}
+
+    def test_a_structural_tag_is_refused_not_sent_as_gbnf(self):
+        with pytest.raises(InvalidRequestError) as info:
+            body(LlamaServerAdapter(SETTINGS), Constraint("structural_tag", TAG))
+        assert info.value.status == 400 and info.value.param == "tool_choice"
