@@ -32,12 +32,16 @@ class ChoiceDecoder:
         self.reason: FinishReason = "length"
         self.stop_reason: str | int | None = None
 
+    def ends_at(self, token_id: int) -> bool:
+        """Whether `token_id` is a stop id for this choice (its logprob is then never reported)."""
+        return token_id in self._stop_ids or token_id in self._explicit_stop_ids
+
     def push(self, token_id: int, logprob: TokenLogprob | None = None) -> TextDelta | None:
         """The delta for one generated id (None once done); its text may be "" while text is held back."""
         if self.done:
             return None
         self.count += 1
-        if token_id in self._stop_ids or token_id in self._explicit_stop_ids:
+        if self.ends_at(token_id):
             self.done, self.reason, self.stop_reason = True, "stop", token_id
             return TextDelta(self.choice, self._stops.flush(), (token_id,))
         text = self._stops.feed(self._detokenizer.push(token_id))

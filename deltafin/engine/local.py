@@ -21,7 +21,7 @@ from transformers import DynamicCache
 
 from deltafin.engine.batch import BatchKV
 from deltafin.engine.constraint import ConstraintFactory
-from deltafin.engine.detokenizer import IncrementalDetokenizer
+from deltafin.engine.decode import ChoiceDecoder
 from deltafin.engine.events import GenerationJob, PromptLogprobs
 from deltafin.engine.generator import PREFILL_CHUNK, cache_argument, compiled_decode_step, decode_step, prefill
 from deltafin.engine.interface import EngineCapabilities, EngineClient
@@ -29,7 +29,6 @@ from deltafin.engine.loader import LoadedModel
 from deltafin.engine.prefix_cache import PrefixCache
 from deltafin.engine.row import Row, Submission
 from deltafin.engine.sampler import Sampler
-from deltafin.engine.stops import StopMatcher
 from deltafin.engine.stream import GenerationStream
 from deltafin.errors import InvalidRequestError
 
@@ -180,9 +179,7 @@ class LocalEngine(EngineClient):
             submission=sub,
             choice=choice,
             sampler=Sampler(params, self.vocab_size, self.device, job.prompt_ids, constraint),
-            detokenizer=IncrementalDetokenizer(self._thread_tokenizer),
-            stops=StopMatcher(params.stop),
-            stop_ids=self.stop_token_ids | frozenset(params.stop_token_ids),
+            decoder=ChoiceDecoder(self._thread_tokenizer, params, self.stop_token_ids, choice),
             max_new=min(params.max_tokens, self.context_length - len(job.prompt_ids)),
             prompt_len=len(job.prompt_ids),
             cached=cached,

@@ -1,4 +1,4 @@
-"""One running choice (a row of the batch): its sampler, detokenizer and stop matcher, and what it emits.
+"""One running choice (a row of the batch): its sampler and its decoder (detokenizer, stops), and what it emits.
 
 A row never looks at other rows: everything that decides its tokens (sampler state, seed generator,
 constraint, stop strings and ids, budget) is its own, so its output does not depend on what runs beside it.
@@ -12,10 +12,9 @@ from typing import Any
 
 import torch
 
-from deltafin.engine.detokenizer import IncrementalDetokenizer
-from deltafin.engine.events import Finished, GenerationJob, TextDelta
+from deltafin.engine.decode import ChoiceDecoder
+from deltafin.engine.events import FinishReason, GenerationJob, TextDelta
 from deltafin.engine.sampler import Sampler
-from deltafin.engine.stops import StopMatcher
 from deltafin.engine.stream import GenerationStream
 
 
@@ -45,9 +44,8 @@ class Row:
     submission: Submission
     choice: int
     sampler: Sampler
-    detokenizer: IncrementalDetokenizer
-    stops: StopMatcher
-    stop_ids: frozenset[int]
+    #: ids -> text, stop ids and strings: the same decoder the upstream engines use
+    decoder: ChoiceDecoder
     max_new: int
     prompt_len: int
     cached: int
@@ -56,7 +54,6 @@ class Row:
     ids: list[int] = field(default_factory=list)
     #: the last sampled token, fed to the model at the next step
     pending: int | None = None
-    count: int = 0
     timings: dict[str, float] = field(default_factory=dict)
 
     @property
@@ -65,36 +62,32 @@ class Row:
 
     def take(self, token_id: int, logits: torch.Tensor) -> bool:
         """Handles the row's next token (logits: [V], the raw distribution it came from); True when finished."""
-        params = self.sampler.params
-        emit = self.stream.emit
-        self.count += 1
-        if token_id in self.stop_ids and not params.ignore_eos:
-            # The stop token itself is neither text nor reported in logprobs (as OpenAI does).
-            emit(TextDelta(self.choice, self.stops.flush(), (token_id,)))
-            return self._finish("stop", token_id)
-        logprobs = (self.sampler.logprob(logits, token_id),) if params.logprobs else ()
+        decoder = self.decoder
+        logprob = None
+        if self.sampler.params.logprobs and not decoder.ends_at(token_id):
+            logprob = self.sampler.logprob(logits, token_id)
+        self.stream.emit(decoder.push(token_id, logprob))  # type: ignore[arg-type]
+        if decoder.done:  # a stop id or a stop string
+            return self._finish(None)
         self.sampler.observe(token_id)
-        text = self.stops.feed(self.detokenizer.push(token_id))
-        emit(TextDelta(self.choice, text, (token_id,), logprobs))
-        if self.stops.matched is not None:
-            return self._finish("stop", self.stops.matched)
         if self.sampler.terminated:  # the constraint's grammar is complete
-            emit(TextDelta(self.choice, self.stops.flush()))
-            return self._finish("stop", None)
-        if self.count >= self.max_new:
-            emit(TextDelta(self.choice, self.stops.flush()))
-            return self._finish("length", None)
+            return self._finish("stop")
+        if decoder.count >= self.max_new:
+            return self._finish("length")
         self.pending = token_id
         return False
 
     def finish_empty(self) -> None:
         """No room for a single new token (the prompt fills the context)."""
         self.stream.emit(TextDelta(self.choice, ""))
-        self._finish("length", None)
+        self._finish("length")
 
-    def _finish(self, reason: str, stop_reason: str | int | None) -> bool:
+    def _finish(self, reason: FinishReason | None) -> bool:
         self.timings["total_s"] = time.perf_counter() - self.started
-        end = Finished(self.choice, reason, self.prompt_len, self.count, self.cached, stop_reason,  # type: ignore[arg-type]
-                       timings=self.timings)
+        tail, end = self.decoder.finish(
+            reason, prompt_tokens=self.prompt_len, cached_tokens=self.cached, timings=self.timings
+        )
+        if tail is not None:
+            self.stream.emit(tail)
         self.stream.emit(end)
         return True
