@@ -158,8 +158,9 @@ class LiveServer:
 
 @pytest.fixture(scope="session")
 def live_server() -> Iterator[LiveServer]:
-    # A short queue so the 429 tests take seconds; everything else runs one request at a time.
-    server = LiveServer(["server.queue.timeout_s=1.0", "server.queue.max_waiting=1"])
+    # One row at a time and a short queue, so the queue and 429 tests take seconds; batching over HTTP is
+    # tested on a server of its own (tests/e2e/test_batching.py).
+    server = LiveServer(["engine.max_batch=1", "server.queue.timeout_s=1.0", "server.queue.max_waiting=1"])
     try:
         server.wait_ready()
         yield server

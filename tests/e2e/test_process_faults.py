@@ -15,6 +15,7 @@ from tests.conftest import LiveServer
 pytestmark = pytest.mark.e2e
 
 LIMITS = [
+    "engine.max_batch=1",  # one row at a time, so a second request is queued behind the first
     "server.connections.header_timeout_s=1",
     "server.connections.body_timeout_s=1",
     "server.connections.max_open=4",
