@@ -31,37 +31,16 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import LiveServer, compose_config, free_port  # noqa: E402
+from tests.conftest import LiveServer, compose_config  # noqa: E402
+from tests.llama_server import start_llama_server  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}]
 
 
-def llama_server_binary() -> Path:
-    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deltafin" / "llama-server-11434.0.0"
-    return Path(os.environ.get("DELTAFIN_LLAMA_SERVER", cache / "bin" / "llama-server"))
-
-
-def start_llama_server(streams: int) -> tuple[subprocess.Popen, str]:
+def start_upstream_llama_server(streams: int) -> tuple[subprocess.Popen, str]:
     from deltafin.engine.loader import resolve_model_path
 
-    gguf = resolve_model_path(compose_config().model.path)
-    port = free_port()
-    process = subprocess.Popen(
-        [str(llama_server_binary()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-         "-c", str(1024 * streams), "-np", str(streams), "-t", "2"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url + "/health", timeout=1).status_code == 200:
-                return process, url
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    process.kill()
-    raise RuntimeError("llama-server did not become ready")
+    return start_llama_server(resolve_model_path(compose_config().model.path), parallel=streams, context=1024 * streams)
 
 
 async def one_stream(client: httpx.AsyncClient, url: str, tokens: int) -> tuple[float, list[float]]:
@@ -136,7 +115,7 @@ def main() -> None:
 
     stop_upstream = None
     if args.upstream == "llama-server":
-        process, upstream_url = start_llama_server(args.streams)
+        process, upstream_url = start_upstream_llama_server(args.streams)
         stop_upstream = process.kill
         engine = ["engine=llama_server", f"engine.max_inflight={args.streams}"]
     else:

@@ -18,7 +18,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -31,12 +30,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tests.conftest import LiveServer, compose_config, free_port  # noqa: E402
+from tests.conftest import LiveServer, compose_config  # noqa: E402
+from tests.llama_server import llama_server_binary, start_llama_server  # noqa: E402
 
-from deltafin.engine.loader import default_cache_dir, load_model, resolve_model_path  # noqa: E402
+from deltafin.engine.loader import load_model, resolve_model_path  # noqa: E402
 
 TOPICS = ["the sea", "a lighthouse", "mountains", "a city at night", "autumn", "a library", "the desert", "rain"]
-LLAMA_SERVER = default_cache_dir() / "llama-server-11434.0.0" / "bin" / "llama-server"
+LLAMA_SERVER = llama_server_binary()
 
 
 def messages(i: int) -> list[dict]:
@@ -117,25 +117,6 @@ def ttft_beside_seven(server: LiveServer, tokens: int) -> tuple[float, float, fl
     return entry["ttft_ms"], entry["prefill_ms"], step_ms
 
 
-def start_llama_server(gguf: Path, threads: int) -> tuple[subprocess.Popen, str]:
-    port = free_port()
-    process = subprocess.Popen(
-        [str(LLAMA_SERVER), "-m", str(gguf), "-np", "8", "-c", "8192", "-t", str(threads), "--port", str(port)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-    )
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return process, base
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.3)
-    process.kill()
-    raise RuntimeError("llama-server did not become ready")
-
-
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--tokens", type=int, default=64)
@@ -167,7 +148,8 @@ def main() -> None:
         int8.stop()
 
     if LLAMA_SERVER.exists():
-        process, base = start_llama_server(resolve_model_path(config.model.path), threads)
+        process, base = start_llama_server(resolve_model_path(config.model.path), parallel=8, context=8192,
+                                           threads=threads)
         try:
             chat(base, 0, 4)
             rows["llama-server -np 8 (Q4_1)"] = {n: aggregate(base, n, args.tokens) for n in args.streams}

@@ -5,7 +5,6 @@ built the binary (or DELTAFIN_LLAMA_SERVER names one)."""
 from __future__ import annotations
 
 import os
-import subprocess
 import time
 from pathlib import Path
 
@@ -14,12 +13,12 @@ import openai
 import pytest
 
 from deltafin.engine.loader import resolve_model_path
-from tests.conftest import LiveServer, compose_config, free_port
+from tests.conftest import LiveServer, compose_config
+from tests.llama_server import llama_server_binary, start_llama_server
 
 pytestmark = pytest.mark.e2e
 
-_CACHE = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deltafin" / "llama-server-11434.0.0"
-BINARY = Path(os.environ.get("DELTAFIN_LLAMA_SERVER", _CACHE / "bin" / "llama-server"))
+BINARY = llama_server_binary()
 if not BINARY.exists():
     pytest.skip(f"llama-server not built ({BINARY}); run scripts/build-llama-server", allow_module_level=True)
 
@@ -29,19 +28,9 @@ HELLO = [{"role": "user", "content": "Say hello in one sentence."}]
 @pytest.fixture(scope="module")
 def llama():
     gguf = resolve_model_path(compose_config().model.path)
-    port = free_port()
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{port}.log", "w")
-    process = subprocess.Popen([str(BINARY), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-                                "-c", "4096", "-np", "2", "-t", "2", "--no-webui"], stdout=log, stderr=subprocess.STDOUT)
-    url = f"http://127.0.0.1:{port}"
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{os.getpid()}.log", "w")
+    process, url = start_llama_server(gguf, parallel=2, context=4096, log=log)
     try:
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(url + "/health", timeout=1).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                time.sleep(0.2)
         gateway = LiveServer(["engine=llama_server", f"engine.url={url}", "engine.max_inflight=2",
                               "model.context_length=2048"])  # -c 4096 shared by 2 slots
         try:
