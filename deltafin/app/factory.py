@@ -102,6 +102,10 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
             yield
         finally:
             task.cancel()
+            if readiness.services is not None:
+                # Stop the engine before the interpreter exits: a torch call still running on the engine's
+                # own thread at exit aborts the process (SIGABRT instead of exit 0).
+                await readiness.services.ctx.engine.aclose()
 
     litestar_app = Litestar(
         route_handlers=[*ROUTES, health, metrics],

@@ -9,6 +9,7 @@ rows) and the memo stand in front of it (`deltafin.engine.front`).
 
 from __future__ import annotations
 
+import asyncio
 import copy
 import queue
 import threading
@@ -88,7 +89,9 @@ class LocalEngine(EngineClient):
         self._inbox.put(Submission(stream, tuple(jobs)))
 
     async def aclose(self) -> None:
+        """Stop the owner thread and wait for it: rows still running are cancelled, queued work ends."""
         self._inbox.put(_STOP)
+        await asyncio.to_thread(self._owner.join, 30)
 
     # The owner thread.
 
