@@ -82,7 +82,16 @@ def decode_step(
     return out.logits[:, -1]
 
 
-def compiled_decode_step(backend: str = "inductor") -> Any:
-    """`decode_step` under torch.compile. Shapes vary only in the batch size and the cache length, both marked
+def compiled_decode_step(backend: str = "inductor", step: Any = decode_step) -> Any:
+    """`step` under torch.compile. Shapes vary only in the batch size and the cache length, both marked
     dynamic on first sight, so the graph is captured once per batch bucket instead of once per step."""
-    return torch.compile(decode_step, backend=backend, dynamic=True)
+    return torch.compile(step, backend=backend, dynamic=True)
+
+
+def decode_step_for(model: Any, *, compile: bool = False) -> Any:
+    """The fastest decode step that covers `model`: the fused one of its architecture where there is one
+    (`deltafin.engine.fused_llama`), else transformers' forward (`decode_step`)."""
+    from deltafin.engine.fused_llama import fused_llama_step
+
+    step = fused_llama_step(model) or decode_step
+    return compiled_decode_step(step=step) if compile else step

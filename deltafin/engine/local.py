@@ -24,7 +24,7 @@ from deltafin.engine.batch import BatchKV
 from deltafin.engine.constraint import ConstraintFactory
 from deltafin.engine.decode import ChoiceDecoder
 from deltafin.engine.events import GenerationJob, PromptLogprobs
-from deltafin.engine.generator import PREFILL_CHUNK, cache_argument, compiled_decode_step, decode_step, prefill
+from deltafin.engine.generator import PREFILL_CHUNK, cache_argument, decode_step_for, prefill
 from deltafin.engine.interface import EngineCapabilities, EngineClient
 from deltafin.engine.loader import LoadedModel
 from deltafin.engine.prefix_cache import PrefixCache
@@ -75,7 +75,7 @@ class LocalEngine(EngineClient):
         )
         self.device = next(self.model.parameters()).device
         self.cache_arg = cache_argument(self.model)
-        self.decode = compiled_decode_step() if loaded.compile else decode_step
+        self.decode = decode_step_for(self.model, compile=loaded.compile)
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._rows: list[Row] = []
         self._kv = BatchKV(self.device)

@@ -1,9 +1,7 @@
 """Weight-only quantization of a model's linear layers at load (`placement.quantize`: none | int8 | int4).
 
-int8: one scale per output channel, run by `torch.ops.aten._weight_int8pack_mm`; int4: groups of
-`INT4_GROUP` input channels with a scale and a zero each, packed for `_weight_int4pack_mm_for_cpu` (gpt-fast's
-recipe). Both kernels run with bfloat16 activations (measured 2-3x faster than float32 activations on this
-CPU; the result goes back to the model's dtype). The quantized tensors are cached as safetensors in the cache
+int8: one scale per output channel; int4: groups of `INT4_GROUP` input channels with a scale and a zero each.
+The modules and their kernels are in `deltafin.engine.qlinear`. The quantized tensors are cached as safetensors in the cache
 folder (keyed on the source folder's weights and the mode), so later boots skip the quantization.
 """
 
@@ -17,70 +15,13 @@ import structlog
 import torch
 from torch import nn
 
+from deltafin.engine.qlinear import COMPUTE, INT4_GROUP, INT4_INNER_K_TILES, Int4Linear, Int8Linear
+
 log = structlog.get_logger("deltafin.engine")
 
 MODES = ("none", "int8", "int4")
-INT4_GROUP = 32
-INT4_INNER_K_TILES = 2
-COMPUTE = torch.bfloat16
-
-
-class Int8Linear(nn.Module):
-    def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.register_buffer("weight", weight)  # [N, K] int8
-        self.register_buffer("scales", scales)  # [N] float
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    @staticmethod
-    def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        """weight: [N, K] float -> int8 [N, K] and per-channel scales [N] (symmetric, max-abs)."""
-        w = weight.float()
-        scales = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)  # [N]
-        q = torch.round(w / scales[:, None]).clamp(-127, 127).to(torch.int8)
-        return {"weight": q, "scales": scales.to(COMPUTE)}
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        out = torch.ops.aten._weight_int8pack_mm(
-            x.reshape(-1, self.in_features).to(COMPUTE), self.weight, self.scales
-        ).to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*shape[:-1], self.out_features)
-
-
-class Int4Linear(nn.Module):
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None,
-                 in_features: int, out_features: int) -> None:
-        super().__init__()
-        self.in_features, self.out_features = in_features, out_features
-        self.register_buffer("weight", packed)  # packed int4, layout owned by the kernel
-        self.register_buffer("scales_zeros", scales_zeros)  # [K / group, N, 2]
-        self.bias = None if bias is None else nn.Parameter(bias, requires_grad=False)
-
-    @staticmethod
-    def quantize(weight: torch.Tensor) -> dict[str, torch.Tensor]:
-        """weight: [N, K] -> 4-bit codes [N, K] (int32, 0..15) and (scale, zero) per group of INT4_GROUP."""
-        w = weight.float()
-        groups = w.reshape(-1, INT4_GROUP)  # [N * K / g, g]
-        lo, hi = groups.amin(dim=1, keepdim=True), groups.amax(dim=1, keepdim=True)
-        scales = (hi - lo).clamp(min=1e-6) / 15
-        zeros = lo + scales * 8  # the kernel computes (q - 8) * scale + zero
-        codes = groups.sub(lo).div(scales).round().clamp(0, 15).to(torch.int32).reshape_as(w)
-        n = w.shape[0]
-        scales_zeros = torch.cat([scales.reshape(n, -1, 1), zeros.reshape(n, -1, 1)], dim=2).transpose(0, 1)
-        return {"codes": codes, "scales_zeros": scales_zeros.to(COMPUTE).contiguous()}
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        shape = x.shape
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, self.in_features).to(COMPUTE), self.weight, INT4_GROUP, self.scales_zeros
-        ).to(x.dtype)
-        if self.bias is not None:
-            out = out + self.bias
-        return out.reshape(*shape[:-1], self.out_features)
+#: bumped when the cached tensors change meaning (v2: int8 scales are float32)
+FORMAT = 2
 
 
 def supported(mode: str, device: torch.device) -> str | None:
@@ -109,7 +50,7 @@ def _targets(model: nn.Module, mode: str) -> dict[str, nn.Linear]:
 
 
 def _cache_file(source: Path, mode: str, cache_dir: Path) -> Path:
-    digest = hashlib.sha256(f"{mode}:{INT4_GROUP}:{COMPUTE}".encode())
+    digest = hashlib.sha256(f"{mode}:{INT4_GROUP}:{COMPUTE}:{FORMAT}".encode())
     for file in sorted(source.glob("*.safetensors")):
         stat = file.stat()
         digest.update(f"{file.name}:{stat.st_size}:{int(stat.st_mtime)}".encode())
