@@ -139,13 +139,14 @@ def main() -> None:
     rows["transformers generate (padded batch)"] = {n: generate_rate(loaded, n, args.tokens) for n in args.streams}
     print("measured:", rows, flush=True)
 
-    int8 = LiveServer(["server.memo.entries=0", "placement.quantize=int8"])
-    try:
-        int8.wait_ready()
-        chat(int8.base_url, 0, 4)
-        rows["deltafin int8"] = {1: aggregate(int8.base_url, 1, args.tokens)}
-    finally:
-        int8.stop()
+    for mode in ("int8", "int4"):
+        quantized = LiveServer(["server.memo.entries=0", f"placement.quantize={mode}"])
+        try:
+            quantized.wait_ready()
+            chat(quantized.base_url, 0, 4)
+            rows[f"deltafin {mode}"] = {1: aggregate(quantized.base_url, 1, args.tokens)}
+        finally:
+            quantized.stop()
 
     if LLAMA_SERVER.exists():
         process, base = start_llama_server(resolve_model_path(config.model.path), parallel=8, context=8192,
@@ -170,7 +171,8 @@ def main() -> None:
         for n in args.streams:
             print(f"deltafin / llama-server at {n} streams: {own[n] / llama[n]:.2f}x")
         print(f"deltafin int8 single stream / llama-server Q4_1 single stream: "
-              f"{rows['deltafin int8'][1] / llama[1]:.2f}x (target >= 0.5x); float32: {own[1] / llama[1]:.2f}x")
+              f"{rows['deltafin int8'][1] / llama[1]:.2f}x (target >= 0.5x); int4: {rows['deltafin int4'][1] / llama[1]:.2f}x; "
+              f"float32: {own[1] / llama[1]:.2f}x")
     print(f"TTFT of a new request beside 7 decoding: {ttft:.0f} ms; its prefill {prefill:.0f} ms + 2 steps of "
           f"{step:.0f} ms = {prefill + 2 * step:.0f} ms (target: TTFT <= that)")
 

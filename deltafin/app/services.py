@@ -69,9 +69,16 @@ def build_local_engine(config: DeltafinConfig) -> EngineClient:
     from deltafin.engine.local import LocalEngine
     from deltafin.grammar.compiled import constraint_factory, logits_width
 
+    import torch
+
+    # Only the engine's owner thread runs torch with several threads (LocalEngine._loop says why); loading here
+    # with one keeps this thread from growing an OpenMP team of its own.
+    threads = config.placement.num_threads or torch.get_num_threads()
+    torch.set_num_threads(1)
     loaded = load_model(config.model, config.placement)
     return LocalEngine(
         loaded,
+        threads=threads,
         max_batch=config.engine.max_batch,
         constraint_factory=constraint_factory(loaded.tokenizer, logits_width(loaded.model), loaded.stop_token_ids),
         prefix_cache_min_tokens=config.server.prefix_cache.min_tokens if config.server.prefix_cache.enabled else None,

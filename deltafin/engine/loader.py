@@ -121,8 +121,6 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig) -> LoadedMode
         folder = path
     else:
         raise ModelLoadError(f"model.path: {path} is neither a model folder nor a .gguf file")
-    if placement.num_threads:
-        torch.set_num_threads(placement.num_threads)
     dtype_name = placement.dtype if model_cfg.dtype == "auto" else model_cfg.dtype
     if dtype_name not in _DTYPES:
         raise ModelLoadError(f"dtype {dtype_name!r} is not one of {', '.join(_DTYPES)}")

@@ -51,6 +51,7 @@ class LocalEngine(EngineClient):
         constraint_factory: ConstraintFactory | None = None,
         prefix_cache_entries: int = 4,
         prefill_chunk: int = PREFILL_CHUNK,
+        threads: int | None = None,
     ) -> None:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -82,6 +83,8 @@ class LocalEngine(EngineClient):
         #: how many rows each decode step ran (tests and benchmarks read it)
         self.step_sizes: list[int] = []
         # One long-lived thread owns the device: torch's per-thread state (the OpenMP team) is built once.
+        # torch's threads for the device work; set on the owner thread itself (see `_loop`).
+        self.threads = threads
         self._owner = threading.Thread(target=self._loop, name="deltafin-engine", daemon=True)
         self._owner.start()
 
@@ -96,6 +99,12 @@ class LocalEngine(EngineClient):
     # The owner thread.
 
     def _loop(self) -> None:
+        # OpenMP keeps one team of worker threads per thread that runs parallel work. When the thread that
+        # loaded the model had its own team, every decode step here ran about 2x slower on 2 cores (measured:
+        # docs/benchmarks.md, "One thread runs torch"); `build_local_engine` loads with one thread, so this
+        # thread's team is the only one, and it takes the configured number here.
+        if self.threads:
+            torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while True:
                 arrived = [self._inbox.get()] if not self._rows else []
