@@ -31,8 +31,20 @@ ARCHITECTURES = ("llama",)
 ROOM = 256
 
 
-def _fuse(parts: list[nn.Module]) -> nn.Module | None:
-    """One projection computing `parts` side by side, or None when they are of kinds that do not fuse.
+class _SideBySide(nn.Module):
+    """Projections of a kind whose weights cannot be concatenated (int4's packed layout): run one after the
+    other, outputs concatenated, so the rest of the step stays the same."""
+
+    def __init__(self, parts: list[nn.Module]) -> None:
+        super().__init__()
+        self.parts = nn.ModuleList(parts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([part(x) for part in self.parts], dim=-1)
+
+
+def _fuse(parts: list[nn.Module]) -> nn.Module:
+    """One projection computing `parts` side by side.
 
     float: the parts' weights become views into the fused weight (no second copy; prefill keeps using them).
     int8: a fused copy (the C kernel wants one contiguous matrix; int8 weights are a quarter of float ones)."""
@@ -55,7 +67,7 @@ def _fuse(parts: list[nn.Module]) -> nn.Module | None:
         return fused
     if all(type(p) is Int8Linear for p in parts):
         return Int8Linear.fused(parts)  # type: ignore[arg-type]
-    return None
+    return _SideBySide(parts)
 
 
 @dataclass
@@ -156,10 +168,9 @@ def fused_llama_step(model: Any) -> FusedLlamaStep | None:
     layers = []
     for block in model.model.layers:
         attention, mlp = block.self_attn, block.mlp
-        qkv = _fuse([attention.q_proj, attention.k_proj, attention.v_proj])
-        gate_up = _fuse([mlp.gate_proj, mlp.up_proj])
-        if qkv is None or gate_up is None:
-            return None
-        layers.append(_Layer(block.input_layernorm.weight, qkv, attention.o_proj,
-                             block.post_attention_layernorm.weight, gate_up, mlp.down_proj))
+        layers.append(_Layer(
+            block.input_layernorm.weight, _fuse([attention.q_proj, attention.k_proj, attention.v_proj]),
+            attention.o_proj, block.post_attention_layernorm.weight, _fuse([mlp.gate_proj, mlp.up_proj]),
+            mlp.down_proj,
+        ))
     return FusedLlamaStep(model, layers)

@@ -90,6 +90,13 @@ def test_int8_logits_match_transformers_on_the_same_weights(tmp_path):
     assert_same_run(model, fused_llama_step(model), 1e-4)
 
 
+def test_int4_projections_run_side_by_side(tmp_path):
+    model = tiny_llama()
+    (tmp_path / "src").mkdir()
+    quantize_model(model, "int4", source=tmp_path / "src", cache_dir=tmp_path)
+    assert_same_run(model, fused_llama_step(model), 1e-4)
+
+
 def test_fusing_keeps_the_prefill_weights_the_same():
     model = tiny_llama()
     before = {name: p.detach().clone() for name, p in model.named_parameters()}
