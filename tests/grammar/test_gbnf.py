@@ -140,6 +140,8 @@ SCHEMAS = [
     ({"type": "string", "minLength": 2, "maxLength": 3}, ['"ab"', '"abc"', '"a"', '"abcd"']),
     ({"type": "string", "pattern": "^[a-z]+-[0-9]{2}$"}, ['"ab-12"', '"ab-1"', '"AB-12"']),
     ({"type": "null"}, ['null', '"null"']),
+    ({"type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7}}},
+     ['{"days": 1}', '{"days": 7}', '{"days": 0}', '{"days": 8}', '{"days": -1}']),
     ({"type": "object", "properties": {"n": {"$ref": "#/$defs/node"}},
       "$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"$ref": "#/$defs/node"}},
                          "required": ["v"]}}},
@@ -162,10 +164,25 @@ class TestJsonSchema:
         ok = json_accepts({"type": "integer"})
         assert ok("9" * 16) and not ok("9" * 17) and not ok("01")
 
-    def test_a_non_negative_minimum_rules_out_the_sign_and_other_bounds_only_type(self):
-        ok = json_accepts({"type": "integer", "minimum": 1, "maximum": 7})
-        assert ok("3") and not ok("-3")
-        assert ok("0") and ok("9")  # documented: numeric bounds beyond the sign are not enforced
+    @pytest.mark.parametrize(("low", "high"), [(1, 7), (0, None), (None, None), (-15, 23), (-300, -7), (7, 7),
+                                               (95, 1234), (None, -5), (10, None)])
+    def test_integer_ranges_are_exact(self, low, high):
+        ok = json_accepts({"type": "integer"} | ({} if low is None else {"minimum": low})
+                          | ({} if high is None else {"maximum": high}))
+        wrong = [n for n in range(-1500, 1500) if ok(str(n)) != ((low is None or n >= low) and (high is None or n <= high))]
+        assert wrong == [] and not any(ok(s) for s in ("01", "-0", "+1", "1.0", ""))
+
+    def test_exclusive_bounds_round_inward(self):
+        ok = json_accepts({"type": "integer", "exclusiveMinimum": 0, "exclusiveMaximum": 2.5})
+        assert [n for n in range(-3, 5) if ok(str(n))] == [1, 2]
+
+    def test_number_bounds_beyond_the_sign_are_typed_only(self):
+        ok = json_accepts({"type": "number", "minimum": 0, "maximum": 1})
+        assert ok("0.5") and not ok("-0.5") and ok("2.5")  # documented: only the sign follows from the bounds
+
+    def test_an_empty_integer_range_is_a_value_error(self):
+        with pytest.raises(ValueError, match="empty"):
+            structural_tag_to_gbnf(f.structural_tag(f.arguments({"type": "integer", "minimum": 3, "maximum": 2})))
 
     def test_huge_length_bounds_are_typed_only(self):
         ok = json_accepts({"type": "string", "maxLength": 100000})

@@ -6,9 +6,11 @@ properties in declared order, required ones present, optional ones skippable, no
 bounded by `max_whitespace`.
 Enforced: type (and type lists, `nullable`), properties / required / additionalProperties, items / minItems /
 maxItems, enum, const, anyOf / oneOf, a one-element allOf, $ref into $defs / definitions (recursion
-included), string minLength / maxLength / pattern, a `minimum >= 0` that rules out a sign.
-Not enforced, the value is only typed: numeric bounds and multipleOf, `format`, uniqueItems,
-min/maxProperties, and length or item bounds above `MAX_COUNT` (llama.cpp expands `x{m,n}` into n rules).
+included), string minLength / maxLength / pattern, integer minimum / maximum (and the exclusive forms),
+a non-negative minimum of a number (no sign).
+Not enforced, the value is only typed: other bounds of non-integer numbers, multipleOf, `format`,
+uniqueItems, min/maxProperties, and length or item bounds above `MAX_COUNT` (llama.cpp expands `x{m,n}`
+into n rules). Integers have at most 16 digits and fractions 16, exponents 4.
 Anything else that constrains a value is a ValueError: a grammar that silently dropped it would be a lie.
 """
 
@@ -17,12 +19,11 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
+from deltafin.grammar.gbnf.integers import bounds, integer_range
 from deltafin.grammar.gbnf.regex import regex_expr
 from deltafin.grammar.gbnf.rules import EMPTY, Rules, literal
 
 MAX_COUNT = 256
-#: integers of up to 16 digits (as llama.cpp's own converter) keep a weak model from writing digits forever
-_INT = '("0" | [1-9] [0-9]{0,15})'
 _STRING_CHAR = '([^"\\\\\\x00-\\x1F] | "\\\\" (["\\\\/bfnrt] | "u" [0-9a-fA-F]{4}))'
 #: what a pattern's `.` or negated class must still leave out inside a JSON string
 JSON_FORBID = [('"', '"'), ("\\", "\\"), ("\x00", "\x1f")]
@@ -60,11 +61,9 @@ class JsonGrammar:
     def string(self) -> str:
         return self.rules.add("json-string", f'"\\"" {_STRING_CHAR}* "\\""')
 
-    def number(self, *, integer: bool, unsigned: bool = False) -> str:
-        sign = "" if unsigned else '"-"? '
-        if integer:
-            return self.rules.add("json-integer", f"{sign}{_INT}")
-        return self.rules.add("json-number", f'{sign}{_INT} ("." [0-9]{{1,16}})? ([eE] [+\\-]? [0-9]{{1,4}})?')
+    def number(self, *, unsigned: bool = False) -> str:
+        whole = integer_range(0 if unsigned else None, None)
+        return self.rules.add("json-number", f'{whole} ("." [0-9]{{1,16}})? ([eE] [+\\-]? [0-9]{{1,4}})?')
 
     def any_value(self) -> str:
         if self._any is None:
@@ -74,7 +73,7 @@ class JsonGrammar:
                 "json-object", f'"{{" {ws} ({key} {ws} ":" {ws} {value} ({ws} "," {ws} {key} {ws} ":" {ws} {value})*)? {ws} "}}"'
             )
             arr = self.rules.add("json-array", f'"[" {ws} ({value} ({ws} "," {ws} {value})*)? {ws} "]"')
-            self.rules.define(value, f'{obj} | {arr} | {key} | {self.number(integer=False)} | "true" | "false" | "null"')
+            self.rules.define(value, f'{obj} | {arr} | {key} | {self.number()} | "true" | "false" | "null"')
         return self._any
 
     # -- a value under a schema ------------------------------------------------------------------------------
@@ -147,12 +146,11 @@ class JsonGrammar:
         return '("true" | "false")'
 
     def _integer(self, schema: Mapping[str, Any]) -> str:
-        low = schema.get("minimum", schema.get("exclusiveMinimum"))
-        return self.number(integer=True, unsigned=isinstance(low, (int, float)) and low >= 0)
+        return self.rules.add("json-integer", integer_range(*bounds(schema, integer=True)))
 
     def _number(self, schema: Mapping[str, Any]) -> str:
-        low = schema.get("minimum", schema.get("exclusiveMinimum"))
-        return self.number(integer=False, unsigned=isinstance(low, (int, float)) and low >= 0)
+        low, _ = bounds(schema, integer=False)
+        return self.number(unsigned=low is not None and low >= 0)
 
     def _string(self, schema: Mapping[str, Any]) -> str:
         if isinstance(schema.get("pattern"), str):
