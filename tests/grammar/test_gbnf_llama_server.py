@@ -93,3 +93,28 @@ def test_constrained_generation_is_the_forced_call(llama, family):
     assert [c["name"] for c in parsed["calls"]] == ["get_weather"], body["content"]
     args = json.loads(parsed["calls"][0]["arguments"])
     assert set(args) == {"city", "days"} and args["city"] in ("Paris", "Rome") and 1 <= args["days"] <= 7, args
+
+
+def test_a_forced_call_through_the_gateway(llama):
+    """The whole path with the openai client: Deltafin (engine=llama_server) serves SmolLM2's GGUF under the
+    qwen3 family (ChatML like SmolLM2, Hermes tool calls), so a named tool_choice becomes a structural tag,
+    GBNF upstream, and a parsed tool call in the response."""
+    import openai
+
+    from tests.conftest import LiveServer
+
+    gateway = LiveServer(["engine=llama_server", f"engine.url={llama}", "engine.max_inflight=1",
+                          "model.family=qwen3", "model.context_length=2048"])
+    try:
+        gateway.wait_ready()
+        client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="x", max_retries=0, timeout=600)
+        reply = client.chat.completions.create(
+            model="smollm2", messages=[{"role": "user", "content": "Weather in Rome for 3 days?"}], max_tokens=200,
+            temperature=0, tools=[WEATHER, TIME], tool_choice=NAMED)
+    finally:
+        gateway.stop()
+    choice = reply.choices[0]
+    assert choice.finish_reason == "tool_calls", choice.message
+    (call,) = choice.message.tool_calls
+    args = json.loads(call.function.arguments)
+    assert call.function.name == "get_weather" and args["city"] in ("Paris", "Rome") and 1 <= args["days"] <= 7
