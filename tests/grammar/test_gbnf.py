@@ -43,6 +43,16 @@ class TestRulesText:
         with pytest.raises(ValueError, match="not a special token"):
             structural_tag_to_gbnf(tag)
 
+    def test_one_text_automaton_per_set_of_markers(self):
+        from deltafin.grammar.tool_calls import GLM47, ForcedCalls, ForcedFunction
+
+        schema = {"type": "object", "properties": {k: {"type": "string"} for k in "abcde"}}
+        tools = tuple(ForcedFunction(f"tool_{i}", schema) for i in range(30))
+        grammar = structural_tag_to_gbnf(GLM47.calls(ForcedCalls(tools, single=False), "enabled"))
+        # one automaton for the reasoning (ends at </think>) and one for every string value (ends at </arg_value>)
+        assert len([line for line in grammar.splitlines() if line.startswith("text ::=") or line.startswith("text-")]) < 120
+        assert len(grammar) < 60_000
+
     def test_identical_rules_are_shared(self):
         schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}}}
         grammar = structural_tag_to_gbnf(f.structural_tag(f.arguments(schema)))

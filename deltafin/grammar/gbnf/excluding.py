@@ -21,6 +21,13 @@ def excluding(rules: Rules, excludes: Sequence[str], ends: Sequence[str] = ()) -
     patterns = [p for p in dict.fromkeys([*excludes, *ends]) if p]
     if not patterns:
         return rules.add("any-text", f"{ANY_CHAR}*")
+    key = ("excluding", frozenset(patterns), tuple(ends))
+    if key not in rules.built:
+        rules.built[key] = _automaton(rules, patterns, ends)
+    return rules.built[key]
+
+
+def _automaton(rules: Rules, patterns: list[str], ends: list[str]) -> str:
     prefixes = {p[:i] for p in patterns for i in range(len(p) + 1)}
     alphabet = sorted({c for p in patterns for c in p})
 

@@ -54,7 +54,6 @@ class JsonGrammar:
         self.root = root
         self.ws = rules.add("ws", "[ \\n\\r\\t]" + ("*" if max_whitespace is None else f"{{0,{max_whitespace}}}"))
         self._refs: dict[str, str] = {}
-        self._any: str | None = None
 
     # -- any JSON value --------------------------------------------------------------------------------------
 
@@ -66,15 +65,15 @@ class JsonGrammar:
         return self.rules.add("json-number", f'{whole} ("." [0-9]{{1,16}})? ([eE] [+\\-]? [0-9]{{1,4}})?')
 
     def any_value(self) -> str:
-        if self._any is None:
-            self._any = self.rules.reserve("json-value")
-            ws, value, key = self.ws, self._any, self.string()
+        if ("any-json", self.ws) not in self.rules.built:
+            self.rules.built[("any-json", self.ws)] = value = self.rules.reserve("json-value")
+            ws, key = self.ws, self.string()
             obj = self.rules.add(
                 "json-object", f'"{{" {ws} ({key} {ws} ":" {ws} {value} ({ws} "," {ws} {key} {ws} ":" {ws} {value})*)? {ws} "}}"'
             )
             arr = self.rules.add("json-array", f'"[" {ws} ({value} ({ws} "," {ws} {value})*)? {ws} "]"')
             self.rules.define(value, f'{obj} | {arr} | {key} | {self.number()} | "true" | "false" | "null"')
-        return self._any
+        return self.rules.built[("any-json", self.ws)]
 
     # -- a value under a schema ------------------------------------------------------------------------------
 

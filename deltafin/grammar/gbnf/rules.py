@@ -62,6 +62,9 @@ class Rules:
     def __init__(self, special_tokens: Mapping[str, int] | None = None) -> None:
         self._bodies: dict[str, str | None] = {}
         self._by_body: dict[str, str] = {}
+        #: rule families built once per grammar (a text automaton per set of markers, the any-JSON value),
+        #: keyed by what they depend on: twenty string arguments with the same markers share one automaton
+        self.built: dict[object, str] = {}
         # longest first, so `<|tool_calls_section_begin|>` wins over any shorter token it starts with
         self._specials = sorted((special_tokens or {}).items(), key=lambda item: -len(item[0]))
 
