@@ -19,7 +19,7 @@ from deltafin.grammar.gbnf import structural_tag_to_gbnf
 from deltafin.grammar.tool_calls import forced_calls
 from deltafin.grammar.tool_calls import formats as f
 from tests.conftest import compose_config
-from tests.grammar.test_gbnf_families import SYNTAXES
+from tests.grammar.test_gbnf_families import SYNTAXES, special_tokens
 from tests.grammar.test_tool_calls import parse, tools_for_parser
 from tests.grammar.tools import NAMED, TIME, WEATHER
 from tests.llama_server import llama_server_binary, start_llama_server
@@ -58,12 +58,15 @@ def test_a_malformed_grammar_is_refused_so_acceptance_means_something(llama):
     assert response.status_code == 400 and "grammar" in response.text
 
 
+@pytest.mark.parametrize("with_token_ids", [False, True])
 @pytest.mark.parametrize("reasoning", ["enabled", "disabled", "auto"])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("family", list(SYNTAXES))
-def test_every_family_grammar_is_accepted(llama, family, mode, reasoning):
+def test_every_family_grammar_is_accepted(llama, family, mode, reasoning, with_token_ids):
+    """With token ids: the family's markers as made-up SmolLM2 ids, which is all the grammar parser checks."""
     tools, choice, parallel = MODES[mode]
-    grammar = structural_tag_to_gbnf(SYNTAXES[family].calls(forced_calls(tools, choice, parallel_tool_calls=parallel), reasoning))
+    tag = SYNTAXES[family].calls(forced_calls(tools, choice, parallel_tool_calls=parallel), reasoning)
+    grammar = structural_tag_to_gbnf(tag, special_tokens(family) if with_token_ids else None)
     response = complete(llama, grammar, "Hi", 1)
     assert response.status_code == 200, response.text
 

@@ -19,14 +19,13 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
+from deltafin.grammar.gbnf.excluding import JSON_STRING, excluding
 from deltafin.grammar.gbnf.integers import bounds, integer_range
 from deltafin.grammar.gbnf.regex import regex_expr
-from deltafin.grammar.gbnf.rules import EMPTY, Rules, literal
+from deltafin.grammar.gbnf.rules import EMPTY, Rules, char_class, literal
 
 MAX_COUNT = 256
-_STRING_CHAR = '([^"\\\\\\x00-\\x1F] | "\\\\" (["\\\\/bfnrt] | "u" [0-9a-fA-F]{4}))'
-#: what a pattern's `.` or negated class must still leave out inside a JSON string
-JSON_FORBID = [('"', '"'), ("\\", "\\"), ("\x00", "\x1f")]
+_STRING_CHAR = f"({char_class(JSON_STRING.forbid, negate=True)} | {JSON_STRING.escape})"
 _UNSUPPORTED = ("not", "if", "then", "else", "patternProperties", "prefixItems", "contains", "dependentSchemas",
                 "dependentRequired", "propertyNames", "unevaluatedProperties", "unevaluatedItems", "additionalItems",
                 "$dynamicRef", "minContains", "maxContains")
@@ -58,6 +57,8 @@ class JsonGrammar:
     # -- any JSON value --------------------------------------------------------------------------------------
 
     def string(self) -> str:
+        if self.rules.markers:  # keep control-token markers out of strings, as xgrammar does
+            return self.rules.add("json-string", f'"\\"" {excluding(self.rules, (), [chr(34)], JSON_STRING)}')
         return self.rules.add("json-string", f'"\\"" {_STRING_CHAR}* "\\""')
 
     def number(self, *, unsigned: bool = False) -> str:
@@ -153,7 +154,7 @@ class JsonGrammar:
 
     def _string(self, schema: Mapping[str, Any]) -> str:
         if isinstance(schema.get("pattern"), str):
-            return self.rules.add("pattern", f'"\\"" {regex_expr(schema["pattern"], JSON_FORBID)} "\\""')
+            return self.rules.add("pattern", f'"\\"" {regex_expr(schema["pattern"], list(JSON_STRING.forbid))} "\\""')
         low, high = _bounds(schema, "minLength", "maxLength")
         if (low, high) == (0, None):
             return self.string()

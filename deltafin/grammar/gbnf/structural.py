@@ -32,7 +32,9 @@ def structural_tag_to_gbnf(tag: Mapping[str, Any] | str, special_tokens: Mapping
             raise ValueError(f"structural tag is not JSON: {exc}") from exc
     if not isinstance(tag, Mapping) or tag.get("type") != "structural_tag" or not isinstance(tag.get("format"), Mapping):
         raise ValueError('a structural tag is {"type": "structural_tag", "format": {...}}')
-    rules = Rules(special_tokens)
+    text = json.dumps(tag, ensure_ascii=False)
+    # the control tokens this structure writes are the ones a parser splits on: free text must not hold them
+    rules = Rules(special_tokens, [t for t in special_tokens or {} if t in text])
     return rules.render(_Emitter(rules).expr(tag["format"]))
 
 
