@@ -215,21 +215,29 @@ class TestJsonSchema:
 
 
 XML_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
-                                               "tags": {"type": "array", "items": {"type": "string"}}},
-              "required": ["city"]}
+                                               "tags": {"type": "array", "items": {"type": "string"}},
+                                               "x": {}, "y": {"enum": ["a", "b"]}}, "required": ["city"]}
 XML_TEXTS = {
     "glm_xml": ["<arg_key>city</arg_key><arg_value>Paris</arg_value>",
                 "<arg_key>city</arg_key>\n<arg_value>Pa ris</arg_value>\n<arg_key>days</arg_key><arg_value> 3 </arg_value>",
                 '<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>tags</arg_key><arg_value>["a"]</arg_value>',
                 "<arg_key>days</arg_key><arg_value>3</arg_value>",
                 "<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>days</arg_key><arg_value>x</arg_value>",
-                "<arg_key>city</arg_key><arg_value>a</arg_value>b</arg_value>"],
+                "<arg_key>city</arg_key><arg_value>a</arg_value>b</arg_value>",
+                "<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>x</arg_key><arg_value>hi</arg_value>",
+                "<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>x</arg_key><arg_value> [1] </arg_value>",
+                "<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>y</arg_key><arg_value>a</arg_value>",
+                '<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>y</arg_key><arg_value>"a"</arg_value>'],
     "kimi_k3_xml": ['<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>',
                     '<|open|>argument key="city" type="string"<|sep|>P<|close|>argument<|sep|>'
                     '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>',
                     '<|open|>argument key="city" type="string"<|sep|>P<|close|>argument<|sep|>'
                     '<|open|>argument key="days" type="integer"<|sep|>3<|close|>argument<|sep|>',
-                    '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>'],
+                    '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>',
+                    '<|open|>argument key="city" type="string"<|sep|>P<|close|>argument<|sep|>'
+                    '<|open|>argument key="x" type="number"<|sep|>hi<|close|>argument<|sep|>',
+                    '<|open|>argument key="city" type="string"<|sep|>P<|close|>argument<|sep|>'
+                    '<|open|>argument key="y" type="string"<|sep|>c<|close|>argument<|sep|>'],
 }
 
 
