@@ -112,6 +112,7 @@ REGEXES = [
     (r"[^a-c]x.", ["dxz", "axz", "dx\n", "dx"]),
     (r"\x41\u00e9\.\*", ["Aé.*", "Aéx*"]),
     (r"a{2,}b*?c??", ["aa", "aaabbbc", "a", "aacc"]),
+    (r"x{y}|{", ["x{y}", "{", "xy"]),
 ]
 
 

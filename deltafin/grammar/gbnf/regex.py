@@ -108,7 +108,7 @@ class _Parser:
             return self.escape()
         if c in ("^", "$"):
             self.fail("anchors inside the pattern")
-        if c in ("*", "+", "?", "{"):
+        if c in ("*", "+", "?"):
             self.fail(f"nothing to repeat before {c!r}")
         return self.char_literal(c)
 
