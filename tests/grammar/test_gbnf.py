@@ -4,6 +4,7 @@ xgrammar's own JSON-schema and structural-tag grammars where the semantics must 
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -280,6 +281,10 @@ class TestFormats:
         {"type": "structural_tag"}, {"format": f.const("x")}, '{"type": "structural_tag", "format": ',
         f.structural_tag({"type": "dispatch", "rules": []}), f.structural_tag({"type": "sequence"}),
         f.structural_tag({"type": "tags_with_separator", "tags": [], "separator": ""}),
+        f.structural_tag({"type": "tags_with_separator", "tags": ["x"], "separator": ""}),
+        f.structural_tag({"type": "or", "elements": []}),
+        f.structural_tag(f.arguments({"type": "object", "properties": {"a": {}}, "required": 5})),
+        f.structural_tag(f.arguments(functools.reduce(lambda inner, _: {"type": "array", "items": inner}, range(5000), {}))),
     ])
     def test_malformed_or_unknown_formats_are_value_errors(self, tag):
         with pytest.raises(ValueError):
