@@ -168,6 +168,15 @@ class TestJsonSchema:
         for text in texts:
             assert mine(text) == ref(text), (schema, text)
 
+    def test_excludes_keep_texts_out_of_free_strings_and_keys(self):
+        schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"enum": ["x</t>", "y"]},
+                                                   "c": {"type": "object"}}}
+        fmt = f.arguments(schema, excludes=("</t>",))
+        mine, ref = accepts(fmt), tag_recognizer(f.structural_tag(fmt))
+        for text in ['{"a": "q"}', '{"a": "q</t>"}', '{"a": "q</t"}', '{"b": "y"}', '{"b": "x</t>"}',
+                     '{"c": {"k</t>": 1}}', '{"c": {"k": "</t>"}}', '{"c": {"k": "<\\/t>"}}']:
+            assert mine(text) == ref(text), text
+
     def test_whitespace_runs_are_bounded(self):
         ok = json_accepts(WEATHER, max_whitespace=3)
         assert ok('{   "city":   "x"   }') and not ok('{    "city": "x"}')

@@ -48,17 +48,20 @@ def _repeat(low: int, high: int | None) -> str:
 
 
 class JsonGrammar:
-    def __init__(self, rules: Rules, *, root: Mapping[str, Any] | bool, max_whitespace: int | None) -> None:
+    def __init__(self, rules: Rules, *, root: Mapping[str, Any] | bool, max_whitespace: int | None,
+                 excludes: tuple[str, ...] = ()) -> None:
+        """excludes: substrings no free string (a value without pattern, a key) may contain, as written."""
         self.rules = rules
         self.root = root
+        self.excludes = excludes
         self.ws = rules.add("ws", "[ \\n\\r\\t]" + ("*" if max_whitespace is None else f"{{0,{max_whitespace}}}"))
         self._refs: dict[str, str] = {}
 
     # -- any JSON value --------------------------------------------------------------------------------------
 
     def string(self) -> str:
-        if self.rules.markers:  # keep control-token markers out of strings, as xgrammar does
-            return self.rules.add("json-string", f'"\\"" {excluding(self.rules, (), [chr(34)], JSON_STRING)}')
+        if self.rules.markers or self.excludes:  # control-token markers stay out of strings, as in xgrammar
+            return self.rules.add("json-string", f'"\\"" {excluding(self.rules, self.excludes, [chr(34)], JSON_STRING)}')
         return self.rules.add("json-string", f'"\\"" {_STRING_CHAR}* "\\""')
 
     def number(self, *, unsigned: bool = False) -> str:
@@ -93,7 +96,12 @@ class JsonGrammar:
         if "enum" in schema:
             if not isinstance(schema["enum"], list) or not schema["enum"]:
                 raise ValueError("enum must be a non-empty array")
-            return self.rules.add("enum", " | ".join(literal(json.dumps(v, ensure_ascii=False)) for v in schema["enum"]))
+            texts = [json.dumps(v, ensure_ascii=False) for v in schema["enum"]]
+            # as xgrammar: a string alternative holding an excluded text is dropped
+            kept = [t for t in texts if not (t.startswith('"') and any(e in t[1:-1] for e in self.excludes))]
+            if not kept:
+                raise ValueError(f"every enum value contains an excluded text {list(self.excludes)}")
+            return self.rules.add("enum", " | ".join(map(literal, kept)))
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 if not isinstance(schema[key], list) or not schema[key]:

@@ -114,14 +114,10 @@ class _Emitter:
         schema = fmt.get("json_schema")
         if not isinstance(schema, (Mapping, bool)):
             raise ValueError("json_schema format needs a schema object")
-        json_grammar = JsonGrammar(self.rules, root=schema, max_whitespace=fmt.get("max_whitespace_cnt"))
-        style = fmt.get("style", "json")
         excludes = tuple(_checked_str(e, "excludes") for e in fmt.get("excludes") or ())
-        if style == "json":
-            if excludes:
-                raise ValueError("json_schema excludes in the json style have no GBNF form for llama-server")
-            return json_grammar.value(schema)
-        return xml_arguments(self.rules, json_grammar, schema, style, excludes)
+        json_grammar = JsonGrammar(self.rules, root=schema, max_whitespace=fmt.get("max_whitespace_cnt"), excludes=excludes)
+        style = fmt.get("style", "json")
+        return json_grammar.value(schema) if style == "json" else xml_arguments(self.rules, json_grammar, schema, style)
 
 
 def _checked_str(value: Any, what: str) -> str:

@@ -43,20 +43,19 @@ STYLES = {
 }
 
 
-def xml_arguments(rules: Rules, json_grammar: JsonGrammar, schema: Mapping[str, Any] | bool, style: str,
-                  excludes: tuple[str, ...]) -> str:
+def xml_arguments(rules: Rules, json_grammar: JsonGrammar, schema: Mapping[str, Any] | bool, style: str) -> str:
     if style not in STYLES:
         raise ValueError(f"json_schema style {style!r} has no GBNF form (supported: json, {', '.join(STYLES)})")
     if schema is True:
         schema = {"type": "object"}
     if not isinstance(schema, Mapping) or schema.get("type", "object") != "object":
         raise ValueError(f"the {style} style writes an object's properties; the schema is not an object")
-    return _Writer(rules, json_grammar, STYLES[style], excludes).arguments(schema)
+    return _Writer(rules, json_grammar, STYLES[style]).arguments(schema)
 
 
 class _Writer:
-    def __init__(self, rules: Rules, json_grammar: JsonGrammar, style: _Style, excludes: tuple[str, ...]) -> None:
-        self.rules, self.json, self.style, self.excludes = rules, json_grammar, style, excludes
+    def __init__(self, rules: Rules, json_grammar: JsonGrammar, style: _Style) -> None:
+        self.rules, self.json, self.style = rules, json_grammar, style
 
     def arguments(self, schema: Mapping[str, Any]) -> str:
         properties = schema.get("properties") or {}
@@ -105,7 +104,7 @@ class _Writer:
             return self.rules.add("xml-enum", "(" + " | ".join(literal(v) for v in schema["enum"]) + f") {close}")
         if isinstance(schema.get("pattern"), str):
             return f"{regex_expr(schema['pattern'])} {close}"
-        return excluding(self.rules, self.excludes, [self.style.value_close])
+        return excluding(self.rules, self.json.excludes, [self.style.value_close])
 
 
 def _is_string(schema: Mapping[str, Any]) -> bool:
