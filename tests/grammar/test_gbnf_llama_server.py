@@ -111,11 +111,18 @@ def test_a_forced_call_through_the_gateway(llama):
     try:
         gateway.wait_ready()
         client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="x", max_retries=0, timeout=600)
-        reply = client.chat.completions.create(
-            model="smollm2", messages=[{"role": "user", "content": "Weather in Rome for 3 days?"}], max_tokens=200,
-            temperature=0, tools=[WEATHER, TIME], tool_choice=NAMED)
+        messages = [{"role": "user", "content": "Weather in Rome for 3 days?"}]
+        reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=200, temperature=0,
+                                               tools=[WEATHER, TIME], tool_choice=NAMED)
+        # xgrammar takes (and ignores) `not`; the GBNF translation refuses it: a 400 naming tools, not a 500
+        odd = {"type": "function", "function": {"name": "get_weather", "parameters": {
+            "type": "object", "properties": {"city": {"not": {"type": "integer"}}}}}}
+        with pytest.raises(openai.BadRequestError) as refused:
+            client.chat.completions.create(model="smollm2", messages=messages, max_tokens=20, tools=[odd],
+                                           tool_choice="required")
     finally:
         gateway.stop()
+    assert refused.value.body["param"] == "tools" and "'not'" in refused.value.body["message"]
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice.message
     (call,) = choice.message.tool_calls
