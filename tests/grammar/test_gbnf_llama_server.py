@@ -8,6 +8,7 @@ Skipped unless `scripts/build-llama-server` has built the binary (or DELTAFIN_LL
 from __future__ import annotations
 
 import json
+import time
 
 import httpx
 import pytest
@@ -69,6 +70,24 @@ def test_every_family_grammar_is_accepted(llama, family, mode, reasoning, with_t
     grammar = structural_tag_to_gbnf(tag, special_tokens(family) if with_token_ids else None)
     response = complete(llama, grammar, "Hi", 1)
     assert response.status_code == 200, response.text
+
+
+@pytest.mark.parametrize("family", ["kimi_k3", "glm47"])
+def test_a_large_toolset_is_accepted_and_answers_quickly(llama, family):
+    """Thirty tools of nested arguments with markers as token ids: the grammar parses, and one constrained
+    token comes back within seconds (the markers' text automata are shared, not one per string argument)."""
+    schema = {"type": "object", "properties": {
+        "q": {"type": "string"}, "n": {"type": "integer", "minimum": 1, "maximum": 500},
+        "opts": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"},
+                                                                             "v": {"anyOf": [{"type": "number"}, {"type": "null"}]}}}},
+        "mode": {"enum": ["fast", "slow"]}}, "required": ["q"]}
+    tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": schema}} for i in range(30)]
+    grammar = structural_tag_to_gbnf(SYNTAXES[family].calls(forced_calls(tools, "required"), "enabled"),
+                                     special_tokens(family))
+    started = time.monotonic()
+    response = complete(llama, grammar, "Hi", 1)
+    assert response.status_code == 200, response.text
+    assert time.monotonic() - started < 60
 
 
 def test_added_tokens_are_matched_by_id(llama):
