@@ -1,0 +1,154 @@
+"""A tiny GLM-4.7 model through llama.cpp's `llama-server`: converted to GGUF by llama.cpp's own converter
+(deltafin/tiny/gguf.py), served by the real binary, with a Deltafin gateway (`engine=llama_server`) in front and
+a local Deltafin (the torch engine) on the same weights beside it. Skipped unless scripts/build-llama-server has
+built the binary (or DELTAFIN_LLAMA_SERVER names one).
+
+The model is taught one scripted tool call first (tests/e2e/scripted.py): random weights give nearly flat
+logits, where a 1e-5 float difference between torch and ggml could flip a greedy pick; taught tokens win by a
+wide margin, and the tool call is then the model's own output, produced by llama.cpp.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import NamedTuple
+
+import httpx
+import openai
+import pytest
+
+from deltafin.tiny import write_tiny_model
+from deltafin.tiny.gguf import cache_root, tiny_gguf
+from tests.conftest import TINY_OVERRIDES, TINY_SPECS, LiveServer
+from tests.e2e.scripted import teach
+from tests.e2e.test_families import ARGUMENTS, QUESTION, SCRIPTS, TOOLS, render
+from tests.llama_server import llama_server_binary, start_llama_server
+
+pytestmark = pytest.mark.e2e
+
+BINARY = llama_server_binary()
+if not BINARY.exists():
+    pytest.skip(f"llama-server not built ({BINARY}); run scripts/build-llama-server", allow_module_level=True)
+
+FAMILY = "glm47"
+UNTAUGHT = [{"role": "user", "content": "hello"}]
+
+
+def taught_model(root: Path) -> Path:
+    """The tiny model taught the family's scripted tool call, cached by what it is made from.
+
+    Teaching takes a minute on a busy CPU; the cache key is the untaught model's bytes plus the taught example,
+    so a new recipe, tokenizer or script teaches again.
+    """
+    family, variant = TINY_SPECS[FAMILY]
+    fresh = write_tiny_model(family, root / "fresh", variant=variant)
+    example = (render(FAMILY, fresh, QUESTION), SCRIPTS[FAMILY][0])
+    digest = hashlib.sha256(json.dumps(example).encode())
+    for path in sorted(fresh.iterdir()):
+        digest.update(path.read_bytes())
+    cached = cache_root() / "tiny-taught" / f"{FAMILY}-{digest.hexdigest()[:16]}"
+    if not cached.exists():
+        teach(fresh, [example], lr=1e-2)
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        staging = cached.with_name(cached.name + f".{os.getpid()}")
+        shutil.copytree(fresh, staging)
+        staging.rename(cached)
+    return cached
+
+
+class Servers(NamedTuple):
+    model: Path
+    llama_url: str
+    gateway: LiveServer
+    local: LiveServer
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory):
+    """llama-server on the GGUF, a Deltafin gateway in front of it, a local Deltafin on the same model folder."""
+    model = taught_model(tmp_path_factory.mktemp("tiny-family"))
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-family-{os.getpid()}.log", "w")
+    process, url = start_llama_server(tiny_gguf(model), parallel=1, context=4096, log=log)
+    served = [*TINY_OVERRIDES[FAMILY], f"model.path={model}", "compat=para"]
+    gateway = LiveServer([*served, "engine=llama_server", f"engine.url={url}", "engine.max_inflight=1"])
+    local = LiveServer(served)
+    try:
+        gateway.wait_ready()
+        local.wait_ready()
+        yield Servers(model, url, gateway, local)
+    finally:
+        gateway.stop()
+        local.stop()
+        process.terminate()
+        process.wait(timeout=15)
+        log.close()
+
+
+def client(server: LiveServer) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+
+
+def greedy_ids(server: LiveServer, prompt: list[int], max_tokens: int) -> list[int]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
+    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["token_ids"]
+
+
+def prompt_ids(server: LiveServer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    return httpx.post(f"{server.base_url}/tokenize", json={"messages": messages, "tools": tools}).json()["tokens"]
+
+
+def test_llama_server_holds_the_tiny_vocabulary_id_for_id(servers):
+    """Every id decodes to the same bytes in llama.cpp as in the HF tokenizer (special tokens as their text), and
+    llama.cpp's own tokenizer splits text as the HF one does: the `gpt-2` pre-tokenizer the converter was told
+    is the tokenizer's real one."""
+    from transformers import AutoTokenizer
+
+    url, tokenizer = servers.llama_url, AutoTokenizer.from_pretrained(servers.model)
+    with httpx.Client(base_url=url) as http:
+        for token_id in range(len(tokenizer)):
+            llama = http.post("/detokenize", json={"tokens": [token_id]}).json()["content"]
+            assert llama == tokenizer.decode([token_id]), token_id
+    text = "What is the weather in Paris today? It's 21 C, isn't it?\n\n  def main(): return 1 + 2  # 0123"
+    assert httpx.post(f"{url}/tokenize", json={"content": text}).json()["tokens"] == tokenizer(text).input_ids
+
+
+@pytest.mark.parametrize("messages", [QUESTION, UNTAUGHT], ids=["taught", "untaught"])
+def test_greedy_token_ids_are_the_local_engines(servers, messages):
+    """One prompt, greedy, to the stop token: llama-server (through the gateway) and the torch engine pick the
+    same token ids. The whole sequence is compared: after teaching, the top two logprobs of every step on
+    these prompts differ by more than 0.08 (measured), while ggml and torch differ by about 1e-5."""
+    gateway, local = servers.gateway, servers.local
+    tools = TOOLS if messages is QUESTION else None
+    prompt = prompt_ids(local, messages, tools)
+    assert prompt_ids(gateway, messages, tools) == prompt
+    upstream, own = greedy_ids(gateway, prompt, 64), greedy_ids(local, prompt, 64)
+    assert upstream == own and 8 < len(own) < 64  # ended by the family's stop token, not by max_tokens
+
+
+def test_llama_servers_tool_call_reaches_the_openai_client_parsed(servers):
+    """tool_choice auto: the call is llama.cpp's greedy output, parsed by Deltafin's GLM-4.7 parsers."""
+    gateway = servers.gateway
+    response = client(gateway).chat.completions.create(model="glm", messages=QUESTION, tools=TOOLS, temperature=0)
+    choice = response.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    assert choice.message.reasoning_content == "Weather needed." and not choice.message.content
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather" and json.loads(call.function.arguments) == ARGUMENTS
+    assert response.usage.completion_tokens_details.reasoning_tokens > 0  # compat=para's GLM reasoning usage rule
+
+
+def test_streamed_tool_call_from_llama_server(servers):
+    gateway = servers.gateway
+    chunks = list(client(gateway).chat.completions.create(model="glm", messages=QUESTION, tools=TOOLS,
+                                                          temperature=0, stream=True))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    calls = [tc for d in deltas for tc in (d.tool_calls or [])]
+    assert calls[0].function.name == "get_weather"
+    assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == ARGUMENTS
+    assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
