@@ -1,4 +1,4 @@
-"""Constrained decoding travels to each upstream in that engine's own field (or is refused where it cannot)."""
+"""Constrained decoding travels to each upstream in that engine's own field (a 400 where it cannot)."""
 
 from __future__ import annotations
 
@@ -56,7 +56,22 @@ class TestLlamaServer:
         assert body(adapter, Constraint("json_schema", SCHEMA))["json_schema"] == json.loads(SCHEMA)
         assert body(adapter, Constraint("json_object"))["json_schema"] == {"type": "object"}
 
-    def test_a_structural_tag_is_refused_not_sent_as_gbnf(self):
+    def test_a_structural_tag_goes_in_grammar_as_gbnf(self):
+        sent = body(LlamaServerAdapter(SETTINGS), Constraint("structural_tag", TAG))
+        assert sent["grammar"] == 'root ::= "x"\n' and "json_schema" not in sent
+
+    def test_added_tokens_are_written_as_token_ids(self):
+        tag = '{"format": {"type": "const_string", "value": "<|open|>tools<|sep|>"}, "type": "structural_tag"}'
+        adapter = LlamaServerAdapter(SETTINGS, {"<|open|>": 7, "<|sep|>": 9})
+        assert body(adapter, Constraint("structural_tag", tag))["grammar"] == 'root ::= <[7]> "tools" <[9]>\n'
+
+    @pytest.mark.parametrize(("fmt", "param"), [
+        ('{"type": "tags_with_separator", "tags": [{"type": "tag", "begin": "<a>", "end": "</a>", "content": '
+         '{"type": "json_schema", "json_schema": {"type": "object", "not": {}}}}], "separator": ""}', "tools"),
+        ('{"type": "regex", "pattern": "(?=x)x"}', "response_format"),
+    ])
+    def test_a_tag_without_gbnf_form_is_a_400_naming_the_field(self, fmt, param):
+        tag = f'{{"format": {fmt}, "type": "structural_tag"}}'
         with pytest.raises(InvalidRequestError) as info:
-            body(LlamaServerAdapter(SETTINGS), Constraint("structural_tag", TAG))
-        assert info.value.status == 400 and info.value.param == "tool_choice"
+            body(LlamaServerAdapter(SETTINGS), Constraint("structural_tag", tag))
+        assert info.value.status == 400 and info.value.param == param and "llama-server" in str(info.value)

@@ -5,10 +5,13 @@ Each builder takes the composed config and returns an `EngineClient`; only the t
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 from deltafin.config import DeltafinConfig
 from deltafin.engine.upstream.engine import Adapter, UpstreamEngine, UpstreamSettings
+
+if TYPE_CHECKING:  # the loader (and its torch import) waits until an engine is built
+    from deltafin.engine.tokenizer_only import TokenizerBundle
 
 
 def settings_of(config: DeltafinConfig) -> UpstreamSettings:
@@ -19,33 +22,35 @@ def settings_of(config: DeltafinConfig) -> UpstreamSettings:
     )
 
 
-def _builder(name: str, make_adapter: Callable[[DeltafinConfig], Adapter]) -> Callable[..., UpstreamEngine]:
+def _builder(name: str, make_adapter: Callable[[DeltafinConfig, TokenizerBundle], Adapter]) -> Callable[..., UpstreamEngine]:
     def build(config: DeltafinConfig, **kwargs: Any) -> UpstreamEngine:
         from deltafin.engine.tokenizer_only import load_tokenizer_only
 
-        return UpstreamEngine(make_adapter(config), load_tokenizer_only(config.model), **kwargs)
+        bundle = load_tokenizer_only(config.model)
+        return UpstreamEngine(make_adapter(config, bundle), bundle, **kwargs)
 
     build.needs_url = True  # type: ignore[attr-defined]  # read by config validation
     build.engine_name = name  # type: ignore[attr-defined]  # for the log line, before the engine exists
     return build
 
 
-def _vllm(config: DeltafinConfig) -> Adapter:
+def _vllm(config: DeltafinConfig, bundle: TokenizerBundle) -> Adapter:
     from deltafin.engine.upstream.vllm import VllmAdapter
 
     return VllmAdapter(settings_of(config), api=config.engine.api)
 
 
-def _sglang(config: DeltafinConfig) -> Adapter:
+def _sglang(config: DeltafinConfig, bundle: TokenizerBundle) -> Adapter:
     from deltafin.engine.upstream.sglang import SglangAdapter
 
     return SglangAdapter(settings_of(config))
 
 
-def _llama_server(config: DeltafinConfig) -> Adapter:
-    from deltafin.engine.upstream.llama_server import LlamaServerAdapter
+def _llama_server(config: DeltafinConfig, bundle: TokenizerBundle) -> Adapter:
+    from deltafin.engine.upstream.llama_server import LlamaServerAdapter, added_tokens
 
-    return LlamaServerAdapter(settings_of(config))
+    # the grammar names control tokens by id, so it needs the vocabulary the prompt ids come from
+    return LlamaServerAdapter(settings_of(config), added_tokens(bundle.tokenizer))
 
 
 build_vllm = _builder("vllm", _vllm)

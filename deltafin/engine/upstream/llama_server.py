@@ -1,5 +1,9 @@
 """llama.cpp's `llama-server`: `POST /completion` with a token-id prompt, `tokens` and `n_probs` back.
 
+Constraints: JSON ones go in `json_schema` (llama-server converts them itself); a structural tag (an enforced
+tool call, reasoning before a constrained answer) is translated to GBNF here and sent as `grammar`, with the
+model's added tokens written as token ids (see deltafin.grammar.gbnf.rules).
+
 Its sampling defaults are not neutral (DRY, top-k 40, top-p 0.95, min-p 0.05, a repeat penalty window of 64), so every
 knob is sent, and the sampler chain is named so nothing else runs. It has no `stop_token_ids`: Deltafin's
 decoder stops on the family's stop ids itself and closes the request, which llama-server aborts.
@@ -7,13 +11,15 @@ decoder stops on the family's stop ids itself and closes the request, which llam
 
 from __future__ import annotations
 
+import functools
 import json
-from typing import Any
+from typing import Any, Mapping
 
 from deltafin.engine.events import GenerationJob, TokenLogprob
-from deltafin.engine.upstream.engine import Adapter
+from deltafin.engine.upstream.engine import Adapter, UpstreamSettings
 from deltafin.engine.upstream.wire import Chunk, Garbled, error_event, token_logprob
 from deltafin.errors import InvalidRequestError
+from deltafin.grammar.gbnf import structural_tag_to_gbnf
 
 #: the samplers Deltafin's parameters describe, in llama.cpp's order; penalties first as in the local engine
 SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]
@@ -21,6 +27,13 @@ SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]
 
 class LlamaServerAdapter(Adapter):
     engine = "llama_server"
+
+    def __init__(self, settings: UpstreamSettings, special_tokens: Mapping[str, int] | None = None) -> None:
+        """special_tokens: the model's added tokens (text -> id), matched as tokens in a structural tag's grammar."""
+        super().__init__(settings)
+        specials = dict(special_tokens or {})
+        # clients send the same tools request after request; failures are not cached (they raise)
+        self._grammar = functools.lru_cache(maxsize=256)(lambda tag: structural_tag_to_gbnf(tag, specials))
 
     def request(self, job: GenerationJob, request_id: str, stop_ids: frozenset[int]) -> tuple[str, dict[str, Any]]:
         params = job.params
@@ -60,14 +73,17 @@ class LlamaServerAdapter(Adapter):
             elif kind == "json_schema":
                 body["json_schema"] = json.loads(value)
             else:
-                # A structural tag (an enforced tool call, reasoning then JSON) is xgrammar's own format;
-                # llama-server reads GBNF only, so it is refused rather than sent and misread.
-                raise InvalidRequestError(
-                    "Enforced tool calls (tool_choice `required` or a named function) and response_format with "
-                    "reasoning are not available through a llama-server upstream; use tool_choice `auto`.",
-                    param="tool_choice",
-                )
+                body["grammar"] = self._structural_grammar(value)
         return "/completion", body
+
+    def _structural_grammar(self, tag: str) -> str:
+        try:
+            return self._grammar(tag)
+        except ValueError as exc:
+            # tool calls always come as tags_with_separator; a tag without one is reasoning + response_format
+            param = "tools" if '"tags_with_separator"' in tag else "response_format"
+            raise InvalidRequestError(f"This constraint cannot be sent to the llama-server upstream: {exc}",
+                                      param=param) from exc
 
     def new_state(self, job: GenerationJob) -> int:
         return job.params.top_logprobs  # alternatives asked for (n_probs is at least 1, see above)
@@ -88,6 +104,15 @@ class LlamaServerAdapter(Adapter):
             timings = payload.get("timings") or {}
             chunk.cached_tokens = timings.get("cache_n")
         return chunk
+
+
+def added_tokens(tokenizer: Any) -> dict[str, int]:
+    """The tokenizer's added tokens (control tokens and markers such as `<tool_call>`), text -> id. A tokenizer
+    splits these out of any text before its vocabulary runs, so a marker the grammar spells is always that one
+    token; single characters and whitespace are left out, they are text however they are tokenized."""
+    get = getattr(tokenizer, "get_added_vocab", None)
+    added = get() if callable(get) else {}
+    return {text: int(i) for text, i in added.items() if len(text) > 1 and not text.isspace()}
 
 
 def _logprobs(raw: Any, top_k: int) -> list[TokenLogprob | None]:

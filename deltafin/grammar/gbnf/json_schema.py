@@ -1,0 +1,205 @@
+"""JSON Schema as GBNF, written as JSON (the `json` style of a structural tag's `json_schema` format).
+
+Laid out as xgrammar lays it out, so that what xgrammar accepts for a tool's arguments this accepts too:
+properties in declared order, required ones present, optional ones skippable, no undeclared keys unless
+`additionalProperties` allows them (an object schema without `properties` takes any object), whitespace runs
+bounded by `max_whitespace`.
+Enforced: type (and type lists, `nullable`), properties / required / additionalProperties, items / minItems /
+maxItems, enum, const, anyOf / oneOf, a one-element allOf, $ref into $defs / definitions (recursion
+included), string minLength / maxLength / pattern, integer minimum / maximum (and the exclusive forms),
+a non-negative minimum of a number (no sign).
+Not enforced, the value is only typed: other bounds of non-integer numbers, multipleOf, `format`,
+uniqueItems, min/maxProperties, and length or item bounds above `MAX_COUNT` (llama.cpp expands `x{m,n}`
+into n rules). Integers have at most 16 digits and fractions 16, exponents 4.
+Anything else that constrains a value is a ValueError: a grammar that silently dropped it would be a lie.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Mapping
+
+from deltafin.grammar.gbnf.integers import bounds, integer_range
+from deltafin.grammar.gbnf.regex import regex_expr
+from deltafin.grammar.gbnf.rules import EMPTY, Rules, literal
+
+MAX_COUNT = 256
+_STRING_CHAR = '([^"\\\\\\x00-\\x1F] | "\\\\" (["\\\\/bfnrt] | "u" [0-9a-fA-F]{4}))'
+#: what a pattern's `.` or negated class must still leave out inside a JSON string
+JSON_FORBID = [('"', '"'), ("\\", "\\"), ("\x00", "\x1f")]
+_UNSUPPORTED = ("not", "if", "then", "else", "patternProperties", "prefixItems", "contains", "dependentSchemas",
+                "dependentRequired", "propertyNames", "unevaluatedProperties", "unevaluatedItems", "additionalItems",
+                "$dynamicRef", "minContains", "maxContains")
+_TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
+
+
+def _bounds(schema: Mapping[str, Any], low_key: str, high_key: str) -> tuple[int, int | None]:
+    low, high = schema.get(low_key, 0), schema.get(high_key)
+    if not isinstance(low, int) or low < 0 or (high is not None and (not isinstance(high, int) or high < low)):
+        raise ValueError(f"{low_key} / {high_key} must be non-negative integers, low <= high")
+    if low > MAX_COUNT:
+        low = 0  # see the module docstring: a bound this large is not enforced
+    if high is not None and high > MAX_COUNT:
+        high = None
+    return low, high
+
+
+def _repeat(low: int, high: int | None) -> str:
+    return f"{{{low},}}" if high is None else f"{{{low},{high}}}"
+
+
+class JsonGrammar:
+    def __init__(self, rules: Rules, *, root: Mapping[str, Any] | bool, max_whitespace: int | None) -> None:
+        self.rules = rules
+        self.root = root
+        self.ws = rules.add("ws", "[ \\n\\r\\t]" + ("*" if max_whitespace is None else f"{{0,{max_whitespace}}}"))
+        self._refs: dict[str, str] = {}
+        self._any: str | None = None
+
+    # -- any JSON value --------------------------------------------------------------------------------------
+
+    def string(self) -> str:
+        return self.rules.add("json-string", f'"\\"" {_STRING_CHAR}* "\\""')
+
+    def number(self, *, unsigned: bool = False) -> str:
+        whole = integer_range(0 if unsigned else None, None)
+        return self.rules.add("json-number", f'{whole} ("." [0-9]{{1,16}})? ([eE] [+\\-]? [0-9]{{1,4}})?')
+
+    def any_value(self) -> str:
+        if self._any is None:
+            self._any = self.rules.reserve("json-value")
+            ws, value, key = self.ws, self._any, self.string()
+            obj = self.rules.add(
+                "json-object", f'"{{" {ws} ({key} {ws} ":" {ws} {value} ({ws} "," {ws} {key} {ws} ":" {ws} {value})*)? {ws} "}}"'
+            )
+            arr = self.rules.add("json-array", f'"[" {ws} ({value} ({ws} "," {ws} {value})*)? {ws} "]"')
+            self.rules.define(value, f'{obj} | {arr} | {key} | {self.number()} | "true" | "false" | "null"')
+        return self._any
+
+    # -- a value under a schema ------------------------------------------------------------------------------
+
+    def value(self, schema: Mapping[str, Any] | bool) -> str:
+        if schema is True:
+            return self.any_value()
+        if schema is False or not isinstance(schema, Mapping):
+            raise ValueError(f"schema {schema!r} admits no value" if schema is False else f"schema {schema!r} is not an object")
+        for key in _UNSUPPORTED:
+            if key in schema:
+                raise ValueError(f"JSON Schema keyword {key!r} is not supported in a grammar for llama-server")
+        if "$ref" in schema:
+            return self.ref(schema["$ref"])
+        if "const" in schema:
+            return literal(json.dumps(schema["const"], ensure_ascii=False))
+        if "enum" in schema:
+            if not isinstance(schema["enum"], list) or not schema["enum"]:
+                raise ValueError("enum must be a non-empty array")
+            return self.rules.add("enum", " | ".join(literal(json.dumps(v, ensure_ascii=False)) for v in schema["enum"]))
+        for key in ("anyOf", "oneOf"):
+            if key in schema:
+                if not isinstance(schema[key], list) or not schema[key]:
+                    raise ValueError(f"{key} must be a non-empty array")
+                return self.rules.add("alt", " | ".join(self.value(sub) for sub in schema[key]))
+        if "allOf" in schema:
+            parts = schema["allOf"]
+            if not isinstance(parts, list) or len(parts) != 1 or not isinstance(parts[0], Mapping):
+                raise ValueError("allOf is supported with exactly one schema")
+            rest = {k: v for k, v in schema.items() if k != "allOf"}
+            return self.value({**rest, **parts[0]})
+        kind = schema.get("type")
+        if schema.get("nullable") is True and kind != "null":
+            return self.rules.add("alt", f'{self.value({**schema, "nullable": False})} | "null"')
+        if isinstance(kind, list):
+            if not kind:
+                raise ValueError("type must not be an empty array")
+            return self.rules.add("alt", " | ".join(self.value({**schema, "type": t}) for t in kind))
+        if kind is None:
+            kind = "object" if "properties" in schema else "array" if "items" in schema else None
+        if kind is None:
+            return self.any_value()
+        if kind not in _TYPES:
+            raise ValueError(f"type {kind!r} is not a JSON Schema type")
+        return getattr(self, f"_{kind}")(schema)
+
+    def ref(self, ref: Any) -> str:
+        if ref not in self._refs:
+            self._refs[ref] = name = self.rules.reserve("ref-" + str(ref).rsplit("/", 1)[-1])
+            self.rules.define(name, self.value(self._resolve(ref)))
+        return self._refs[ref]
+
+    def _resolve(self, ref: Any) -> Any:
+        if not isinstance(ref, str) or not ref.startswith("#"):
+            raise ValueError(f"$ref {ref!r}: only references inside the schema (#/...) are supported")
+        node: Any = self.root
+        for part in filter(None, ref[1:].split("/")):
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(node, Mapping) or part not in node:
+                raise ValueError(f"$ref {ref!r} points at nothing")
+            node = node[part]
+        return node
+
+    # -- per type --------------------------------------------------------------------------------------------
+
+    def _null(self, schema: Mapping[str, Any]) -> str:
+        return '"null"'
+
+    def _boolean(self, schema: Mapping[str, Any]) -> str:
+        return '("true" | "false")'
+
+    def _integer(self, schema: Mapping[str, Any]) -> str:
+        return self.rules.add("json-integer", integer_range(*bounds(schema, integer=True)))
+
+    def _number(self, schema: Mapping[str, Any]) -> str:
+        low, _ = bounds(schema, integer=False)
+        return self.number(unsigned=low is not None and low >= 0)
+
+    def _string(self, schema: Mapping[str, Any]) -> str:
+        if isinstance(schema.get("pattern"), str):
+            return self.rules.add("pattern", f'"\\"" {regex_expr(schema["pattern"], JSON_FORBID)} "\\""')
+        low, high = _bounds(schema, "minLength", "maxLength")
+        if (low, high) == (0, None):
+            return self.string()
+        return self.rules.add("string", f'"\\"" {_STRING_CHAR}{_repeat(low, high)} "\\""')
+
+    def _array(self, schema: Mapping[str, Any]) -> str:
+        item = self.value(schema.get("items", True))
+        low, high = _bounds(schema, "minItems", "maxItems")
+        ws = self.ws
+        if high == 0:
+            return self.rules.add("array", f'"[" {ws} "]"')
+        more = f'({ws} "," {ws} {item}){_repeat(max(low - 1, 0), None if high is None else high - 1)}'
+        items = f"{item} {more}" if low > 0 else f"({item} {more})?"
+        return self.rules.add("array", f'"[" {ws} {items} {ws} "]"')
+
+    def _object(self, schema: Mapping[str, Any]) -> str:
+        properties = schema.get("properties") or {}
+        if not isinstance(properties, Mapping):
+            raise ValueError("properties must be an object")
+        extra = schema.get("additionalProperties", not properties)
+        if not properties and extra is not False:
+            extra = True if extra is None else extra
+        required = set(schema.get("required") or ())
+        missing = required - set(properties)
+        if missing and extra is False:
+            raise ValueError(f"required properties {sorted(missing)} are not declared and additionalProperties is false")
+        ws = self.ws
+        pairs = [(literal(json.dumps(k, ensure_ascii=False)), self.value(v), k in required) for k, v in properties.items()]
+        extra_pair = None if extra is False else (self.string(), self.value(True if extra is True else extra), False)
+        body = self._members(pairs, extra_pair)
+        return self.rules.add("object", f'"{{" {ws} {body} {ws} "}}"')
+
+    def _members(self, pairs: list[tuple[str, str, bool]], extra: tuple[str, str, bool] | None) -> str:
+        """Declared members in order; commas only between present ones, so the tail is built from the end:
+        `first` is the rest when nothing was written yet, `after` the rest once something was."""
+        ws, comma = self.ws, f'{self.ws} "," {self.ws}'
+        if extra is None:
+            first, after = EMPTY, EMPTY
+        else:
+            kv = self.rules.add("member", f'{extra[0]} {ws} ":" {ws} {extra[1]}')
+            first = self.rules.add("members", f"({kv} ({comma} {kv})*)?")
+            after = self.rules.add("members", f"({comma} {kv})*")
+        for key, value, required in reversed(pairs):
+            kv = self.rules.add("member", f'{key} {ws} ":" {ws} {value}')
+            new_first = f"{kv} {after}" if required else f"{kv} {after} | {first}"
+            new_after = f"{comma} {kv} {after}" if required else f"{comma} {kv} {after} | {after}"
+            first, after = self.rules.add("members", new_first), self.rules.add("members", new_after)
+        return first
