@@ -60,9 +60,11 @@ def converter_sources() -> Path:
         staging.mkdir()
         for part in _CONVERTER_PARTS:
             (shutil.copytree if (source / part).is_dir() else shutil.copy2)(source / part, staging / part)
+        # Copied next to its place, then renamed in one step: a cut run leaves no half folder that looks done.
         folder.parent.mkdir(parents=True, exist_ok=True)
+        beside = Path(shutil.move(staging, folder.with_name(f"{folder.name}.{os.getpid()}")))
         shutil.rmtree(folder, ignore_errors=True)
-        shutil.move(staging, folder)  # whole or absent: a cut download leaves no half folder behind
+        beside.rename(folder)
     return folder
 
 

@@ -4,8 +4,8 @@ a local Deltafin (the torch engine) on the same weights beside it. Skipped unles
 built the binary (or DELTAFIN_LLAMA_SERVER names one).
 
 The model is taught one scripted tool call first (tests/e2e/scripted.py): random weights give nearly flat
-logits, where a 1e-5 float difference between torch and ggml could flip a greedy pick; taught tokens win by a
-wide margin, and the tool call is then the model's own output, produced by llama.cpp.
+logits, where the small float differences between torch and ggml (up to about 1e-3 in a logprob, with
+llama-server's f16 KV cache) could flip a greedy pick; taught tokens win by a wide margin, and the tool call is then the model's own output, produced by llama.cpp.
 """
 
 from __future__ import annotations
@@ -60,7 +60,12 @@ def taught_model(root: Path) -> Path:
         cached.parent.mkdir(parents=True, exist_ok=True)
         staging = cached.with_name(cached.name + f".{os.getpid()}")
         shutil.copytree(fresh, staging)
-        staging.rename(cached)
+        try:
+            staging.rename(cached)
+        except OSError:  # another session cached it first: theirs is the same model
+            shutil.rmtree(staging)
+            if not cached.exists():
+                raise
     return cached
 
 
@@ -127,7 +132,7 @@ def test_llama_server_holds_the_tiny_vocabulary_id_for_id(servers):
 def test_greedy_token_ids_are_the_local_engines(servers, messages):
     """One prompt, greedy, to the stop token: llama-server (through the gateway) and the torch engine pick the
     same token ids. The whole sequence is compared: after teaching, the top two logprobs of every step on
-    these prompts differ by more than 0.08 (measured), while ggml and torch differ by about 1e-5."""
+    these prompts differ by more than 0.08 (measured), while ggml and torch differ by about 1e-3 at most."""
     gateway, local = servers.gateway, servers.local
     tools = TOOLS if messages is QUESTION else None
     prompt = prompt_ids(local, messages, tools)
