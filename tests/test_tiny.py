@@ -51,10 +51,10 @@ def test_gguf_conversion_names_the_gpt2_pre_tokenizer_only_where_it_is_one(tiny_
     byte-level BPE does, so it is `gpt-2`; a tokenizer that splits otherwise is still refused."""
     from tokenizers import pre_tokenizers
 
-    from deltafin.tiny.gguf import _gpt2_pre_tokenizer
+    from deltafin.tiny.gguf import gpt2_pre_tokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_models[family])
-    assert _gpt2_pre_tokenizer(None, tokenizer) == "gpt-2"
+    assert gpt2_pre_tokenizer(tokenizer) == "gpt-2"
     tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
     with pytest.raises(NotImplementedError):
-        _gpt2_pre_tokenizer(None, tokenizer)
+        gpt2_pre_tokenizer(tokenizer)

@@ -11,9 +11,10 @@ bytes of the model folder (and of this file), so a rewritten tiny model is conve
 One override, and only one: the converter names a BPE pre-tokenizer by hashing how a probe string tokenizes and
 refuses hashes it does not list. A tiny tokenizer (trained per family, deltafin/tiny/tokenizer.py) has its own
 vocabulary and so its own hash, but its pre-tokenizer is plain GPT-2 byte-level (ByteLevel with GPT-2's split
-regex, no prefix space), which is exactly llama.cpp's `gpt-2` pre-tokenizer. The override answers `gpt-2` for
-that pre-tokenizer and still refuses any other. Everything else (token list and types, merges, special ids,
-tensors, hyperparameters) is the unmodified converter; `--outtype f32` keeps the random weights exact.
+regex, no prefix space), which is exactly llama.cpp's `gpt-2` pre-tokenizer. Where the hash lookup refuses,
+the override answers `gpt-2` for that pre-tokenizer and still refuses any other. Everything else (token list
+and types, merges, special ids, tensors, hyperparameters) is the unmodified converter's; `--outtype f32` keeps
+the random weights exact.
 """
 
 from __future__ import annotations
@@ -103,8 +104,8 @@ def tiny_gguf(model_dir: Path) -> Path:
     return out
 
 
-def _gpt2_pre_tokenizer(self, tokenizer) -> str:
-    """Stands in for the converter's hash lookup: `gpt-2` where that is the tokenizer's real pre-tokenizer."""
+def gpt2_pre_tokenizer(tokenizer) -> str:
+    """`gpt-2` where that is the tokenizer's real pre-tokenizer; NotImplementedError otherwise."""
     pre = json.loads(tokenizer.backend_tokenizer.to_str())["pre_tokenizer"] or {}
     if {key: pre.get(key) for key in _GPT2_PRE_TOKENIZER} != _GPT2_PRE_TOKENIZER:
         raise NotImplementedError(f"not a GPT-2 byte-level pre-tokenizer: {pre}")
@@ -118,7 +119,15 @@ def _convert(llama: Path, model_dir: Path, out: Path) -> None:
     sys.path[:0] = [str(llama), str(llama / "gguf-py")]
     from conversion.base import TextModel  # llama.cpp's, from the path just added
 
-    TextModel.get_vocab_base_pre = _gpt2_pre_tokenizer
+    by_hash = TextModel.get_vocab_base_pre
+
+    def get_vocab_base_pre(self, tokenizer) -> str:
+        try:
+            return by_hash(self, tokenizer)  # a tokenizer llama.cpp knows keeps its own name
+        except NotImplementedError:
+            return gpt2_pre_tokenizer(tokenizer)
+
+    TextModel.get_vocab_base_pre = get_vocab_base_pre
     script = str(llama / "convert_hf_to_gguf.py")
     sys.argv = [script, str(model_dir), "--outfile", str(out), "--outtype", "f32"]
     runpy.run_path(script, run_name="__main__")
