@@ -45,9 +45,10 @@ MARKERS = {
 }
 UNTAUGHT = [{"role": "user", "content": "hello"}]
 #: the function a call is forced to; a bounded integer argument, so even an untrained model's value ends
-LOCAL_TIME = {"type": "function", "function": {"name": "local_time", "description": "Time at a UTC offset", "parameters": {
-    "type": "object", "properties": {"offset": {"type": "integer", "minimum": -12, "maximum": 14}},
-    "required": ["offset"]}}}
+OFFSET = {"type": "object", "properties": {"offset": {"type": "integer", "minimum": -12, "maximum": 14}},
+          "required": ["offset"]}
+LOCAL_TIME = {"type": "function",
+              "function": {"name": "local_time", "description": "Time at a UTC offset", "parameters": OFFSET}}
 TEACH_LR = 1e-2  # converges in about 100 steps; teach's default needs 400
 
 
@@ -98,12 +99,12 @@ def servers(request, tmp_path_factory):
     """llama-server on the GGUF, a Deltafin gateway in front of it, a local Deltafin on the same model folder."""
     name = request.param
     model = taught_model(name, tmp_path_factory.mktemp(name))
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-family-{os.getpid()}.log", "w")
+    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{name}-{os.getpid()}.log", "w")
     process, url = start_llama_server(tiny_gguf(model), parallel=1, context=4096, log=log)
     # compat=para, less the rule that serves a named tool_choice as auto (so a call can be enforced)
-    served = [*TINY_OVERRIDES[name], f"model.path={model}", "compat=para", "~compat.rules.force_tool_choice_auto"]
-    gateway = LiveServer([*served, "engine=llama_server", f"engine.url={url}", "engine.max_inflight=1"])
-    local = LiveServer(served)
+    overrides = [*TINY_OVERRIDES[name], f"model.path={model}", "compat=para", "~compat.rules.force_tool_choice_auto"]
+    gateway = LiveServer([*overrides, "engine=llama_server", f"engine.url={url}", "engine.max_inflight=1"])
+    local = LiveServer(overrides)
     try:
         gateway.wait_ready()
         local.wait_ready()
@@ -162,7 +163,8 @@ def test_greedy_token_ids_are_the_local_engines(servers, messages):
 def test_llama_servers_tool_call_reaches_the_openai_client_parsed(servers):
     """tool_choice auto: the call is llama.cpp's greedy output, parsed by the family's parsers."""
     gateway = servers.gateway
-    response = client(gateway).chat.completions.create(model=servers.served, messages=QUESTION, tools=TOOLS, temperature=0)
+    response = client(gateway).chat.completions.create(model=servers.served, messages=QUESTION, tools=TOOLS,
+                                                       temperature=0)
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.reasoning_content == "Weather needed." and not choice.message.content
@@ -215,7 +217,8 @@ def test_tiny_kimi_k2_runs_in_llama_cpp_as_in_torch(tmp_path):
     family, variant = TINY_SPECS["kimi_k2"]
     path = write_tiny_model(family, tmp_path / "kimi_k2", variant=variant)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    ids = tokenizer.apply_chat_template(QUESTION, tools=TOOLS, add_generation_prompt=True, return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(QUESTION, tools=TOOLS, add_generation_prompt=True,
+                                        return_dict=True)["input_ids"]
     process, url = start_llama_server(tiny_gguf(path), parallel=1, context=4096)
     try:
         body = {"prompt": ids, "n_predict": 12, "n_probs": 5, "samplers": ["temperature"], "temperature": 0,
