@@ -8,7 +8,7 @@ import pytest
 
 from deltafin.engine import GenerationJob
 from deltafin.engine.upstream.engine import UpstreamSettings
-from deltafin.engine.upstream.llama_server import LlamaServerAdapter
+from deltafin.engine.upstream.llama_server import LlamaServerAdapter, added_tokens
 from deltafin.engine.upstream.sglang import SglangAdapter
 from deltafin.engine.upstream.vllm import VllmAdapter
 from deltafin.errors import InvalidRequestError
@@ -64,6 +64,13 @@ class TestLlamaServer:
         tag = '{"format": {"type": "const_string", "value": "<|open|>tools<|sep|>"}, "type": "structural_tag"}'
         adapter = LlamaServerAdapter(SETTINGS, {"<|open|>": 7, "<|sep|>": 9})
         assert body(adapter, Constraint("structural_tag", tag))["grammar"] == 'root ::= <[7]> "tools" <[9]>\n'
+
+    def test_added_tokens_leave_out_stop_tokens_single_characters_and_whitespace(self):
+        class Tokenizer:
+            def get_added_vocab(self):
+                return {"<|open|>": 7, "<|im_end|>": 2, "\n\n": 11, "x": 12, "<tool_call>": 13}
+
+        assert added_tokens(Tokenizer(), frozenset({2})) == {"<|open|>": 7, "<tool_call>": 13}
 
     @pytest.mark.parametrize(("fmt", "param"), [
         ('{"type": "tags_with_separator", "tags": [{"type": "tag", "begin": "<a>", "end": "</a>", "content": '

@@ -4,9 +4,12 @@ writes (token references aside), and its structural-tag / JSON-schema grammars a
 from __future__ import annotations
 
 import json
-from typing import Any
+import re
+from typing import Any, Mapping
 
 import xgrammar as xgr
+
+from deltafin.grammar.gbnf.rules import literal
 
 _COMPILER = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False)
 
@@ -20,8 +23,12 @@ class Recognizer:
         return matcher.accept_string(text) and matcher.is_terminated()
 
 
-def gbnf_recognizer(gbnf: str) -> Recognizer:
-    return Recognizer(xgr.Grammar.from_ebnf(gbnf, root_rule_name="root"))
+def gbnf_recognizer(gbnf: str, special_tokens: Mapping[str, int] | None = None) -> Recognizer:
+    """`<[ID]>` elements (which xgrammar's EBNF lacks) are read as their token's text: the language of the
+    grammar over text, which is what a parser downstream sees."""
+    texts = {i: t for t, i in (special_tokens or {}).items()}
+    ebnf = re.sub(r"<\[(\d+)\]>", lambda m: literal(texts[int(m.group(1))]), gbnf)
+    return Recognizer(xgr.Grammar.from_ebnf(ebnf, root_rule_name="root"))
 
 
 def tag_recognizer(tag: dict[str, Any]) -> Recognizer:

@@ -4,6 +4,7 @@ xgrammar's own JSON-schema and structural-tag grammars where the semantics must 
 
 from __future__ import annotations
 
+import functools
 import re
 
 import pytest
@@ -42,6 +43,16 @@ class TestRulesText:
         assert structural_tag_to_gbnf(tag, {"<|sep|>": 9}) == "root ::= <[9]>\n"
         with pytest.raises(ValueError, match="not a special token"):
             structural_tag_to_gbnf(tag)
+
+    def test_one_text_automaton_per_set_of_markers(self):
+        from deltafin.grammar.tool_calls import GLM47, ForcedCalls, ForcedFunction
+
+        schema = {"type": "object", "properties": {k: {"type": "string"} for k in "abcde"}}
+        tools = tuple(ForcedFunction(f"tool_{i}", schema) for i in range(30))
+        grammar = structural_tag_to_gbnf(GLM47.calls(ForcedCalls(tools, single=False), "enabled"))
+        # one automaton for the reasoning (ends at </think>) and one for every string value (ends at </arg_value>)
+        assert len([line for line in grammar.splitlines() if line.startswith("text ::=") or line.startswith("text-")]) < 120
+        assert len(grammar) < 60_000
 
     def test_identical_rules_are_shared(self):
         schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}}}
@@ -102,6 +113,8 @@ REGEXES = [
     (r"[^a-c]x.", ["dxz", "axz", "dx\n", "dx"]),
     (r"\x41\u00e9\.\*", ["Aé.*", "Aéx*"]),
     (r"a{2,}b*?c??", ["aa", "aaabbbc", "a", "aacc"]),
+    (r"x{y}|{", ["x{y}", "{", "xy"]),
+    (r"a{,2}b{1}c{ 1}", ["b", "aabc{ 1}", "aaab", "ab"]),
 ]
 
 
@@ -156,6 +169,15 @@ class TestJsonSchema:
         for text in texts:
             assert mine(text) == ref(text), (schema, text)
 
+    def test_excludes_keep_texts_out_of_free_strings_and_keys(self):
+        schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"enum": ["x</t>", "y"]},
+                                                   "c": {"type": "object"}}}
+        fmt = f.arguments(schema, excludes=("</t>",))
+        mine, ref = accepts(fmt), tag_recognizer(f.structural_tag(fmt))
+        for text in ['{"a": "q"}', '{"a": "q</t>"}', '{"a": "q</t"}', '{"b": "y"}', '{"b": "x</t>"}',
+                     '{"c": {"k</t>": 1}}', '{"c": {"k": "</t>"}}', '{"c": {"k": "<\\/t>"}}']:
+            assert mine(text) == ref(text), text
+
     def test_whitespace_runs_are_bounded(self):
         ok = json_accepts(WEATHER, max_whitespace=3)
         assert ok('{   "city":   "x"   }') and not ok('{    "city": "x"}')
@@ -205,21 +227,29 @@ class TestJsonSchema:
 
 
 XML_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
-                                               "tags": {"type": "array", "items": {"type": "string"}}},
-              "required": ["city"]}
+                                               "tags": {"type": "array", "items": {"type": "string"}},
+                                               "x": {}, "y": {"enum": ["a", "b"]}}, "required": ["city"]}
 XML_TEXTS = {
     "glm_xml": ["<arg_key>city</arg_key><arg_value>Paris</arg_value>",
                 "<arg_key>city</arg_key>\n<arg_value>Pa ris</arg_value>\n<arg_key>days</arg_key><arg_value> 3 </arg_value>",
                 '<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>tags</arg_key><arg_value>["a"]</arg_value>',
                 "<arg_key>days</arg_key><arg_value>3</arg_value>",
                 "<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>days</arg_key><arg_value>x</arg_value>",
-                "<arg_key>city</arg_key><arg_value>a</arg_value>b</arg_value>"],
+                "<arg_key>city</arg_key><arg_value>a</arg_value>b</arg_value>",
+                "<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>x</arg_key><arg_value>hi</arg_value>",
+                "<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>x</arg_key><arg_value> [1] </arg_value>",
+                "<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>y</arg_key><arg_value>a</arg_value>",
+                '<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>y</arg_key><arg_value>"a"</arg_value>'],
     "kimi_k3_xml": ['<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>',
                     '<|open|>argument key="city" type="string"<|sep|>P<|close|>argument<|sep|>'
                     '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>',
                     '<|open|>argument key="city" type="string"<|sep|>P<|close|>argument<|sep|>'
                     '<|open|>argument key="days" type="integer"<|sep|>3<|close|>argument<|sep|>',
-                    '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>'],
+                    '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>',
+                    '<|open|>argument key="city" type="string"<|sep|>P<|close|>argument<|sep|>'
+                    '<|open|>argument key="x" type="number"<|sep|>hi<|close|>argument<|sep|>',
+                    '<|open|>argument key="city" type="string"<|sep|>P<|close|>argument<|sep|>'
+                    '<|open|>argument key="y" type="string"<|sep|>c<|close|>argument<|sep|>'],
 }
 
 
@@ -261,6 +291,10 @@ class TestFormats:
         {"type": "structural_tag"}, {"format": f.const("x")}, '{"type": "structural_tag", "format": ',
         f.structural_tag({"type": "dispatch", "rules": []}), f.structural_tag({"type": "sequence"}),
         f.structural_tag({"type": "tags_with_separator", "tags": [], "separator": ""}),
+        f.structural_tag({"type": "tags_with_separator", "tags": ["x"], "separator": ""}),
+        f.structural_tag({"type": "or", "elements": []}),
+        f.structural_tag(f.arguments({"type": "object", "properties": {"a": {}}, "required": 5})),
+        f.structural_tag(f.arguments(functools.reduce(lambda inner, _: {"type": "array", "items": inner}, range(5000), {}))),
     ])
     def test_malformed_or_unknown_formats_are_value_errors(self, tag):
         with pytest.raises(ValueError):

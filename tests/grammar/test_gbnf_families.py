@@ -16,6 +16,20 @@ from tests.grammar.gbnf_oracle import gbnf_recognizer, tag_recognizer
 from tests.grammar.tools import NAMED, TIME, WEATHER
 
 SYNTAXES = {"kimi_k3": XTML, "kimi_k2": KIMI_K2, "glm45": GLM45, "glm47": GLM47, "qwen3": HERMES}
+_THINK = ["<think>", "</think>"]
+#: each family's markers that are single tokens of its real vocabulary (ids made up: only the text matters here)
+MARKERS = {
+    "kimi_k3": ["<|open|>", "<|close|>", "<|sep|>"],
+    "kimi_k2": [*_THINK, "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
+                "<|tool_call_argument_begin|>", "<|tool_call_end|>"],
+    "glm45": [*_THINK, "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"],
+    "qwen3": [*_THINK, "<tool_call>", "</tool_call>"],
+}
+MARKERS["glm47"] = MARKERS["glm45"]
+
+
+def special_tokens(family: str) -> dict[str, int]:
+    return {text: 1000 + i for i, text in enumerate(MARKERS[family])}
 #: argument sets: in the schema (city enum, days 1..7), and out of it
 ARGUMENTS = [
     ("get_weather", {"city": "Paris", "days": 3}),
@@ -81,10 +95,32 @@ CASES = [
 ]
 
 
+@pytest.mark.parametrize("with_token_ids", [False, True])
 @pytest.mark.parametrize(("family", "reasoning", "tools", "choice", "parallel"), CASES)
-def test_gbnf_accepts_what_xgrammar_accepts(family, reasoning, tools, choice, parallel):
+def test_gbnf_accepts_what_xgrammar_accepts(family, reasoning, tools, choice, parallel, with_token_ids):
     tag = SYNTAXES[family].calls(forced_calls(tools, choice, parallel_tool_calls=parallel), reasoning)
-    mine, ref = gbnf_recognizer(structural_tag_to_gbnf(tag)), tag_recognizer(tag)
+    specials = special_tokens(family) if with_token_ids else None
+    grammar = structural_tag_to_gbnf(tag, specials)
+    assert ("<[" in grammar) == with_token_ids
+    mine, ref = gbnf_recognizer(grammar, specials), tag_recognizer(tag)
     verdicts = [(text, ref(text)) for text in outputs(family)]
     assert any(ok for _, ok in verdicts), "the sample set must hold outputs xgrammar accepts"
     assert [(text, mine(text)) for text, _ in verdicts] == verdicts
+
+
+@pytest.mark.parametrize(("family", "value"), [("kimi_k2", "a<|tool_call_end|>b"), ("qwen3", "a</tool_call>b"),
+                                             ("kimi_k3", "a<|close|>b")])
+def test_control_token_markers_stay_out_of_json_strings(family, value):
+    """A control token matches its text in llama.cpp's character rules; xgrammar never lets one into text.
+    With the markers known as tokens the grammar keeps them out of strings (keys and values), as xgrammar would."""
+    any_args = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    tag = SYNTAXES[family].calls(forced_calls([any_args], "required"), "disabled")
+    if family == "kimi_k3":  # strings inside a JSON-typed argument
+        text = "<|close|>response<|sep|>" + wire(family, [
+            call(family, "get_time", {"zone": 1}, 0).replace(">1<", f">[{json.dumps(value)}]<").replace('"integer"', '"array"')])
+    else:
+        text = wire(family, [call(family, "get_time", {"zone": value}, 0)])
+    specials = special_tokens(family)
+    assert gbnf_recognizer(structural_tag_to_gbnf(tag))(text)
+    assert not gbnf_recognizer(structural_tag_to_gbnf(tag, specials), specials)(text)
+    assert gbnf_recognizer(structural_tag_to_gbnf(tag, specials), specials)(text.replace(value, "a b"))

@@ -50,7 +50,7 @@ def _llama_server(config: DeltafinConfig, bundle: TokenizerBundle) -> Adapter:
     from deltafin.engine.upstream.llama_server import LlamaServerAdapter, added_tokens
 
     # the grammar names control tokens by id, so it needs the vocabulary the prompt ids come from
-    return LlamaServerAdapter(settings_of(config), added_tokens(bundle.tokenizer))
+    return LlamaServerAdapter(settings_of(config), added_tokens(bundle.tokenizer, bundle.stop_token_ids))
 
 
 build_vllm = _builder("vllm", _vllm)

@@ -106,13 +106,15 @@ class LlamaServerAdapter(Adapter):
         return chunk
 
 
-def added_tokens(tokenizer: Any) -> dict[str, int]:
+def added_tokens(tokenizer: Any, stop_ids: frozenset[int] = frozenset()) -> dict[str, int]:
     """The tokenizer's added tokens (control tokens and markers such as `<tool_call>`), text -> id. A tokenizer
     splits these out of any text before its vocabulary runs, so a marker the grammar spells is always that one
-    token; single characters and whitespace are left out, they are text however they are tokenized."""
+    token; single characters and whitespace are left out, they are text however they are tokenized.
+    Stop tokens are left out too: llama.cpp lets an end-of-generation token through only once the grammar is
+    complete, never through a `<[ID]>` element, so naming one mid-grammar would leave no token to sample."""
     get = getattr(tokenizer, "get_added_vocab", None)
     added = get() if callable(get) else {}
-    return {text: int(i) for text, i in added.items() if len(text) > 1 and not text.isspace()}
+    return {text: int(i) for text, i in added.items() if len(text) > 1 and not text.isspace() and int(i) not in stop_ids}
 
 
 def _logprobs(raw: Any, top_k: int) -> list[TokenLogprob | None]:

@@ -19,14 +19,13 @@ from __future__ import annotations
 import json
 from typing import Any, Mapping
 
+from deltafin.grammar.gbnf.excluding import JSON_STRING, excluding
 from deltafin.grammar.gbnf.integers import bounds, integer_range
 from deltafin.grammar.gbnf.regex import regex_expr
-from deltafin.grammar.gbnf.rules import EMPTY, Rules, literal
+from deltafin.grammar.gbnf.rules import EMPTY, Rules, char_class, literal
 
 MAX_COUNT = 256
-_STRING_CHAR = '([^"\\\\\\x00-\\x1F] | "\\\\" (["\\\\/bfnrt] | "u" [0-9a-fA-F]{4}))'
-#: what a pattern's `.` or negated class must still leave out inside a JSON string
-JSON_FORBID = [('"', '"'), ("\\", "\\"), ("\x00", "\x1f")]
+_STRING_CHAR = f"({char_class(JSON_STRING.forbid, negate=True)} | {JSON_STRING.escape})"
 _UNSUPPORTED = ("not", "if", "then", "else", "patternProperties", "prefixItems", "contains", "dependentSchemas",
                 "dependentRequired", "propertyNames", "unevaluatedProperties", "unevaluatedItems", "additionalItems",
                 "$dynamicRef", "minContains", "maxContains")
@@ -49,16 +48,20 @@ def _repeat(low: int, high: int | None) -> str:
 
 
 class JsonGrammar:
-    def __init__(self, rules: Rules, *, root: Mapping[str, Any] | bool, max_whitespace: int | None) -> None:
+    def __init__(self, rules: Rules, *, root: Mapping[str, Any] | bool, max_whitespace: int | None,
+                 excludes: tuple[str, ...] = ()) -> None:
+        """excludes: substrings no free string (a value without pattern, a key) may contain, as written."""
         self.rules = rules
         self.root = root
+        self.excludes = excludes
         self.ws = rules.add("ws", "[ \\n\\r\\t]" + ("*" if max_whitespace is None else f"{{0,{max_whitespace}}}"))
         self._refs: dict[str, str] = {}
-        self._any: str | None = None
 
     # -- any JSON value --------------------------------------------------------------------------------------
 
     def string(self) -> str:
+        if self.rules.markers or self.excludes:  # control-token markers stay out of strings, as in xgrammar
+            return self.rules.add("json-string", f'"\\"" {excluding(self.rules, self.excludes, [chr(34)], JSON_STRING)}')
         return self.rules.add("json-string", f'"\\"" {_STRING_CHAR}* "\\""')
 
     def number(self, *, unsigned: bool = False) -> str:
@@ -66,15 +69,15 @@ class JsonGrammar:
         return self.rules.add("json-number", f'{whole} ("." [0-9]{{1,16}})? ([eE] [+\\-]? [0-9]{{1,4}})?')
 
     def any_value(self) -> str:
-        if self._any is None:
-            self._any = self.rules.reserve("json-value")
-            ws, value, key = self.ws, self._any, self.string()
+        if ("any-json", self.ws) not in self.rules.built:
+            self.rules.built[("any-json", self.ws)] = value = self.rules.reserve("json-value")
+            ws, key = self.ws, self.string()
             obj = self.rules.add(
                 "json-object", f'"{{" {ws} ({key} {ws} ":" {ws} {value} ({ws} "," {ws} {key} {ws} ":" {ws} {value})*)? {ws} "}}"'
             )
             arr = self.rules.add("json-array", f'"[" {ws} ({value} ({ws} "," {ws} {value})*)? {ws} "]"')
             self.rules.define(value, f'{obj} | {arr} | {key} | {self.number()} | "true" | "false" | "null"')
-        return self._any
+        return self.rules.built[("any-json", self.ws)]
 
     # -- a value under a schema ------------------------------------------------------------------------------
 
@@ -93,7 +96,12 @@ class JsonGrammar:
         if "enum" in schema:
             if not isinstance(schema["enum"], list) or not schema["enum"]:
                 raise ValueError("enum must be a non-empty array")
-            return self.rules.add("enum", " | ".join(literal(json.dumps(v, ensure_ascii=False)) for v in schema["enum"]))
+            texts = [json.dumps(v, ensure_ascii=False) for v in schema["enum"]]
+            # as xgrammar: a string alternative holding an excluded text is dropped
+            kept = [t for t in texts if not (t.startswith('"') and any(e in t[1:-1] for e in self.excludes))]
+            if not kept:
+                raise ValueError(f"every enum value contains an excluded text {list(self.excludes)}")
+            return self.rules.add("enum", " | ".join(map(literal, kept)))
         for key in ("anyOf", "oneOf"):
             if key in schema:
                 if not isinstance(schema[key], list) or not schema[key]:
@@ -154,7 +162,7 @@ class JsonGrammar:
 
     def _string(self, schema: Mapping[str, Any]) -> str:
         if isinstance(schema.get("pattern"), str):
-            return self.rules.add("pattern", f'"\\"" {regex_expr(schema["pattern"], JSON_FORBID)} "\\""')
+            return self.rules.add("pattern", f'"\\"" {regex_expr(schema["pattern"], list(JSON_STRING.forbid))} "\\""')
         low, high = _bounds(schema, "minLength", "maxLength")
         if (low, high) == (0, None):
             return self.string()

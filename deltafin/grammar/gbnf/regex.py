@@ -71,7 +71,7 @@ class _Parser:
             suffix = c
         elif c == "{" and self._counted():
             end = self.text.index("}", self.pos)
-            suffix = self.text[self.pos:end + 1].replace(" ", "")
+            suffix = self.text[self.pos:end + 1].replace("{,", "{0,")  # `{,n}` is `{0,n}`, as in Python
             self.pos = end + 1
         else:
             return atom
@@ -84,8 +84,10 @@ class _Parser:
     def _counted(self) -> bool:
         end = self.text.find("}", self.pos)
         inner = self.text[self.pos + 1:end] if end > 0 else ""
-        low, _, high = inner.partition(",")
-        return bool(low.strip().isdigit() and (not high.strip() or high.strip().isdigit()))
+        low, comma, high = inner.partition(",")
+        if not low:  # `{,n}` needs its n
+            return comma == "," and high.isdigit()
+        return low.isdigit() and (not high or high.isdigit())
 
     def atom(self) -> str:
         c = self.peek()
@@ -108,7 +110,7 @@ class _Parser:
             return self.escape()
         if c in ("^", "$"):
             self.fail("anchors inside the pattern")
-        if c in ("*", "+", "?", "{"):
+        if c in ("*", "+", "?"):
             self.fail(f"nothing to repeat before {c!r}")
         return self.char_literal(c)
 

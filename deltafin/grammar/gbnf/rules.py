@@ -59,9 +59,15 @@ EMPTY = '""'
 class Rules:
     """Rules by name, in definition order. Identical bodies share one rule."""
 
-    def __init__(self, special_tokens: Mapping[str, int] | None = None) -> None:
+    def __init__(self, special_tokens: Mapping[str, int] | None = None, markers: Iterable[str] = ()) -> None:
+        """markers: control-token texts free text must not contain (llama.cpp matches a control token by its
+        text wherever characters are expected, where xgrammar never lets one into text)."""
+        self.markers = tuple(markers)
         self._bodies: dict[str, str | None] = {}
         self._by_body: dict[str, str] = {}
+        #: rule families built once per grammar (a text automaton per set of markers, the any-JSON value),
+        #: keyed by what they depend on: twenty string arguments with the same markers share one automaton
+        self.built: dict[object, str] = {}
         # longest first, so `<|tool_calls_section_begin|>` wins over any shorter token it starts with
         self._specials = sorted((special_tokens or {}).items(), key=lambda item: -len(item[0]))
 

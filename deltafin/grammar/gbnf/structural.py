@@ -25,6 +25,15 @@ def structural_tag_to_gbnf(tag: Mapping[str, Any] | str, special_tokens: Mapping
     special_tokens: the model's added tokens, text -> id; literal text that spells one is matched as that
     token (`<[ID]>`), so the model must emit the real control token rather than spell it in pieces.
     ValueError names what has no GBNF form."""
+    try:
+        return _translate(tag, special_tokens or {})
+    except (TypeError, AttributeError, KeyError, RecursionError) as exc:
+        # a schema of the wrong shape somewhere deep (`"required": 5`) or nested past Python's stack: the
+        # client's input, so a 400 upstream of here, never a 500
+        raise ValueError(f"structural tag could not be translated ({type(exc).__name__}: {exc})") from exc
+
+
+def _translate(tag: Mapping[str, Any] | str, special_tokens: Mapping[str, int]) -> str:
     if isinstance(tag, str):
         try:
             tag = json.loads(tag)
@@ -32,7 +41,9 @@ def structural_tag_to_gbnf(tag: Mapping[str, Any] | str, special_tokens: Mapping
             raise ValueError(f"structural tag is not JSON: {exc}") from exc
     if not isinstance(tag, Mapping) or tag.get("type") != "structural_tag" or not isinstance(tag.get("format"), Mapping):
         raise ValueError('a structural tag is {"type": "structural_tag", "format": {...}}')
-    rules = Rules(special_tokens)
+    text = json.dumps(tag, ensure_ascii=False)
+    # the control tokens this structure writes are the ones a parser splits on: free text must not hold them
+    rules = Rules(special_tokens, [t for t in special_tokens if t in text])
     return rules.render(_Emitter(rules).expr(tag["format"]))
 
 
@@ -43,7 +54,7 @@ class _Emitter:
             "const_string": lambda f: self.rules.text(_str(f, "value")),
             "regex": lambda f: regex_expr(_str(f, "pattern")),
             "sequence": lambda f: self.rules.add("seq", " ".join(self.expr(e) for e in _list(f, "elements")) or EMPTY),
-            "or": lambda f: self.rules.add("or", " | ".join(self.expr(e) for e in _list(f, "elements"))),
+            "or": lambda f: self.rules.add("or", " | ".join(self.expr(e) for e in _list(f, "elements", nonempty=True))),
             "optional": lambda f: f"({self.expr(_fmt(f, 'content'))})?",
             "star": lambda f: f"({self.expr(_fmt(f, 'content'))})*",
             "plus": lambda f: f"({self.expr(_fmt(f, 'content'))})+",
@@ -81,11 +92,11 @@ class _Emitter:
         begin_expr = begin if isinstance(begin, str) else self.rules.text(begin[0])
         if content.get("type") == "any_text" and isinstance(end, list) and any(end):
             return self.rules.add("tag", f"{begin_expr} {excluding(self.rules, self.excludes(content), end)}")
-        end_expr = end if isinstance(end, str) else " | ".join(self.rules.text(e) for e in end)
+        end_expr = end if isinstance(end, str) else " | ".join(self.rules.text(e) for e in end) or EMPTY
         return self.rules.add("tag", f"{begin_expr} {self.expr(content)} ({end_expr})")
 
     def tags_with_separator(self, fmt: Format) -> str:
-        one = self.rules.add("one-tag", " | ".join(self.tag(t) for t in _list(fmt, "tags")))
+        one = self.rules.add("one-tag", " | ".join(self.tag(_checked_tag(t)) for t in _list(fmt, "tags", nonempty=True)))
         at_least_one, first_only = bool(fmt.get("at_least_one")), bool(fmt.get("stop_after_first"))
         if first_only:
             return one if at_least_one else f"({one})?"
@@ -103,14 +114,10 @@ class _Emitter:
         schema = fmt.get("json_schema")
         if not isinstance(schema, (Mapping, bool)):
             raise ValueError("json_schema format needs a schema object")
-        json_grammar = JsonGrammar(self.rules, root=schema, max_whitespace=fmt.get("max_whitespace_cnt"))
-        style = fmt.get("style", "json")
         excludes = tuple(_checked_str(e, "excludes") for e in fmt.get("excludes") or ())
-        if style == "json":
-            if excludes:
-                raise ValueError("json_schema excludes in the json style have no GBNF form for llama-server")
-            return json_grammar.value(schema)
-        return xml_arguments(self.rules, json_grammar, schema, style, excludes)
+        json_grammar = JsonGrammar(self.rules, root=schema, max_whitespace=fmt.get("max_whitespace_cnt"), excludes=excludes)
+        style = fmt.get("style", "json")
+        return json_grammar.value(schema) if style == "json" else xml_arguments(self.rules, json_grammar, schema, style)
 
 
 def _checked_str(value: Any, what: str) -> str:
@@ -123,9 +130,15 @@ def _str(fmt: Format, key: str) -> str:
     return _checked_str(fmt.get(key), key)
 
 
-def _list(fmt: Format, key: str) -> list[Any]:
+def _checked_tag(value: Any) -> Format:
+    if not isinstance(value, Mapping) or value.get("type", "tag") != "tag":
+        raise ValueError(f"tags_with_separator takes tag formats, got {value!r}")
+    return value
+
+
+def _list(fmt: Format, key: str, *, nonempty: bool = False) -> list[Any]:
     value = fmt.get(key)
-    if not isinstance(value, list) or (key == "tags" and not value):
+    if not isinstance(value, list) or (nonempty and not value):
         raise ValueError(f"structural tag {fmt.get('type')} needs a list `{key}`")
     return value
 

@@ -4,8 +4,9 @@
     kimi_k3_xml:  <|open|>argument key="KEY" type="TYPE"<|sep|>VALUE<|close|>argument<|sep|>
 
 As xgrammar's styles: whitespace (bounded) before each element, after the last and between GLM's key and value
-elements; a string value is raw text up to the element's end (no padding), any other value is JSON under its
-schema with whitespace around it; K3 names `integer` values `number`. Declared properties come in order,
+elements; a string value (string type, or an enum / const of strings) is raw text up to the element's end (no
+padding), any other value is JSON under its schema with whitespace around it, and a value whose schema says
+nothing is either; K3 names `integer` values `number`. Declared properties come in order,
 required ones always; undeclared keys (`[a-zA-Z_][a-zA-Z0-9_]*`) only where additionalProperties allows.
 """
 
@@ -17,9 +18,12 @@ from typing import Any, Mapping
 
 from deltafin.grammar.gbnf.excluding import excluding
 from deltafin.grammar.gbnf.json_schema import JsonGrammar
-from deltafin.grammar.gbnf.rules import EMPTY, Rules
+from deltafin.grammar.gbnf.regex import regex_expr
+from deltafin.grammar.gbnf.rules import Rules, literal
 
 _XML_KEY = "[a-zA-Z_] [a-zA-Z0-9_]*"
+#: keywords that make a schema more than "anything" (without them a value is xgrammar's `xml_any`)
+_CONSTRAINING = ("type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properties", "items", "pattern")
 _K3_TYPES = {"string": "string", "integer": "number", "number": "number", "boolean": "boolean", "object": "object",
              "array": "array", "null": "null"}
 
@@ -39,20 +43,19 @@ STYLES = {
 }
 
 
-def xml_arguments(rules: Rules, json_grammar: JsonGrammar, schema: Mapping[str, Any] | bool, style: str,
-                  excludes: tuple[str, ...]) -> str:
+def xml_arguments(rules: Rules, json_grammar: JsonGrammar, schema: Mapping[str, Any] | bool, style: str) -> str:
     if style not in STYLES:
         raise ValueError(f"json_schema style {style!r} has no GBNF form (supported: json, {', '.join(STYLES)})")
     if schema is True:
         schema = {"type": "object"}
     if not isinstance(schema, Mapping) or schema.get("type", "object") != "object":
         raise ValueError(f"the {style} style writes an object's properties; the schema is not an object")
-    return _Writer(rules, json_grammar, STYLES[style], excludes).arguments(schema)
+    return _Writer(rules, json_grammar, STYLES[style]).arguments(schema)
 
 
 class _Writer:
-    def __init__(self, rules: Rules, json_grammar: JsonGrammar, style: _Style, excludes: tuple[str, ...]) -> None:
-        self.rules, self.json, self.style, self.excludes = rules, json_grammar, style, excludes
+    def __init__(self, rules: Rules, json_grammar: JsonGrammar, style: _Style) -> None:
+        self.rules, self.json, self.style = rules, json_grammar, style
 
     def arguments(self, schema: Mapping[str, Any]) -> str:
         properties = schema.get("properties") or {}
@@ -70,25 +73,43 @@ class _Writer:
     def element(self, key: str, schema: Mapping[str, Any]) -> str:
         s, ws = self.style, self.json.ws
         head = f"{ws} {self.rules.text(s.key_open)} {key} {self.rules.text(s.key_close)}"
-        kind = schema.get("type")
-        if not s.typed:
-            value = self.string_value() if kind == "string" else self.json_value(schema)
-            return self.rules.add("xml-element", f"{head} {ws} {self.rules.text(s.value_open)} {value}")
-        if kind in _K3_TYPES:
-            value = self.string_value() if kind == "string" else self.json_value(schema)
-            type_name = json.dumps(_K3_TYPES[kind])
-            return self.rules.add("xml-element", f"{head} {type_name} {self.rules.text(s.value_open)} {value}")
-        # no single type: the element names the one it writes
-        others = " | ".join(json.dumps(t) for t in dict.fromkeys(_K3_TYPES.values()) if t != "string")
         opened = self.rules.text(s.value_open)
-        return self.rules.add(
-            "xml-element",
-            f'{head} ("string" {opened} {self.string_value()} | ({others}) {opened} {self.json_value(schema)})',
-        )
+        if not s.typed:
+            return self.rules.add("xml-element", f"{head} {ws} {opened} {self.value(schema)}")
+        return self.rules.add("xml-element", f"{head} {self.type_name(schema)} {opened} {self.value(schema)}")
 
-    def string_value(self) -> str:
-        return excluding(self.rules, self.excludes, [self.style.value_close])
+    def type_name(self, schema: Mapping[str, Any]) -> str:
+        if _is_string(schema):
+            return '"string"'
+        if schema.get("type") in _K3_TYPES:
+            return json.dumps(_K3_TYPES[schema["type"]])
+        return "(" + " | ".join(json.dumps(t) for t in dict.fromkeys(_K3_TYPES.values())) + ")"
 
-    def json_value(self, schema: Mapping[str, Any]) -> str:
-        ws = self.json.ws
-        return self.rules.add("xml-json", f"{ws} {self.json.value(schema)} {ws} {self.rules.text(self.style.value_close)}")
+    def value(self, schema: Mapping[str, Any]) -> str:
+        """The value and the element's end: raw text for a string, JSON (padded) for anything else, and for a
+        schema that says nothing either a raw string or a JSON array / object (xgrammar's `xml_any`)."""
+        close, ws = self.rules.text(self.style.value_close), self.json.ws
+        if _is_string(schema):
+            return self.raw_string(schema)
+        if not any(k in schema for k in _CONSTRAINING):
+            structured = f"{ws} ({self.json.value({'type': 'array'})} | {self.json.value({'type': 'object'})}) {ws} {close}"
+            return self.rules.add("xml-any", f"{self.raw_string({})} | {structured}")
+        return self.rules.add("xml-json", f"{ws} {self.json.value(schema)} {ws} {close}")
+
+    def raw_string(self, schema: Mapping[str, Any]) -> str:
+        close = self.rules.text(self.style.value_close)
+        if "const" in schema:
+            return f"{literal(schema['const'])} {close}"
+        if "enum" in schema:
+            return self.rules.add("xml-enum", "(" + " | ".join(literal(v) for v in schema["enum"]) + f") {close}")
+        if isinstance(schema.get("pattern"), str):
+            return f"{regex_expr(schema['pattern'])} {close}"
+        return excluding(self.rules, self.json.excludes, [self.style.value_close])
+
+
+def _is_string(schema: Mapping[str, Any]) -> bool:
+    """Written raw: a string type, or a const / enum of strings only."""
+    if schema.get("type") == "string":
+        return True
+    values = [schema["const"]] if "const" in schema else schema.get("enum")
+    return isinstance(values, list) and bool(values) and all(isinstance(v, str) for v in values)
