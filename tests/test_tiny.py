@@ -43,3 +43,18 @@ def test_command_line_refuses_an_unknown_variant(tmp_path):
         cwd=REPO, capture_output=True, text=True, timeout=120,
     )
     assert result.returncode != 0 and "glm46" in result.stderr
+
+
+@pytest.mark.parametrize("family", TINY_FAMILIES)
+def test_gguf_conversion_names_the_gpt2_pre_tokenizer_only_where_it_is_one(tiny_models, family):
+    """deltafin/tiny/gguf.py's one override of llama.cpp's converter: every tiny tokenizer splits text as GPT-2's
+    byte-level BPE does, so it is `gpt-2`; a tokenizer that splits otherwise is still refused."""
+    from tokenizers import pre_tokenizers
+
+    from deltafin.tiny.gguf import gpt2_pre_tokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_models[family])
+    assert gpt2_pre_tokenizer(tokenizer) == "gpt-2"
+    tokenizer.backend_tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=True)
+    with pytest.raises(NotImplementedError):
+        gpt2_pre_tokenizer(tokenizer)
