@@ -4,8 +4,9 @@
     .venv/bin/python bench/gateway.py --upstream deltafin --streams 4 --tokens 16 --reps 2
     .venv/bin/python bench/gateway.py --upstream fake --tokens 800
 
-`fake` is an in-process llama-server stand-in that answers at once (no network, no model): the CPU the
-gateway's whole serving path (upstream SSE parsing, decoding, chat chunks, SSE out) spends per token.
+`fake` is an in-process llama-server stand-in that answers at once (no model; its HTTP runs over a socket pair
+in the same process): the CPU the gateway's whole serving path (upstream HTTP and SSE parsing, decoding, chat
+chunks, SSE out), the fake upstream and the test client included, spends per token.
 
 The upstream is a real llama-server (serving the default model's GGUF, `-np STREAMS`) or a second Deltafin.
 Each rep sends STREAMS concurrent streamed chat requests straight to the upstream's own chat endpoint and then
@@ -76,17 +77,17 @@ def in_process(tokens: int) -> None:
     from deltafin.app.services import Services
     from deltafin.engine import EngineFront
     from deltafin.engine.tokenizer_only import load_tokenizer_only
-    from deltafin.engine.upstream.engine import UpstreamEngine, UpstreamSettings
     from deltafin.engine.upstream.llama_server import LlamaServerAdapter
-    from tests.gateway.fakes import Fake, ScriptedBody
+    from tests.gateway.fakes import Fake, ScriptedBody, make_engine
 
     config = compose_config(["server.memo.entries=0"])
     bundle = load_tokenizer_only(config.model)
     ids = bundle.tokenizer("The quick brown fox jumps over the lazy dog. " * (tokens // 8 + 1), add_special_tokens=False).input_ids[:tokens]
     events = [{"content": "x", "tokens": [i], "stop": False} for i in ids]
     events.append({"content": "", "tokens": [], "stop": True, "stop_type": "limit", "timings": {"cache_n": 0}})
-    fake = Fake(lambda body, path: ScriptedBody(events))
-    engine = UpstreamEngine(LlamaServerAdapter(UpstreamSettings(url="http://fake")), bundle, transport=fake.transport())
+    # A 0.1 ms pause between events makes each token its own upstream read, as with a real upstream.
+    fake = Fake(lambda body, path: ScriptedBody(events, delay=1e-4, tail=b""))
+    engine = make_engine(LlamaServerAdapter, bundle, fake)
     app = build_app(config, Services.from_engine(config, EngineFront(engine, max_waiting=4, timeout_s=5, memo_entries=0)))
     body = {"messages": PROMPT, "max_tokens": tokens, "stream": True, "temperature": 0}
     with TestClient(app) as client:
@@ -98,8 +99,9 @@ def in_process(tokens: int) -> None:
         started = time.process_time()
         chunks = sum(one() for _ in range(5))
         spent = time.process_time() - started
-    print(f"in-process gateway (fake upstream, client included): {spent * 1000 / chunks:.3f} ms CPU per streamed token "
-          f"({chunks} chunks)")
+    # Per token, not per chunk: tokens that arrive in one upstream read leave in one chunk.
+    print(f"in-process gateway (fake upstream, client included): {spent * 1000 / (5 * len(ids)):.3f} ms CPU per "
+          f"streamed token ({5 * len(ids)} tokens in {chunks} chunks)")
 
 
 def main() -> None:
