@@ -65,6 +65,7 @@ class ScriptedBody:
             return False
         finally:
             left.cancel()
+            await asyncio.wait({left})  # a read still pending would collide with the next request's read
         self.finished = True
         writer.write(b"0\r\n\r\n")
         await writer.drain()

@@ -89,7 +89,7 @@ def ids(bundle):
 
 class TestConnectionReuse:
     def test_sequential_requests_share_one_tcp_connection(self, bundle, ids):
-        fake = Fake(lambda b, p: ScriptedBody(llama_events(ids), tail=b""))
+        fake = Fake(lambda b, p: ScriptedBody(llama_events(ids), delay=0.002, tail=b""))
 
         async def scenario():
             server, url = await fake.serve_tcp()
