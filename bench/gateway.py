@@ -3,9 +3,15 @@
     .venv/bin/python bench/gateway.py --upstream llama-server --streams 16 --tokens 32 --reps 3
     .venv/bin/python bench/gateway.py --upstream deltafin --streams 4 --tokens 16 --reps 2
     .venv/bin/python bench/gateway.py --upstream fake --tokens 800
+    .venv/bin/python bench/gateway.py --upstream paced-fake --streams 16 --tokens 16 --reps 2
 
-`fake` is an in-process llama-server stand-in that answers at once (no network, no model): the CPU the
-gateway's whole serving path (upstream SSE parsing, decoding, chat chunks, SSE out) spends per token.
+`paced-fake` puts the gateway (a real process) in front of a fake llama-server in another process that sends each
+token `--pace-ms` apart, as a GPU upstream would: the gateway's CPU without a CPU-bound upstream beside it (on
+2 cores llama-server's own decoding competes with the gateway and inflates its figures). No direct side.
+
+`fake` is an in-process llama-server stand-in that answers at once (no model; its HTTP runs over a socket pair
+in the same process): the CPU the gateway's whole serving path (upstream HTTP and SSE parsing, decoding, chat
+chunks, SSE out), the fake upstream and the test client included, spends per token.
 
 The upstream is a real llama-server (serving the default model's GGUF, `-np STREAMS`) or a second Deltafin.
 Each rep sends STREAMS concurrent streamed chat requests straight to the upstream's own chat endpoint and then
@@ -76,17 +82,17 @@ def in_process(tokens: int) -> None:
     from deltafin.app.services import Services
     from deltafin.engine import EngineFront
     from deltafin.engine.tokenizer_only import load_tokenizer_only
-    from deltafin.engine.upstream.engine import UpstreamEngine, UpstreamSettings
     from deltafin.engine.upstream.llama_server import LlamaServerAdapter
-    from tests.gateway.fakes import Fake, ScriptedBody
+    from tests.gateway.fakes import Fake, ScriptedBody, make_engine
 
     config = compose_config(["server.memo.entries=0"])
     bundle = load_tokenizer_only(config.model)
     ids = bundle.tokenizer("The quick brown fox jumps over the lazy dog. " * (tokens // 8 + 1), add_special_tokens=False).input_ids[:tokens]
     events = [{"content": "x", "tokens": [i], "stop": False} for i in ids]
     events.append({"content": "", "tokens": [], "stop": True, "stop_type": "limit", "timings": {"cache_n": 0}})
-    fake = Fake(lambda body, path: ScriptedBody(events))
-    engine = UpstreamEngine(LlamaServerAdapter(UpstreamSettings(url="http://fake")), bundle, transport=fake.transport())
+    # A 0.1 ms pause between events makes each token its own upstream read, as with a real upstream.
+    fake = Fake(lambda body, path: ScriptedBody(events, delay=1e-4, tail=b""))
+    engine = make_engine(LlamaServerAdapter, bundle, fake)
     app = build_app(config, Services.from_engine(config, EngineFront(engine, max_waiting=4, timeout_s=5, memo_entries=0)))
     body = {"messages": PROMPT, "max_tokens": tokens, "stream": True, "temperature": 0}
     with TestClient(app) as client:
@@ -98,24 +104,62 @@ def in_process(tokens: int) -> None:
         started = time.process_time()
         chunks = sum(one() for _ in range(5))
         spent = time.process_time() - started
-    print(f"in-process gateway (fake upstream, client included): {spent * 1000 / chunks:.3f} ms CPU per streamed token "
-          f"({chunks} chunks)")
+    # Per token, not per chunk: tokens that arrive in one upstream read leave in one chunk.
+    print(f"in-process gateway (fake upstream, client included): {spent * 1000 / (5 * len(ids)):.3f} ms CPU per "
+          f"streamed token ({5 * len(ids)} tokens in {chunks} chunks)")
+
+
+def serve_paced_fake(pace_s: float) -> None:
+    """A fake llama-server (`/completion`, `/health`) on a free loopback port that sends `n_predict` tokens
+    `pace_s` apart, as a GPU upstream would; prints its URL. Runs until killed."""
+    from tests.gateway.fakes import Fake, ScriptedBody
+
+    def respond(body: dict, path: str):
+        if path != "/completion":
+            return 200, {"status": "ok"}
+        n = int(body["n_predict"])
+        events = [{"content": "x", "tokens": [260 + i % 1000], "stop": False} for i in range(n)]
+        events.append({"content": "", "tokens": [], "stop": True, "stop_type": "limit", "tokens_evaluated": len(body["prompt"]),
+                       "timings": {"cache_n": 0}})
+        return ScriptedBody(events, delay=pace_s, tail=b"")
+
+    async def run() -> None:
+        server, url = await Fake(respond).serve_tcp()
+        print(url, flush=True)
+        async with server:
+            await server.serve_forever()
+
+    asyncio.run(run())
+
+
+def start_paced_fake(pace_s: float) -> tuple[subprocess.Popen, str]:
+    process = subprocess.Popen([sys.executable, __file__, "--serve-paced-fake", str(pace_s)], stdout=subprocess.PIPE,
+                               text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    return process, process.stdout.readline().strip()
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--upstream", choices=("llama-server", "deltafin", "fake"), default="llama-server")
+    parser.add_argument("--upstream", choices=("llama-server", "deltafin", "fake", "paced-fake"), default="llama-server")
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--pace-ms", type=float, default=20.0, help="paced-fake: the gap between two tokens")
+    parser.add_argument("--serve-paced-fake", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.serve_paced_fake is not None:
+        serve_paced_fake(args.serve_paced_fake)
+        return
     if args.upstream == "fake":
         in_process(args.tokens)
         return
 
     stop_upstream = None
-    if args.upstream == "llama-server":
-        process, upstream_url = start_upstream_llama_server(args.streams)
+    if args.upstream in ("llama-server", "paced-fake"):
+        if args.upstream == "llama-server":
+            process, upstream_url = start_upstream_llama_server(args.streams)
+        else:
+            process, upstream_url = start_paced_fake(args.pace_ms / 1000)
         stop_upstream = process.kill
         engine = ["engine=llama_server", f"engine.max_inflight={args.streams}"]
     else:
@@ -128,11 +172,14 @@ def main() -> None:
     try:
         gateway.wait_ready()
         asyncio.run(burst(gateway.base_url, 2, 4))  # warm both paths (connections, tokenizer caches)
-        asyncio.run(burst(upstream_url, 2, 4))
+        direct = args.upstream != "paced-fake"  # the fake speaks llama-server's /completion only
+        if direct:
+            asyncio.run(burst(upstream_url, 2, 4))
         results: dict[str, list[tuple[float, list[float]]]] = {"direct": [], "gateway": []}
         gateway_cpu = 0.0
         for rep in range(args.reps):
             order = ["direct", "gateway"] if rep % 2 == 0 else ["gateway", "direct"]
+            order = order if direct else ["gateway"]
             for side in order:
                 url = upstream_url if side == "direct" else gateway.base_url
                 before = cpu_seconds(gateway.process.pid)
@@ -154,12 +201,14 @@ def main() -> None:
 
     requests = args.streams * args.reps
     tokens = requests * args.tokens
-    d_ttft, d_itl = summary("direct")
     g_ttft, g_itl = summary("gateway")
     print(f"upstream: {args.upstream}, streams: {args.streams}, tokens/request: {args.tokens}, reps: {args.reps}")
-    print(f"direct : TTFT median {d_ttft:8.1f} ms, inter-token median {d_itl:6.2f} ms")
+    if results["direct"]:
+        d_ttft, d_itl = summary("direct")
+        print(f"direct : TTFT median {d_ttft:8.1f} ms, inter-token median {d_itl:6.2f} ms")
     print(f"gateway: TTFT median {g_ttft:8.1f} ms, inter-token median {g_itl:6.2f} ms")
-    print(f"overhead: TTFT {g_ttft - d_ttft:+.1f} ms per request, inter-token {g_itl - d_itl:+.3f} ms per token")
+    if results["direct"]:
+        print(f"overhead: TTFT {g_ttft - d_ttft:+.1f} ms per request, inter-token {g_itl - d_itl:+.3f} ms per token")
     short_cpu = gateway_cpu / requests
     per_token = (long_cpu - short_cpu) / (3 * args.tokens)
     per_request = short_cpu - per_token * args.tokens

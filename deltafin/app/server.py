@@ -7,7 +7,7 @@ from typing import Any, Callable
 
 import uvicorn
 
-from deltafin.app.connections import guarded_h11
+from deltafin.app.connections import guarded_http
 from deltafin.config import DeltafinConfig
 
 #: uvicorn's own last resort (cancel what is left) comes this long after Deltafin's grace, which ends streams
@@ -42,7 +42,7 @@ def serve(app: Any, config: DeltafinConfig) -> None:
         log_config=None,  # keep deltafin.logging's handlers: uvicorn's lines come out as JSON too
         log_level=server.log_level,
         access_log=False,  # the request-context layer writes one richer line per request
-        http=guarded_h11(server.connections),
+        http=guarded_http(server.connections),
         timeout_keep_alive=server.connections.keep_alive_s,
         timeout_graceful_shutdown=server.shutdown_grace_s + _UVICORN_MARGIN_S,
     )

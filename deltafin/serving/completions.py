@@ -35,6 +35,13 @@ class CompletionService:
         ids = tuple(prompt_ids)
         # echo + logprobs reports the prompt's tokens too, as OpenAI does.
         prompt_logprobs = request.logprobs if request.echo else None
+        if prompt_logprobs is not None and not self.ctx.engine.capabilities.prompt_logprobs:
+            # Refused rather than answered without them: a client scoring prompts must not get silent gaps.
+            raise InvalidRequestError(
+                f"echo with logprobs (the prompt's own logprobs) is not available with the {self.ctx.engine.name} "
+                "engine; drop `echo` or `logprobs`.",
+                param="echo",
+            )
         return [
             GenerationJob(
                 ids,

@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import asyncio
 
-import httpx
 import pytest
 
 from deltafin.engine import GenerationJob
 from deltafin.engine.upstream.vllm import COMPLETIONS, GENERATE, VllmAdapter
 from deltafin.errors import ContextLengthError, UpstreamBusyError, UpstreamError, UpstreamUnavailableError
 from deltafin.protocol.sampling import SamplingParams
-from tests.gateway.fakes import Fake, ScriptedBody, collect, make_front
+from tests.gateway.fakes import DROP, Fake, ScriptedBody, collect, make_front
 
 TEXT = "Hello there, world! How are you?"
 
@@ -134,7 +133,7 @@ class TestErrors:
             assert "maximum context length is" in out.start_error.message
 
     def test_unreachable_is_503_naming_the_upstream(self, bundle):
-        fake = Fake(lambda b, path: httpx.ConnectError("refused"))
+        fake = Fake.down()
         front = make_front(VllmAdapter, bundle, fake)
         out = run(collect(front, job()))
         assert out.start_error.status == 503 and "upstream.test:8000" in out.start_error.message
@@ -163,7 +162,7 @@ class TestErrors:
 
     def test_connection_dropped_mid_stream_is_502(self, bundle):
         ids = ids_of(bundle, "Hi there")
-        events = generate_events(ids, per_chunk=1)[:1] + [httpx.ReadError("reset")]
+        events = generate_events(ids, per_chunk=1)[:1] + [DROP]
         fake = Fake(lambda b, path: ScriptedBody(events))
         out = run(collect(make_front(VllmAdapter, bundle, fake), job()))
         assert out.error is not None and out.error.status == 502
@@ -190,9 +189,8 @@ class TestObserver:
 
         metrics = Metrics()
         ids = ids_of(bundle, "Hi")
-        answers = iter([httpx.ConnectError("refused"), (429, {"error": {"message": "full"}}),
-                        ScriptedBody(generate_events(ids, finish="length"))])
-        front = make_front(VllmAdapter, bundle, Fake(lambda b, p: next(answers)), api="generate")
+        answers = iter([(429, {"error": {"message": "full"}}), ScriptedBody(generate_events(ids, finish="length"))])
+        front = make_front(VllmAdapter, bundle, Fake(lambda b, p: next(answers), refuse=1), api="generate")
         front.observe(metrics)
         for _ in range(3):
             run(collect(front, job()))

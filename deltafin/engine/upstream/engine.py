@@ -9,7 +9,6 @@ closes the upstream request at once (and the adapter's abort endpoint is called 
 from __future__ import annotations
 
 import asyncio
-import logging
 import threading
 import time
 import uuid
@@ -18,27 +17,27 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
-import httpx
+import msgspec
 import structlog
 
 from deltafin.engine.decode import ChoiceDecoder
-from deltafin.engine.events import GenerationJob
+from deltafin.engine.events import GenerationJob, TextDelta
 from deltafin.engine.interface import EngineCapabilities, EngineClient, Readiness
 from deltafin.engine.stream import GenerationStream
 from deltafin.engine.tokenizer_only import TokenizerBundle
+from deltafin.engine.upstream.http1 import ConnectFailed, Connector, Http1Pool, ReadTimedOut, Response, TransportError
 from deltafin.engine.upstream.wire import (
     Chunk,
     Garbled,
     Target,
     error_for_status,
     error_in_stream,
-    sse_payloads,
+    sse_batches,
 )
 from deltafin.errors import DeltafinError, UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
 
 log = structlog.get_logger("deltafin.upstream")
-# httpx logs every request at INFO in its own format; the request's one log line already says what matters.
-logging.getLogger("httpx").setLevel(logging.WARNING)
+_encode = msgspec.json.Encoder().encode
 
 #: /health answers are reused this long: a load balancer probing every 100 ms must not become upstream load
 HEALTH_TTL_S = 1.0
@@ -96,7 +95,7 @@ class Adapter(ABC):
 
 
 class UpstreamEngine(EngineClient):
-    def __init__(self, adapter: Adapter, bundle: TokenizerBundle, *, transport: httpx.AsyncBaseTransport | None = None,
+    def __init__(self, adapter: Adapter, bundle: TokenizerBundle, *, connect: Connector | None = None,
                  observer: UpstreamObserver | None = None) -> None:
         self.adapter = adapter
         self.settings = adapter.settings
@@ -109,8 +108,8 @@ class UpstreamEngine(EngineClient):
         self.capabilities = adapter.capabilities
         self.observer = observer
         self.target = Target(self.name, self.settings.url.rstrip("/"), self.settings.retry_after_s)
-        self._transport = transport
-        self._client: httpx.AsyncClient | None = None
+        self._connect = connect
+        self._pool: tuple[asyncio.AbstractEventLoop, Http1Pool] | None = None
         self._started: weakref.WeakKeyDictionary[GenerationStream, asyncio.Future[None]] = weakref.WeakKeyDictionary()
         self._tasks: set[asyncio.Task[None]] = set()
         self._health: tuple[float, Readiness] | None = None
@@ -137,9 +136,10 @@ class UpstreamEngine(EngineClient):
         if self._health is not None and now - self._health[0] < HEALTH_TTL_S:
             return self._health[1]
         try:
-            response = await self.client.get(self.target.url + self.adapter.health_path, timeout=self.settings.connect_timeout_s)
-            ready = Readiness(response.status_code == 200, f"{self.target} answered {response.status_code} on {self.adapter.health_path}")
-        except httpx.HTTPError as exc:
+            async with self.pool.request("GET", self.adapter.health_path, read_timeout_s=self.settings.connect_timeout_s) as response:
+                await response.read_all()
+            ready = Readiness(response.status == 200, f"{self.target} answered {response.status} on {self.adapter.health_path}")
+        except TransportError as exc:
             ready = Readiness(False, f"{self.target} is unreachable: {type(exc).__name__}")
         self._health = (now, ready)
         return ready
@@ -147,23 +147,22 @@ class UpstreamEngine(EngineClient):
     async def aclose(self) -> None:
         for task in list(self._tasks):
             task.cancel()
-        if self._client is not None:
-            await self._client.aclose()
+        if self._pool is not None:
+            self._pool[1].close()
 
     # -- one submission -------------------------------------------------------------------------------------
 
     @property
-    def client(self) -> httpx.AsyncClient:
-        if self._client is None:  # built on the event loop that uses it
+    def pool(self) -> Http1Pool:
+        """Keep-alive connections, one pool per event loop (connections cannot move between loops)."""
+        loop = asyncio.get_running_loop()
+        if self._pool is None or self._pool[0] is not loop:
             s = self.settings
             headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
-            self._client = httpx.AsyncClient(
-                transport=self._transport,
-                headers=headers,
-                timeout=httpx.Timeout(s.read_timeout_s, connect=s.connect_timeout_s, write=s.connect_timeout_s, pool=s.connect_timeout_s),
-                limits=httpx.Limits(max_connections=s.max_inflight + 8, max_keepalive_connections=s.max_inflight + 8),
-            )
-        return self._client
+            # Idle connections for every generation in flight, plus the health check and aborts.
+            self._pool = (loop, Http1Pool(self.target.url, max_idle=s.max_inflight + 2, headers=headers, connect=self._connect,
+                                          connect_timeout_s=s.connect_timeout_s, read_timeout_s=s.read_timeout_s))
+        return self._pool[1]
 
     async def _run(self, jobs: Sequence[GenerationJob], stream: GenerationStream, gate: "_Gate",
                    left: asyncio.Event) -> None:
@@ -209,8 +208,9 @@ class UpstreamEngine(EngineClient):
             return
         path, body = call
         try:
-            await self.client.post(self.target.url + path, json=body, timeout=self.settings.connect_timeout_s)
-        except httpx.HTTPError as exc:  # the connection is closed anyway; the upstream notices in time
+            async with self.pool.request("POST", path, _encode(body), read_timeout_s=self.settings.connect_timeout_s) as response:
+                await response.read_all()
+        except TransportError as exc:  # the connection is closed anyway; the upstream notices in time
             log.warning("upstream_abort_failed", engine=self.name, error=type(exc).__name__)
 
     async def _choice(self, job: GenerationJob, choice: int, rid: str, stream: GenerationStream, gate: "_Gate") -> None:
@@ -220,18 +220,19 @@ class UpstreamEngine(EngineClient):
         except DeltafinError as exc:
             self._count_error(exc.code or type(exc).__name__)
             raise
-        except httpx.ConnectError as exc:
+        except ConnectFailed as exc:
             self._count_error("unreachable")
             raise UpstreamUnavailableError(
-                f"The upstream {self.target} is unreachable ({type(exc).__name__}).",
+                f"The upstream {self.target} is unreachable ({exc}).",
                 headers={"Retry-After": str(self.settings.retry_after_s)},
             ) from None
-        except httpx.TimeoutException as exc:
+        except ReadTimedOut:
             self._count_error("timeout")
-            raise UpstreamTimeoutError(f"The upstream {self.target} timed out ({type(exc).__name__}).") from None
-        except httpx.HTTPError as exc:  # the connection broke mid-stream
+            raise UpstreamTimeoutError(
+                f"The upstream {self.target} timed out (nothing for {self.settings.read_timeout_s:g} s).") from None
+        except TransportError as exc:  # the connection broke mid-stream
             self._count_error("disconnected")
-            raise UpstreamError(f"The upstream {self.target} closed the stream ({type(exc).__name__}).") from None
+            raise UpstreamError(f"The upstream {self.target} closed the stream ({exc}).") from None
 
     async def _stream_choice(self, job: GenerationJob, choice: int, rid: str, stream: GenerationStream,
                              gate: "_Gate", started: float) -> None:
@@ -242,44 +243,53 @@ class UpstreamEngine(EngineClient):
         headers = {"x-request-id": f"{request_id}-{choice}" if choice else str(request_id)} if request_id else {}
         for attempt in range(2):
             path, body = self.adapter.request(job, rid, stop_ids)
-            async with self.client.stream("POST", self.target.url + path, json=body, headers=headers) as response:
-                if response.status_code != 200:
-                    raw = await response.aread()
-                    if attempt == 0 and self.adapter.fallback(response.status_code):
+            async with self.pool.request("POST", path, _encode(body), headers) as response:
+                if response.status != 200:
+                    raw = await response.read_all()
+                    if attempt == 0 and self.adapter.fallback(response.status):
                         continue
-                    raise error_for_status(self.target, response.status_code, raw, response.headers,
+                    raise error_for_status(self.target, response.status, raw, response.headers,
                                            context_length=self.context_length, prompt_tokens=prompt_len)
                 await self._read(response, job, choice, stream, gate, started, stop_ids)
                 return
 
-    async def _read(self, response: httpx.Response, job: GenerationJob, choice: int, stream: GenerationStream,
+    async def _read(self, response: Response, job: GenerationJob, choice: int, stream: GenerationStream,
                     gate: "_Gate", started: float, stop_ids: frozenset[int]) -> None:
         decoder = ChoiceDecoder(self.tokenizer, job.params, stop_ids, choice)
         state = self.adapter.new_state(job)
         finish: Chunk | None = None
         prompt_tokens, cached = len(job.prompt_ids), 0
         first_token_s: float | None = None
-        async for payload in sse_payloads(response):
-            chunk = self.adapter.parse(payload, state)
-            if chunk.error is not None:
-                raise error_in_stream(self.target, chunk.error, context_length=self.context_length, prompt_tokens=len(job.prompt_ids))
-            gate.arrived()
-            if chunk.prompt_tokens is not None:
-                prompt_tokens = chunk.prompt_tokens
-            if chunk.cached_tokens is not None:
-                cached = chunk.cached_tokens
-            if chunk.token_ids and first_token_s is None:
-                first_token_s = time.perf_counter() - started
-            for token_id, logprob in _aligned(chunk):
-                delta = decoder.push(token_id, logprob)
-                if delta is not None:
-                    stream.emit(delta)
-            if chunk.finish_reason is not None:
-                if chunk.finish_reason not in ("stop", "length"):  # vLLM's "abort" (preempted, shut down ...)
-                    raise UpstreamError(f"The upstream {self.target} ended the generation: {chunk.finish_reason}.")
-                finish = chunk
-            elif decoder.done:
-                break  # Deltafin stopped (a stop string, a stop id the upstream does not know): close upstream
+        stopped = False
+        async for batch in sse_batches(response):
+            deltas: list[TextDelta] = []
+            for payload in batch:
+                chunk = self.adapter.parse(payload, state)
+                if chunk.error is not None:
+                    _emit(stream, deltas)
+                    raise error_in_stream(self.target, chunk.error, context_length=self.context_length, prompt_tokens=len(job.prompt_ids))
+                gate.arrived()
+                if chunk.prompt_tokens is not None:
+                    prompt_tokens = chunk.prompt_tokens
+                if chunk.cached_tokens is not None:
+                    cached = chunk.cached_tokens
+                if chunk.token_ids and first_token_s is None:
+                    first_token_s = time.perf_counter() - started
+                for token_id, logprob in _aligned(chunk):
+                    delta = decoder.push(token_id, logprob)
+                    if delta is not None:
+                        deltas.append(delta)
+                if chunk.finish_reason is not None:
+                    if chunk.finish_reason not in ("stop", "length"):  # vLLM's "abort" (preempted, shut down ...)
+                        _emit(stream, deltas)
+                        raise UpstreamError(f"The upstream {self.target} ended the generation: {chunk.finish_reason}.")
+                    finish = chunk
+                elif decoder.done:
+                    stopped = True  # Deltafin stopped (a stop string, a stop id the upstream does not know)
+                    break
+            _emit(stream, deltas)  # events that arrived together leave together: one wake-up of the client side
+            if stopped:
+                break  # leaving the `async with` closes the upstream request
         else:
             if finish is None and not decoder.done:
                 raise Garbled(f"The upstream {self.target} ended the stream before the generation finished.")
@@ -342,6 +352,16 @@ class _Gate:
     def cancel(self) -> None:
         if not self._future.done():
             self._future.set_result(None)
+
+
+def _emit(stream: GenerationStream, deltas: list[TextDelta]) -> None:
+    """One event for the deltas of one upstream read (consumers append texts, ids and logprobs alike)."""
+    if len(deltas) == 1:
+        stream.emit(deltas[0])
+    elif deltas:
+        first = deltas[0]
+        stream.emit(TextDelta(first.choice, "".join(d.text for d in deltas), tuple(t for d in deltas for t in d.token_ids),
+                              tuple(lp for d in deltas for lp in d.logprobs)))
 
 
 def _aligned(chunk: Chunk):

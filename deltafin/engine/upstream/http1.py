@@ -1,0 +1,393 @@
+"""A small HTTP/1.1 client for the gateway's token path: keep-alive connections to one upstream, and a body
+read one network read at a time.
+
+Why not httpx: behind a gateway every generated token is one upstream read, and httpx/httpcore/anyio spend
+more CPU per read (a cancel scope and a timeout per read, several layers of async generators) than all of
+Deltafin's own per-token work. Here one read is one `StreamReader.read`, chunked framing is undone in place
+(`ChunkedDecoder`), and the read timeout is one timer per request, re-armed only when it fires (`_Watchdog`).
+
+The client speaks just what the upstreams answer: a status line, headers, then a chunked, a sized or a
+read-to-close body. A connection goes back to the pool only when its response was read to the end and the
+server did not ask to close it; any other ending closes it (that is how a stopped choice ends upstream).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+import urllib.parse
+from typing import Awaitable, Callable, Mapping
+
+#: opens one connection to the upstream (tests pass an in-process one); the pool owns what it returns
+Connector = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
+
+_READ_SIZE = 65536
+_MAX_LINE = 8192
+
+
+class TransportError(Exception):
+    """The exchange failed below HTTP."""
+
+
+class ConnectFailed(TransportError):
+    """No connection could be opened (refused, unresolvable, or not within the connect timeout)."""
+
+
+class ReadTimedOut(TransportError):
+    """The upstream was silent longer than the read timeout."""
+
+
+class ConnectionBroken(TransportError):
+    """The connection closed or broke mid-exchange, or the framing was not HTTP/1.1."""
+
+
+class ChunkedDecoder:
+    """Undoes `Transfer-Encoding: chunked` incrementally: `feed` raw bytes, get body bytes; `done` after the
+    last chunk and its trailers. Raises `ConnectionBroken` on framing that is not chunked coding."""
+
+    _SIZE, _DATA, _DATA_END, _TRAILER = range(4)
+
+    def __init__(self) -> None:
+        self._pending = b""
+        self._state = self._SIZE
+        self._left = 0
+        self.done = False
+        #: bytes that came after the last chunk (a server that pipelines or misframes: not reusable)
+        self.extra = b""
+
+    def feed(self, data: bytes) -> bytes:
+        buf = self._pending + data if self._pending else data
+        out: list[bytes] = []
+        pos, end = 0, len(buf)
+        while pos < end and not self.done:
+            if self._state == self._DATA:
+                take = min(self._left, end - pos)
+                out.append(buf[pos : pos + take])
+                pos += take
+                self._left -= take
+                if self._left == 0:
+                    self._state = self._DATA_END
+                continue
+            eol = buf.find(b"\n", pos)
+            if eol < 0:
+                if end - pos > _MAX_LINE:
+                    raise ConnectionBroken("a chunk-size line is too long")
+                break
+            line = buf[pos:eol]
+            pos = eol + 1
+            if line.endswith(b"\r"):
+                line = line[:-1]
+            if self._state == self._SIZE:
+                self._left = _chunk_size(line)
+                self._state = self._DATA if self._left else self._TRAILER
+            elif self._state == self._DATA_END:
+                if line:
+                    raise ConnectionBroken("chunk data longer than its declared size")
+                self._state = self._SIZE
+            elif not line:  # the blank line after the (usually absent) trailers
+                self.done = True
+        self._pending = buf[pos:] if not self.done else b""
+        if self.done:
+            self.extra = buf[pos:]
+        return out[0] if len(out) == 1 else b"".join(out)
+
+
+def _chunk_size(line: bytes) -> int:
+    size = line.split(b";", 1)[0].strip()
+    try:
+        value = int(size, 16)
+    except ValueError:
+        value = -1
+    if value < 0 or not size or size[:1] in (b"+", b"-") or b"_" in size or size[:2].lower() == b"0x":
+        raise ConnectionBroken(f"not a chunk size: {line[:40]!r}")
+    return value
+
+
+class _Watchdog:
+    """The read timeout of one request with one timer: reads only note the time; when the timer fires it
+    either re-arms for the remaining silence or, past `timeout`, aborts the connection (the pending read then
+    ends and the response reports `ReadTimedOut`)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, timeout: float, transport: asyncio.BaseTransport) -> None:
+        self._loop = loop
+        self._timeout = timeout
+        self._transport = transport
+        self.expired = False
+        self.last = loop.time()
+        self._handle = loop.call_at(self.last + timeout, self._check)
+
+    def _check(self) -> None:
+        due = self.last + self._timeout
+        if self._loop.time() < due:
+            self._handle = self._loop.call_at(due, self._check)
+            return
+        self.expired = True
+        self._transport.abort()
+
+    def touch(self) -> None:
+        self.last = self._loop.time()
+
+    def cancel(self) -> None:
+        self._handle.cancel()
+
+
+class Response:
+    """One response, owning its connection until `close()` (which returns it to the pool when reusable)."""
+
+    def __init__(self, pool: "Http1Pool", conn: "_Connection", status: int, headers: dict[str, str],
+                 watchdog: _Watchdog) -> None:
+        self.status = status
+        self.headers = headers
+        self._pool = pool
+        self._conn = conn
+        self._watchdog = watchdog
+        self._complete = False
+        keep = headers.get("connection", "").lower() != "close"
+        if "chunked" in headers.get("transfer-encoding", "").lower():
+            self._chunked: ChunkedDecoder | None = ChunkedDecoder()
+            self._length: int | None = None
+        elif "content-length" in headers:
+            self._chunked = None
+            try:
+                self._length = int(headers["content-length"])
+            except ValueError:
+                raise ConnectionBroken(f"not a content-length: {headers['content-length'][:40]!r}") from None
+            self._complete = self._length == 0
+        else:  # the body runs to the end of the connection
+            self._chunked, self._length, keep = None, None, False
+        self._keep_alive = keep
+
+    @property
+    def complete(self) -> bool:
+        return self._complete
+
+    async def read_some(self) -> bytes:
+        """The next body bytes (possibly several events' worth); b"" once the body is complete."""
+        while not self._complete:
+            data = await self._recv()
+            if self._chunked is not None:
+                if not data:
+                    raise ConnectionBroken("the connection closed before the last chunk")
+                body = self._chunked.feed(data)
+                if self._chunked.done:
+                    self._complete = True
+                    self._keep_alive = self._keep_alive and not self._chunked.extra
+                if body:
+                    return body
+            elif self._length is not None:
+                if not data:
+                    raise ConnectionBroken("the connection closed before the end of the body")
+                if len(data) >= self._length:
+                    self._keep_alive = self._keep_alive and len(data) == self._length
+                    data, self._complete = data[: self._length], True
+                self._length -= len(data)
+                return data
+            else:
+                if not data:
+                    self._complete = True
+                return data
+        return b""
+
+    async def read_all(self) -> bytes:
+        parts = []
+        while data := await self.read_some():
+            parts.append(data)
+        return b"".join(parts)
+
+    async def _recv(self) -> bytes:
+        try:
+            data = await self._conn.reader.read(_READ_SIZE)
+        except OSError as exc:  # reset by the peer, or aborted by the watchdog
+            raise self._broken(exc) from None
+        if self._watchdog.expired:
+            raise ReadTimedOut("no data within the read timeout")
+        self._watchdog.touch()
+        return data
+
+    def _broken(self, exc: BaseException) -> TransportError:
+        if self._watchdog.expired:
+            return ReadTimedOut("no data within the read timeout")
+        return ConnectionBroken(f"{type(exc).__name__}: {exc}")
+
+    def close(self) -> None:
+        """Release the connection: back to the pool if the body was read to the end, else closed."""
+        self._watchdog.cancel()
+        if self._conn is not None:
+            self._pool._release(self._conn, reusable=self._complete and self._keep_alive)
+            self._conn = None  # type: ignore[assignment]
+
+    async def __aenter__(self) -> "Response":
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Connection:
+    __slots__ = ("reader", "writer")
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.reader = reader
+        self.writer = writer
+
+    def usable(self) -> bool:
+        """Not closed by either side while idle (a server's keep-alive timeout, llama-server's close)."""
+        return not self.reader.at_eof() and not self.writer.transport.is_closing()
+
+    def close(self) -> None:
+        self.writer.transport.abort()  # no graceful close to wait for: the exchange is over or abandoned
+
+
+class Http1Pool:
+    """Keep-alive HTTP/1.1 connections to one upstream base URL; at most `max_idle` are kept idle.
+
+    The pool belongs to one event loop (connections cannot move between loops); `UpstreamEngine` makes one
+    per loop."""
+
+    def __init__(self, base_url: str, *, max_idle: int, connect_timeout_s: float, read_timeout_s: float,
+                 headers: Mapping[str, str] | None = None, connect: Connector | None = None) -> None:
+        parts = urllib.parse.urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) URL: {base_url}")
+        self._host = parts.hostname
+        self._port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._tls = parts.scheme == "https"
+        self._prefix = parts.path.rstrip("/")
+        self._head_fields = f"Host: {parts.netloc}\r\n" + "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+        self._connect = connect or self._open_tcp
+        self._max_idle = max_idle
+        self._connect_timeout_s = connect_timeout_s
+        self._read_timeout_s = read_timeout_s
+        self._idle: list[_Connection] = []
+        #: connections opened so far (the tests and the benchmark read it)
+        self.opened = 0
+
+    async def _open_tcp(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+        context = ssl.create_default_context() if self._tls else None
+        return await asyncio.open_connection(self._host, self._port, ssl=context, limit=_READ_SIZE * 4)
+
+    def request(self, method: str, path: str, body: bytes | None = None, headers: Mapping[str, str] | None = None,
+                *, read_timeout_s: float | None = None) -> "_Exchange":
+        """`async with pool.request(...) as response:` the response head has been read; the body is yours."""
+        return _Exchange(self, method, path, body, headers, read_timeout_s)
+
+    async def _acquire(self) -> tuple[_Connection, bool]:
+        while self._idle:
+            conn = self._idle.pop()
+            if conn.usable():
+                return conn, True
+            conn.close()
+        try:
+            reader, writer = await asyncio.wait_for(self._connect(), self._connect_timeout_s)
+        except asyncio.TimeoutError:
+            raise ConnectFailed(f"ConnectTimeout after {self._connect_timeout_s:g} s") from None
+        except OSError as exc:
+            raise ConnectFailed(f"{type(exc).__name__}: {exc}") from None
+        self.opened += 1
+        return _Connection(reader, writer), False
+
+    def _release(self, conn: _Connection, *, reusable: bool) -> None:
+        if reusable and len(self._idle) < self._max_idle and conn.usable():
+            self._idle.append(conn)
+        else:
+            conn.close()
+
+    def close(self) -> None:
+        while self._idle:
+            self._idle.pop().close()
+
+    async def _exchange(self, method: str, path: str, body: bytes | None, headers: Mapping[str, str] | None,
+                        read_timeout_s: float | None) -> Response:
+        head = f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._head_fields}"
+        if headers:
+            head += "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        if body is not None:
+            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        raw = (head + "\r\n").encode("latin-1") + (body or b"")
+        loop = asyncio.get_running_loop()
+        for attempt in (0, 1):
+            conn, reused = await self._acquire()
+            watchdog = _Watchdog(loop, read_timeout_s or self._read_timeout_s, conn.writer.transport)
+            try:
+                status, fields = await self._send_and_read_head(conn, raw, watchdog)
+            except _StaleConnection:
+                watchdog.cancel()
+                conn.close()
+                if reused and attempt == 0:
+                    continue  # the server closed an idle connection as we reused it: one fresh try
+                raise ConnectionBroken("the upstream closed the connection without answering") from None
+            except BaseException:
+                watchdog.cancel()
+                conn.close()
+                raise
+            try:
+                return Response(self, conn, status, fields, watchdog)
+            except BaseException:
+                watchdog.cancel()
+                conn.close()
+                raise
+        raise AssertionError("unreachable")
+
+    async def _send_and_read_head(self, conn: _Connection, raw: bytes, watchdog: _Watchdog) -> tuple[int, dict[str, str]]:
+        try:
+            conn.writer.write(raw)
+            if conn.writer.transport.get_write_buffer_size():
+                await asyncio.wait_for(conn.writer.drain(), self._connect_timeout_s)
+            head = await conn.reader.readuntil(b"\r\n\r\n")
+        except asyncio.IncompleteReadError as exc:
+            if watchdog.expired:
+                raise ReadTimedOut("no response within the read timeout") from None
+            if not exc.partial:
+                raise _StaleConnection() from None
+            raise ConnectionBroken("the connection closed inside the response head") from None
+        except asyncio.LimitOverrunError:
+            raise ConnectionBroken("the response head is too long") from None
+        except asyncio.TimeoutError:
+            raise ConnectionBroken("the request could not be written within the connect timeout") from None
+        except OSError as exc:
+            if watchdog.expired:
+                raise ReadTimedOut("no response within the read timeout") from None
+            raise _StaleConnection() from exc
+        watchdog.touch()
+        return _parse_head(head)
+
+
+class _StaleConnection(Exception):
+    """Nothing came back on a connection: closed before our request was read (safe to send again once)."""
+
+
+class _Exchange:
+    """`async with`: opens the exchange, closes (or pools) its connection on the way out, whatever happens."""
+
+    def __init__(self, pool: Http1Pool, method: str, path: str, body: bytes | None,
+                 headers: Mapping[str, str] | None, read_timeout_s: float | None) -> None:
+        self._args = (method, path, body, headers, read_timeout_s)
+        self._pool = pool
+        self._response: Response | None = None
+
+    async def __aenter__(self) -> Response:
+        self._response = await self._pool._exchange(*self._args)
+        return self._response
+
+    async def __aexit__(self, *exc: object) -> None:
+        if self._response is not None:
+            self._response.close()
+
+
+def _parse_head(head: bytes) -> tuple[int, dict[str, str]]:
+    lines = head.decode("latin-1").split("\r\n")
+    parts = lines[0].split(" ", 2)
+    if len(parts) < 2 or not parts[0].startswith("HTTP/1.") or not parts[1].isdigit():
+        raise ConnectionBroken(f"not an HTTP/1.1 status line: {lines[0][:80]!r}")
+    fields: dict[str, str] = {}
+    for line in lines[1:]:
+        if not line:
+            continue
+        name, sep, value = line.partition(":")
+        if not sep:
+            raise ConnectionBroken(f"not a header line: {line[:80]!r}")
+        key = name.strip().lower()
+        fields[key] = f"{fields[key]}, {value.strip()}" if key in fields else value.strip()
+    if parts[0] == "HTTP/1.0" and fields.get("connection", "").lower() != "keep-alive":
+        fields["connection"] = "close"
+    return int(parts[1]), fields

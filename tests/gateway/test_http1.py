@@ -1,0 +1,196 @@
+"""The gateway's HTTP/1.1 client: chunked decoding and SSE framing at every split, connection reuse, timeouts,
+and streams that end badly, against the fake upstream over real sockets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+
+from deltafin.engine import GenerationJob
+from deltafin.engine.upstream.http1 import ChunkedDecoder, ConnectionBroken, Http1Pool
+from deltafin.engine.upstream.llama_server import LlamaServerAdapter
+from deltafin.engine.upstream.wire import SseSplitter
+from deltafin.protocol.sampling import SamplingParams
+from tests.gateway.fakes import DROP, Fake, ScriptedBody, collect, make_front
+
+CHUNKED = b"5\r\nhello\r\n1;ext=1\r\n \r\n6\r\nworld!\r\n0\r\nx-trailer: 1\r\n\r\n"
+
+
+def decode_in(parts: list[bytes]) -> tuple[bytes, ChunkedDecoder]:
+    decoder = ChunkedDecoder()
+    return b"".join(decoder.feed(part) for part in parts), decoder
+
+
+class TestChunkedDecoder:
+    @pytest.mark.parametrize("cut", range(len(CHUNKED) + 1))
+    def test_split_at_every_byte_boundary(self, cut):
+        body, decoder = decode_in([CHUNKED[:cut], CHUNKED[cut:]])
+        assert body == b"hello world!" and decoder.done and decoder.extra == b""
+
+    def test_one_byte_at_a_time(self):
+        body, decoder = decode_in([CHUNKED[i : i + 1] for i in range(len(CHUNKED))])
+        assert body == b"hello world!" and decoder.done
+
+    def test_not_done_before_the_last_chunk(self):
+        body, decoder = decode_in([CHUNKED[:-7]])
+        assert body == b"hello world!" and not decoder.done
+
+    def test_bytes_after_the_last_chunk_are_reported(self):
+        _, decoder = decode_in([b"0\r\n\r\nHTTP/1.1"])
+        assert decoder.done and decoder.extra == b"HTTP/1.1"
+
+    @pytest.mark.parametrize("bad", [b"zz\r\nhello\r\n", b"-5\r\nhello\r\n", b"\r\n", b"5\r\nhello!!\r\n", b"0x5\r\nhello\r\n"])
+    def test_framing_that_is_not_chunked_coding_is_refused(self, bad):
+        with pytest.raises(ConnectionBroken):
+            ChunkedDecoder().feed(bad)
+
+
+SSE = b'data: {"a": 1}\n\ndata:{"b": 2}\r\n\r\n: ping\n\nevent: x\ndata: {"c":\ndata: 3}\n\ndata: [DONE]\n\n'
+EVENTS = [b'{"a": 1}', b'{"b": 2}', b'{"c":\n3}', b"[DONE]"]
+
+
+class TestSseSplitter:
+    @pytest.mark.parametrize("cut", range(len(SSE) + 1))
+    def test_events_split_across_reads_at_every_byte(self, cut):
+        splitter = SseSplitter()
+        assert splitter.feed(SSE[:cut]) + splitter.feed(SSE[cut:]) == EVENTS
+
+    def test_crlf_and_cr_line_ends_split_between_reads(self):
+        raw = b"data: 1\r\n\r\ndata: 2\r\rdata: 3\r\ndata: 4\r\n\r\n"
+        for cut in range(len(raw) + 1):
+            splitter = SseSplitter()
+            assert splitter.feed(raw[:cut]) + splitter.feed(raw[cut:]) == [b"1", b"2", b"3\n4"], cut
+
+    def test_data_with_and_without_the_space(self):
+        assert SseSplitter().feed(b"data:x\n\ndata: y\n\ndata:  z\n\n") == [b"x", b"y", b" z"]
+
+    def test_an_event_without_its_blank_line_is_not_returned(self):
+        splitter = SseSplitter()
+        assert splitter.feed(b'data: {"a": 1}\n\ndata: {"b"') == [b'{"a": 1}']
+        assert splitter.feed(b"") == []
+
+
+def job(max_tokens=8, **params):
+    return GenerationJob((1, 2), SamplingParams(max_tokens=max_tokens, temperature=0.0, **params))
+
+
+def llama_events(ids):
+    out = [{"content": "x", "tokens": [i], "stop": False} for i in ids]
+    out.append({"content": "", "tokens": [], "stop": True, "stop_type": "limit", "tokens_evaluated": 2, "timings": {"cache_n": 0}})
+    return out
+
+
+@pytest.fixture
+def ids(bundle):
+    return bundle.tokenizer("Hello there, world", add_special_tokens=False).input_ids
+
+
+class TestConnectionReuse:
+    def test_sequential_requests_share_one_tcp_connection(self, bundle, ids):
+        fake = Fake(lambda b, p: ScriptedBody(llama_events(ids), delay=0.002, tail=b""))
+
+        async def scenario():
+            server, url = await fake.serve_tcp()
+            async with server:
+                front = make_front(LlamaServerAdapter, bundle, fake, url=url, tcp=True)
+                outs = [await collect(front, job(max_tokens=len(ids))) for _ in range(3)]
+                await front.aclose()
+            return outs
+
+        outs = asyncio.run(scenario())
+        assert [o.text for o in outs] == ["Hello there, world"] * 3
+        assert len(fake.requests) == 3 and fake.connections == 1
+
+    def test_a_request_closed_early_does_not_return_its_connection(self, bundle, ids):
+        fake = Fake(lambda b, p: ScriptedBody(llama_events(ids), delay=0.01, tail=b""))
+        front = make_front(LlamaServerAdapter, bundle, fake)
+
+        async def scenario():
+            stopped = await collect(front, job(max_tokens=len(ids), stop=("there",)))
+            whole = await collect(front, job(max_tokens=len(ids)))
+            return stopped, whole
+
+        stopped, whole = asyncio.run(scenario())
+        assert stopped.text == "Hello " and fake.bodies[0].closed_early
+        assert whole.text == "Hello there, world" and fake.connections == 2
+
+    def test_a_server_that_closes_idle_connections_is_reconnected_to(self, bundle, ids):
+        # llama-server closes the connection after each streamed response; the next request reconnects.
+        class Closing(ScriptedBody):
+            async def write(self, reader, writer):
+                await super().write(reader, writer)
+                return False
+
+        fake = Fake(lambda b, p: Closing(llama_events(ids), tail=b""))
+        front = make_front(LlamaServerAdapter, bundle, fake)
+
+        async def scenario():
+            return [await collect(front, job(max_tokens=len(ids))) for _ in range(3)]
+
+        assert [o.text for o in asyncio.run(scenario())] == ["Hello there, world"] * 3 and fake.connections == 3
+
+    def test_pool_keeps_at_most_max_idle_connections(self):
+        fake = Fake(lambda b, p: (200, {"ok": True}))
+
+        async def scenario():
+            pool = Http1Pool("http://up.test", max_idle=1, connect_timeout_s=1, read_timeout_s=1, connect=fake.connector())
+            async with pool.request("GET", "/a") as first, pool.request("GET", "/b") as second:
+                bodies = [json.loads(await first.read_all()), json.loads(await second.read_all())]
+            async with pool.request("GET", "/c") as third:
+                await third.read_all()
+            pool.close()
+            return bodies, pool.opened
+
+        bodies, opened = asyncio.run(scenario())
+        assert bodies == [{"ok": True}] * 2 and opened == 2 and fake.connections == 2
+        assert [p for p, _ in fake.requests] == ["/a", "/b", "/c"]
+
+
+class TestBadStreams:
+    def test_events_split_across_http_chunks(self, bundle, ids):
+        def bytewise(data):
+            return [data[i : i + 3] for i in range(0, len(data), 3)]
+
+        fake = Fake(lambda b, p: ScriptedBody(llama_events(ids), tail=b"", chunks=bytewise))
+        out = asyncio.run(collect(make_front(LlamaServerAdapter, bundle, fake), job(max_tokens=len(ids))))
+        assert out.text == "Hello there, world" and out.finished.reason == "length"
+
+    def test_stream_cut_mid_event_after_a_token_is_an_in_stream_502(self, bundle, ids):
+        events = llama_events(ids)[:1] + [b'data: {"content": "x", "tok']
+        fake = Fake(lambda b, p: ScriptedBody(events, tail=b""))
+        out = asyncio.run(collect(make_front(LlamaServerAdapter, bundle, fake), job()))
+        assert out.start_error is None and out.text == "Hello" and out.error.status == 502
+
+    def test_connection_dropped_mid_event_is_a_502(self, bundle, ids):
+        fake = Fake(lambda b, p: ScriptedBody([b'data: {"content": "x", "tok', DROP]))
+        out = asyncio.run(collect(make_front(LlamaServerAdapter, bundle, fake), job()))
+        assert out.start_error.status == 502 and out.start_error.code == "upstream_error"
+
+    def test_a_silent_upstream_is_a_504_before_the_first_token(self, bundle, ids):
+        fake = Fake(lambda b, p: ScriptedBody(llama_events(ids), delay=2.0))
+        front = make_front(LlamaServerAdapter, bundle, fake, read_timeout_s=0.2)
+        out = asyncio.run(collect(front, job()))
+        assert out.start_error.status == 504 and out.start_error.code == "upstream_timeout"
+        assert front.admission.in_use == 0
+
+    def test_a_silence_after_tokens_is_an_in_stream_504(self, bundle, ids):
+        class Stalls(ScriptedBody):
+            async def write(self, reader, writer):
+                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                data = self.encoded(self.events[0])
+                writer.write(b"%x\r\n%s\r\n" % (len(data), data))
+                await asyncio.sleep(2.0)
+                return False
+
+        fake = Fake(lambda b, p: Stalls(llama_events(ids)))
+        out = asyncio.run(collect(make_front(LlamaServerAdapter, bundle, fake, read_timeout_s=0.3), job()))
+        assert out.start_error is None and out.text == "Hello" and out.error.status == 504
+
+    def test_steady_tokens_slower_in_total_than_the_read_timeout_are_fine(self, bundle, ids):
+        # The timeout bounds the silence between events, not the whole generation.
+        fake = Fake(lambda b, p: ScriptedBody(llama_events(ids), delay=0.1, tail=b""))
+        front = make_front(LlamaServerAdapter, bundle, fake, read_timeout_s=0.25)
+        out = asyncio.run(collect(front, job(max_tokens=len(ids))))
+        assert out.text == "Hello there, world" and out.error is None
