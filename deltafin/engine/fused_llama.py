@@ -17,6 +17,7 @@ transformers forward.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Any
 
@@ -96,8 +97,9 @@ class FusedLlamaStep:
         self.final_norm = model.model.norm.weight
         self.head = model.lm_head
         self.layers = layers
-        #: per cache layer (by id): the (keys, values) buffers its tensors are views of
-        self._room: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        #: per cache layer: the (keys, values) buffers its tensors are views of. Weak keys: a finished batch's
+        #: layers take their buffers with them (and a new layer can never inherit an old one's buffer).
+        self._room: weakref.WeakKeyDictionary[Any, tuple[torch.Tensor, torch.Tensor]] = weakref.WeakKeyDictionary()
 
     def __call__(self, model: Any, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
                  cache: Any, *, cache_arg: str = "cache") -> torch.Tensor:
@@ -139,7 +141,7 @@ class FusedLlamaStep:
         if torch.compiler.is_compiling():
             kv.keys, kv.values = torch.cat([kv.keys, keys], dim=2), torch.cat([kv.values, values], dim=2)
             return kv.keys, kv.values
-        room = self._room.get(id(kv))
+        room = self._room.get(kv)
         length = kv.keys.shape[2]
         if (room is None or room[0].data_ptr() != kv.keys.data_ptr() or room[0].shape[:2] != kv.keys.shape[:2]
                 or kv.keys.stride() != room[0].stride() or length >= room[0].shape[2]):
@@ -148,7 +150,7 @@ class FusedLlamaStep:
             room = (kv.keys.new_empty(rows, kv_heads, capacity, dim), kv.values.new_empty(rows, kv_heads, capacity, dim))
             room[0][:, :, :length] = kv.keys
             room[1][:, :, :length] = kv.values
-            self._room[id(kv)] = room
+            self._room[kv] = room
         room[0][:, :, length] = keys[:, :, 0]
         room[1][:, :, length] = values[:, :, 0]
         kv.keys, kv.values = room[0][:, :, : length + 1], room[1][:, :, : length + 1]

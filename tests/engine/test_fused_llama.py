@@ -73,6 +73,17 @@ def test_float32_logits_match_transformers():
     assert_same_run(model, fused, 1e-5)
 
 
+def test_finished_batches_leave_no_buffers_behind():
+    model = tiny_llama()
+    fused = fused_llama_step(model)
+    for _ in range(3):
+        decode_run(model, fused, steps=4)
+    import gc
+
+    gc.collect()
+    assert len(fused._room) == 0  # every batch's cache is gone, so are the buffers the step kept for it
+
+
 def test_attention_and_mlp_biases_are_kept():
     model = tiny_llama(attention_bias=True, mlp_bias=True)
     with torch.no_grad():

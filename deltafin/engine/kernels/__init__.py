@@ -68,7 +68,11 @@ def int8_matvec() -> Int8Matvec | None:
     """The int8 weight-only matmul for a few rows (deltafin/engine/kernels/int8_matvec.c), or None."""
     if os.environ.get("DELTAFIN_KERNELS", "1") == "0":
         return None
-    library = _build("int8_matvec")
+    try:
+        library = _build("int8_matvec")
+    except OSError as exc:  # e.g. a read-only cache folder: torch's kernel still works
+        log.warning("kernel_unavailable", kernel="int8_matvec", reason=str(exc))
+        return None
     if library is None:
         return None
     function = ctypes.CDLL(str(library)).int8_matvec
