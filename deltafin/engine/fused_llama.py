@@ -111,7 +111,7 @@ class FusedLlamaStep:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, 1, D]: broadcast over heads
         half = dim // 2
         # Additive mask, once per step: padding columns get -inf (a boolean mask is converted in every call).
-        hidden = torch.zeros(attention_mask.shape, dtype=x.dtype).masked_fill_(attention_mask == 0, float("-inf"))
+        hidden = x.new_zeros(attention_mask.shape).masked_fill_(attention_mask == 0, float("-inf"))
         hidden = hidden[:, None, None, :]  # [B, 1, 1, L+1]
         for layer, kv in zip(self.layers, cache.layers):
             h = F.rms_norm(x, (width,), layer.input_norm, self.eps)
