@@ -22,6 +22,15 @@ def test_the_kernel_builds_here():
     assert int8_matvec() is not None  # this machine has a C compiler; CI's does too
 
 
+def test_loading_it_leaves_the_process_floating_point_alone():
+    """Built with -ffast-math, loading the library switched on flush-to-zero for the whole process: the
+    smallest denormal compared equal to 0, and msgspec let `top_p: 0` through its `gt=0.0` check."""
+    assert int8_matvec() is not None
+    smallest = float.fromhex("0x0.0000000000001p-1022")
+    assert smallest > 0.0
+    assert torch.tensor([smallest], dtype=torch.float64).item() > 0.0
+
+
 def test_matches_a_float_reference_of_the_same_weights():
     layer = quantized(bias=True)
     x = torch.randn(5, layer.in_features)

@@ -24,7 +24,11 @@ import torch
 log = structlog.get_logger("deltafin.engine")
 
 SOURCE_DIR = Path(__file__).parent
-FLAGS = ["-O3", "-march=native", "-ffast-math", "-fopenmp", "-shared", "-fPIC"]
+# Reassociation lets the compiler vectorize the dot product's sum. Not -ffast-math: a shared library built
+# with it sets flush-to-zero for the whole process when loaded (gcc links crtfastmath.o), which broke msgspec's
+# `gt=0.0` checks (the smallest denormal became 0, so top_p=0 passed validation).
+FLAGS = ["-O3", "-march=native", "-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math", "-fopenmp",
+         "-shared", "-fPIC"]
 
 #: (x [M, K] float32, w [N, K] int8, scale [N] float32, bias [N] float32 | None) -> y [M, N] float32
 Int8Matvec = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor]

@@ -3,7 +3,7 @@
    y[m, n] = scale[n] * sum_k w[n, k] * x[m, k] (+ bias[n])     w: int8 [N, K] row-major, x: float [M, K]
 
    A decode step reads every weight once per token and does two flops per weight, so the rate is set by how
-   fast int8 weights stream from memory: plain C, vectorized by the compiler (-O3 -march=native -ffast-math),
+   fast int8 weights stream from memory: plain C, vectorized by the compiler (-O3 -march=native, reassociation allowed),
    reaches the memory bandwidth where torch's _weight_int8pack_mm, its bfloat16 conversions included, runs at
    half of it. Each output is one dot product whose order depends only on K, never on M or on the other rows,
    so a row gets the same bits alone or in a batch. Threads split the output channels (OpenMP: the same
