@@ -18,7 +18,7 @@ transformers forward.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -101,6 +101,15 @@ class FusedLlamaStep:
 
     def __call__(self, model: Any, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
                  cache: Any, *, cache_arg: str = "cache") -> torch.Tensor:
+        layers = cache.layers
+        return self.forward(tokens, attention_mask, positions, lambda i, k, v: self._append(layers[i], k, v))
+
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
+                write: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """tokens [B, 1], attention_mask [B, S] (0 = hidden), positions [B, 1] -> logits [B, V].
+        `write(layer, keys, values)` stores the new position's keys and values [B, Hk, 1, D] in the layer's
+        cache and returns the keys and values to attend over ([B, Hk, S, D]): the eager step appends
+        (`_append`), the static one writes into a preallocated buffer (`deltafin.engine.fused_static`)."""
         rows = tokens.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         x = self.embed(tokens)  # [B, 1, H]
@@ -109,14 +118,14 @@ class FusedLlamaStep:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, 1, D]: broadcast over heads
         half = dim // 2
         # Additive mask, once per step: padding columns get -inf (a boolean mask is converted in every call).
-        hidden = torch.zeros(attention_mask.shape, dtype=x.dtype).masked_fill_(attention_mask == 0, float("-inf"))
-        hidden = hidden[:, None, None, :]  # [B, 1, 1, L+1]
-        for layer, kv in zip(self.layers, cache.layers):
+        hidden = attention_mask.new_zeros(attention_mask.shape, dtype=x.dtype)
+        hidden = hidden.masked_fill_(attention_mask == 0, float("-inf"))[:, None, None, :]  # [B, 1, 1, S]
+        for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, (width,), layer.input_norm, self.eps)
             qkv = layer.qkv.forward(h).view(rows, 1, heads + 2 * kv_heads, dim).transpose(1, 2)  # [B, Hq+2Hk, 1, D]
             qk = qkv[:, : heads + kv_heads]
             qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin  # rotary, q and k at once
-            keys, values = self._append(kv, qk[:, heads:], qkv[:, heads + kv_heads :])
+            keys, values = write(i, qk[:, heads:], qkv[:, heads + kv_heads :])
             attended = F.scaled_dot_product_attention(
                 qk[:, :heads], keys, values, attn_mask=hidden, scale=self.scaling, enable_gqa=True
             )  # [B, Hq, 1, D]
