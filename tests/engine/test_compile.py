@@ -25,12 +25,21 @@ def tiny_llama() -> LlamaForCausalLM:
     return LlamaForCausalLM(config).eval()
 
 
-def decode_run(model, step, steps=8, joining=1):
-    """Two rows of different lengths, the first leaving after 3 steps, `joining` rows of a third prompt joining
-    after 5; greedy. Returns every step's logits, the (rows, width) of every step, and per step a one-row cache
-    taken from the batch (as the prefix cache does) with a copy of its contents at the time."""
+def decode_run(model, step, steps=8, joining=None, keeping=None):
+    """Two rows of different lengths; greedy. After step i, `keeping[i]` rows stay (by index) and `joining[i]`
+    rows of a third prompt join; by default the first row leaves after step 2 and one row joins after step 4.
+    Returns every step's logits, the (rows, width) of every step, and one-row caches taken from the batch as
+    the engine gives them to the prefix cache (the last row after every step, and every row that leaves), each
+    with a copy of its contents at the time."""
+    joining = {4: 1} if joining is None else joining
+    keeping = {2: [1]} if keeping is None else keeping
     kv = BatchKV(torch.device("cpu"))
     out, shapes, handed_out = [], [], []
+
+    def hand_out(row):
+        cache = kv.row_cache(row)
+        handed_out.append((cache, [(layer.keys.clone(), layer.values.clone()) for layer in cache.layers]))
+
     with torch.inference_mode():
         for prompt in ([1, 2, 3, 4, 5], [7, 8, 9]):
             cache = DynamicCache(config=model.config)
@@ -43,17 +52,18 @@ def decode_run(model, step, steps=8, joining=1):
             logits = step(model, tokens, mask, positions, kv.cache)  # [B, V]
             kv.advanced(mask)
             out.append(logits.clone())
-            row = kv.row_cache(kv.rows - 1)
-            handed_out.append((row, [(layer.keys.clone(), layer.values.clone()) for layer in row.layers]))
+            hand_out(kv.rows - 1)
             tokens = logits.argmax(-1, keepdim=True)
-            if i == 2:
-                kv.keep([1])
-                tokens = tokens[1:]
-            if i == 4:
+            if i in keeping:
+                for row in sorted(set(range(kv.rows)) - set(keeping[i])):
+                    hand_out(row)
+                kv.keep(keeping[i])
+                tokens = tokens[keeping[i]]
+            if i in joining:
                 cache = DynamicCache(config=model.config)
                 prefill(model, [3, 1, 4, 1, 5, 9, 2, 6], cache, 0)
-                kv.add(cache, 8, copies=joining)
-                tokens = torch.cat([tokens, torch.tensor([[6]] * joining)])
+                kv.add(cache, 8, copies=joining[i])
+                tokens = torch.cat([tokens, torch.tensor([[6]] * joining[i])])
     return out, shapes, handed_out
 
 
@@ -78,22 +88,23 @@ def test_compile_picks_static_shapes_for_the_fused_step_only():
 
 @pytest.mark.parametrize("weights", ["float32", "int8"])
 def test_static_step_matches_eager_with_one_graph_per_bucket_pair(tmp_path, weights):
-    """Rows 2 -> 1 -> 3 (row buckets 2, 1, 4: the last with a dummy row), widths 6 to 20 crossing the capacity
-    bucket of 16: logits equal the eager fused step's, one graph per bucket pair (not per step), and every
+    """Rows 2 -> 1 -> 4 -> 3 (row buckets 2, 1, 4, 4: the last with a dummy row, and rows replaced within one
+    bucket), widths 6 to 17 crossing the capacity bucket of 16: logits equal the eager fused step's, one graph per bucket pair (not per step), and every
     view handed out (as to the prefix cache) keeps its contents while later steps write into the buffers.
     int8: the C kernel is a torch operator inside the graph (a ctypes call would split it)."""
     model = tiny_llama()
     if weights == "int8":
         (tmp_path / "src").mkdir()
         quantize_model(model, "int8", source=tmp_path / "src", cache_dir=tmp_path)
-    eager, shapes, _ = decode_run(model, fused_llama_step(model), steps=14, joining=2)
+    schedule = dict(steps=14, joining={4: 3}, keeping={2: [1], 8: [1, 2, 3]})
+    eager, shapes, _ = decode_run(model, fused_llama_step(model), **schedule)
     torch._dynamo.reset()
     torch._dynamo.utils.counters.clear()
     static = StaticFusedStep(fused_llama_step(model), backend="aot_eager", bucket=16)
-    got, _, handed_out = decode_run(model, static, steps=14, joining=2)
+    got, _, handed_out = decode_run(model, static, **schedule)
     assert [tuple(t.shape) for t in got] == [tuple(t.shape) for t in eager]
     assert max(float((a - b).abs().max()) for a, b in zip(eager, got)) < 1e-5
-    assert [rows for rows, _ in shapes] == [2, 2, 2, 1, 1, 3, 3, 3, 3, 3, 3, 3, 3, 3]
+    assert [rows for rows, _ in shapes] == [2, 2, 2, 1, 1, 4, 4, 4, 4, 3, 3, 3, 3, 3]
     assert [width for _, width in shapes] == list(range(6, 9)) + [7, 8] + list(range(9, 18))
     assert set(static.graphs) == {(2, 16), (1, 16), (4, 16), (4, 32)}
     assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 4
