@@ -144,10 +144,7 @@ class FusedLlamaStep:
         Safe because writes only ever go to the column right after the current width: views handed out
         earlier (a row's cache given to the prefix cache) end at or before it, and `BatchKV` replaces the
         tensors (cat, index_select) whenever rows join or leave, which drops the buffer.
-        Under torch.compile the step appends with `cat` (buffers kept across calls are state the graph cannot own)."""
-        if torch.compiler.is_compiling():
-            kv.keys, kv.values = torch.cat([kv.keys, keys], dim=2), torch.cat([kv.values, values], dim=2)
-            return kv.keys, kv.values
+        Eager only: under placement.compile the static step (`deltafin.engine.fused_static`) owns the buffers."""
         room = self._room.get(id(kv))
         length = kv.keys.shape[2]
         if (room is None or room[0].data_ptr() != kv.keys.data_ptr() or room[0].shape[:2] != kv.keys.shape[:2]
