@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
@@ -103,6 +103,15 @@ class FusedLlamaStep:
 
     def __call__(self, model: Any, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
                  cache: Any, *, cache_arg: str = "cache") -> torch.Tensor:
+        layers = cache.layers
+        return self.forward(tokens, attention_mask, positions, lambda i, k, v: self._append(layers[i], k, v))
+
+    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
+                write: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+        """tokens [B, 1], attention_mask [B, S] (0 = hidden), positions [B, 1] -> logits [B, V].
+        `write(layer, keys, values)` stores the new position's keys and values [B, Hk, 1, D] in the layer's
+        cache and returns the keys and values to attend over ([B, Hk, S, D]): the eager step appends
+        (`_append`), the static one writes into a preallocated buffer (`deltafin.engine.fused_static`)."""
         rows = tokens.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         x = self.embed(tokens)  # [B, 1, H]
@@ -111,14 +120,14 @@ class FusedLlamaStep:
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, 1, D]: broadcast over heads
         half = dim // 2
         # Additive mask, once per step: padding columns get -inf (a boolean mask is converted in every call).
-        hidden = x.new_zeros(attention_mask.shape).masked_fill_(attention_mask == 0, float("-inf"))
-        hidden = hidden[:, None, None, :]  # [B, 1, 1, L+1]
-        for layer, kv in zip(self.layers, cache.layers):
+        hidden = attention_mask.new_zeros(attention_mask.shape, dtype=x.dtype)
+        hidden = hidden.masked_fill_(attention_mask == 0, float("-inf"))[:, None, None, :]  # [B, 1, 1, S]
+        for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, (width,), layer.input_norm, self.eps)
             qkv = layer.qkv.forward(h).view(rows, 1, heads + 2 * kv_heads, dim).transpose(1, 2)  # [B, Hq+2Hk, 1, D]
             qk = qkv[:, : heads + kv_heads]
             qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin  # rotary, q and k at once
-            keys, values = self._append(kv, qk[:, heads:], qkv[:, heads + kv_heads :])
+            keys, values = write(i, qk[:, heads:], qkv[:, heads + kv_heads :])
             attended = F.scaled_dot_product_attention(
                 qk[:, :heads], keys, values, attn_mask=hidden, scale=self.scaling, enable_gqa=True
             )  # [B, Hq, 1, D]
@@ -137,10 +146,7 @@ class FusedLlamaStep:
         Safe because writes only ever go to the column right after the current width: views handed out
         earlier (a row's cache given to the prefix cache) end at or before it, and `BatchKV` replaces the
         tensors (cat, index_select) whenever rows join or leave, which drops the buffer.
-        Under torch.compile the step appends with `cat` (buffers kept across calls are state the graph cannot own)."""
-        if torch.compiler.is_compiling():
-            kv.keys, kv.values = torch.cat([kv.keys, keys], dim=2), torch.cat([kv.values, values], dim=2)
-            return kv.keys, kv.values
+        Eager only: under placement.compile the static step (`deltafin.engine.fused_static`) owns the buffers."""
         room = self._room.get(kv)
         length = kv.keys.shape[2]
         if (room is None or room[0].data_ptr() != kv.keys.data_ptr() or room[0].shape[:2] != kv.keys.shape[:2]

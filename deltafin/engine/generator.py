@@ -88,10 +88,16 @@ def compiled_decode_step(backend: str = "inductor", step: Any = decode_step) -> 
     return torch.compile(step, backend=backend, dynamic=True)
 
 
-def decode_step_for(model: Any, *, compile: bool = False) -> Any:
+def decode_step_for(model: Any, *, compile: bool = False, backend: str = "inductor") -> Any:
     """The fastest decode step that covers `model`: the fused one of its architecture where there is one
-    (`deltafin.engine.fused_llama`), else transformers' forward (`decode_step`)."""
-    from deltafin.engine.fused_llama import fused_llama_step
+    (`deltafin.engine.fused_llama`), else transformers' forward (`decode_step`).
 
-    step = fused_llama_step(model) or decode_step
-    return compiled_decode_step(step=step) if compile else step
+    With `compile`, the fused step runs with static shapes per (row bucket, capacity bucket)
+    (`deltafin.engine.fused_static`); transformers' forward keeps `torch.compile(dynamic=True)`."""
+    from deltafin.engine.fused_llama import fused_llama_step
+    from deltafin.engine.fused_static import StaticFusedStep
+
+    fused = fused_llama_step(model)
+    if fused is None:
+        return compiled_decode_step(backend, decode_step) if compile else decode_step
+    return StaticFusedStep(fused, backend=backend) if compile else fused
