@@ -91,7 +91,8 @@ def main() -> None:
             # Chunks may merge tokens (held-back bytes); count tokens from the usage we asked for.
             df_rates.append((args.tokens - 1) / (arrivals[-1] - arrivals[0]))
         # The server's own view of the same requests: TTFT from request arrival vs the engine's prefill.
-        logged = [json.loads(line) for line in server.log_lines() if '"event": "request"' in line]
+        # The log file also holds stderr (a progress bar without a newline can prefix a line): JSON lines only.
+        logged = [json.loads(line) for line in server.log_lines() if line.startswith("{") and '"event": "request"' in line]
         overheads = [
             entry["ttft_ms"] - entry["prefill_ms"]
             for entry in logged
