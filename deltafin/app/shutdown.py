@@ -36,6 +36,8 @@ class Drain:
         self.grace_s = grace_s
         self.started = asyncio.Event()
         self.expired = asyncio.Event()
+        # Called when the grace ends: the streams waiting for their next chunk at that moment (see `stream`).
+        self._on_expiry: set[Callable[[], None]] = set()
 
     def begin(self) -> None:
         """Start draining (on the event loop; see `begin_from_signal`)."""
@@ -43,7 +45,12 @@ class Drain:
             return
         log.info("shutdown_started", grace_s=self.grace_s)
         self.started.set()
-        asyncio.get_running_loop().call_later(self.grace_s, self.expired.set)
+        asyncio.get_running_loop().call_later(self.grace_s, self._expire)
+
+    def _expire(self) -> None:
+        self.expired.set()
+        for callback in list(self._on_expiry):
+            callback()
 
     def begin_from_signal(self) -> None:
         """For a signal handler, which interrupts the loop's own thread at an arbitrary point."""
@@ -67,28 +74,48 @@ class Drain:
     async def stream(self, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """Pass an SSE body through; when the grace ends, stop its generation and end it with an error event
         and [DONE]."""
+        # The body is awaited in this task, not raced in a task of its own per chunk (that cost a task and an
+        # `asyncio.wait` per token): a grace that ends while a chunk is awaited cancels this task, which stops
+        # the generation at its await just as cancelling that task did.
         chunks = body.__aiter__()
-        expired = asyncio.ensure_future(self.expired.wait())
-        step: asyncio.Future | None = None
+        task = asyncio.current_task()
+        waiting = False
+        interrupted = False
+
+        def interrupt() -> None:
+            nonlocal interrupted
+            if waiting and not interrupted:
+                interrupted = True
+                task.cancel()
+
+        self._on_expiry.add(interrupt)
+        begun = False
         try:
-            while True:
-                step = asyncio.ensure_future(chunks.__anext__())
-                await asyncio.wait({step, expired}, return_when=asyncio.FIRST_COMPLETED)
-                if not step.done():
-                    await _cancel(step)  # the body's own `finally` stops the generation
-                    yield sse_event(shutting_down().body())
-                    yield DONE
-                    return
+            while not self.expired.is_set():
+                waiting = begun = True
                 try:
-                    chunk = step.result()
+                    chunk = await chunks.__anext__()
                 except StopAsyncIteration:
-                    return
+                    if not interrupted:
+                        return
+                except BaseException:
+                    if not interrupted:
+                        raise  # the client left (or the body failed): not ours to answer
+                finally:
+                    waiting = False
+                if interrupted:
+                    task.uncancel()  # the cancellation was ours, consumed here, not the caller's
+                    break
                 yield chunk
+            if not begun:  # the grace ended before the body ran: only its own `finally` stops the generation
+                step = asyncio.ensure_future(chunks.__anext__())
+                await asyncio.sleep(0)
+                await _cancel(step)
+            yield sse_event(shutting_down().body())
+            yield DONE
         finally:
             # Also reached when the client leaves (this generator is closed or cancelled mid-step).
-            expired.cancel()
-            if step is not None and not step.done():
-                await _cancel(step)
+            self._on_expiry.discard(interrupt)
             aclose = getattr(chunks, "aclose", None)
             if aclose is not None:
                 await aclose()

@@ -10,7 +10,7 @@ from deltafin.config.schema import (
     QueueConfig,
     ServerConfig,
 )
-from deltafin.config.validate import ConfigError, CONF_DIR, validate_config
+from deltafin.config.validate import ConfigError, CONF_DIR, plain_config, validate_config
 
 __all__ = [
     "CONF_DIR",
@@ -23,5 +23,6 @@ __all__ = [
     "PlacementConfig",
     "QueueConfig",
     "ServerConfig",
+    "plain_config",
     "validate_config",
 ]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, SCMode
 from omegaconf.errors import OmegaConfBaseException
 
 from deltafin.config.schema import KNOWN_FAMILIES, DeltafinConfig
@@ -118,3 +118,14 @@ def _check_engine(merged: Any) -> None:
         url = merged.engine.url
         if not url or not str(url).startswith(("http://", "https://")):
             raise ConfigError(f"engine.url: an upstream engine needs http(s)://HOST:PORT (got {url!r})")
+
+
+def plain_config(config: Any) -> DeltafinConfig:
+    """The validated config as plain dataclasses, dicts and lists, for code that reads it per request: an
+    omegaconf attribute read costs ~18 us (`config.server.queue.timeout_s` ~55 us), a dataclass one ~30 ns.
+    A config that is already plain is returned as it is."""
+    if not isinstance(config, DictConfig):
+        return config
+    return OmegaConf.to_container(  # type: ignore[return-value]
+        config, resolve=True, throw_on_missing=False, structured_config_mode=SCMode.INSTANTIATE
+    )

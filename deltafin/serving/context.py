@@ -9,7 +9,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
-from deltafin.config import DeltafinConfig
+from deltafin.config import DeltafinConfig, plain_config
 from deltafin.engine import EngineFront, Finished, TextDelta
 from deltafin.errors import ContextLengthError, ModelNotFoundError
 from deltafin.prompt import ChatFormat
@@ -77,6 +77,8 @@ class ServingContext:
     prompt: PromptWork | None = None  # None: built from the config in __post_init__
 
     def __post_init__(self) -> None:
+        # Read per request (model name, limits, templates): plain attributes, not omegaconf nodes (~18 us a read).
+        self.config = plain_config(self.config)
         # Each thread gets its own tokenizer: encoding flips `split_special_tokens` state on the Rust object, so
         # a shared one could let a prompt's content be encoded with control tokens live. The prompt thread
         # uses engine.tokenizer (through the chat format), the event loop this copy, the engine its own.

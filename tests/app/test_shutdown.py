@@ -50,6 +50,50 @@ def test_a_stream_past_the_grace_ends_with_an_error_event_and_done():
     assert json.loads(chunks[-2][6:])["error"]["code"] == "server_shutting_down"
 
 
+def test_a_stream_stalled_on_a_chunk_when_draining_begins_is_ended_at_the_grace():
+    closed = []
+
+    async def stalled():
+        try:
+            yield b"data: 0\n\n"
+            await asyncio.sleep(60)  # an upstream that never sends the next token
+            yield b"data: 1\n\n"
+        finally:
+            closed.append(True)
+
+    async def scenario():
+        drain = Drain(grace_s=0.1)
+        loop = asyncio.get_running_loop()
+        loop.call_later(0.05, drain.begin)  # after the stream began waiting: the pass-through has to be interrupted
+        started = loop.time()
+        chunks = await collect(drain.stream(stalled()))
+        return chunks, loop.time() - started, asyncio.current_task().cancelling()
+
+    chunks, took, cancelling = asyncio.run(scenario())
+    assert chunks[0] == b"data: 0\n\n" and chunks[-1] == b"data: [DONE]\n\n" and len(chunks) == 3
+    assert json.loads(chunks[1][6:])["error"]["code"] == "server_shutting_down"
+    assert took < 1.0 and closed == [True] and cancelling == 0  # the drain's own cancellation is not left pending
+
+
+def test_a_body_not_begun_when_the_grace_ended_is_still_closed():
+    closed = []
+
+    async def never_begun():
+        try:
+            yield b"data: 0\n\n"
+        finally:
+            closed.append(True)
+
+    async def scenario():
+        drain = Drain(grace_s=0.0)
+        drain.begin()
+        await asyncio.sleep(0.01)
+        return await collect(drain.stream(never_begun()))
+
+    chunks = asyncio.run(scenario())
+    assert chunks[-1] == b"data: [DONE]\n\n" and closed == [True]
+
+
 @pytest.mark.parametrize("admitted,expected", [(False, "503 at once"), (True, "503 at the grace")])
 def test_guarded_work(admitted, expected):
     async def scenario():
