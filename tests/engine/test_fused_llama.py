@@ -14,6 +14,7 @@ from deltafin.engine.batch import BatchKV
 from deltafin.engine.fused_llama import FusedLlamaStep, fused_llama_step
 from deltafin.engine.generator import decode_step, decode_step_for, prefill
 from deltafin.engine.quantize import quantize_model
+from tests.engine.test_compile import decode_run  # two rows, one leaving, one joining; caches handed out
 
 
 def tiny_llama(**overrides) -> LlamaForCausalLM:
@@ -24,40 +25,9 @@ def tiny_llama(**overrides) -> LlamaForCausalLM:
     return LlamaForCausalLM(LlamaConfig(**options)).eval()
 
 
-def decode_run(model, step, steps=10):
-    """Two rows of different lengths, the first leaving after 3 steps, a third joining after 5; greedy.
-    Returns every step's logits and, per step, a one-row cache taken from the batch (as the prefix cache does)
-    with a copy of its contents at the time."""
-    kv = BatchKV(torch.device("cpu"))
-    logits_seen, handed_out = [], []
-    with torch.inference_mode():
-        for prompt in ([1, 2, 3, 4, 5], [7, 8, 9]):
-            cache = DynamicCache(config=model.config)
-            prefill(model, prompt, cache, 0)
-            kv.add(cache, len(prompt))
-        tokens = torch.tensor([[5], [6]])  # [B, 1]
-        for i in range(steps):
-            mask, positions = kv.step_inputs()
-            logits = step(model, tokens, mask, positions, kv.cache)  # [B, V]
-            kv.advanced(mask)
-            logits_seen.append(logits.clone())
-            row = kv.row_cache(kv.rows - 1)
-            handed_out.append((row, [(layer.keys.clone(), layer.values.clone()) for layer in row.layers]))
-            tokens = logits.argmax(-1, keepdim=True)
-            if i == 2:
-                kv.keep([1])
-                tokens = tokens[1:]
-            if i == 4:
-                cache = DynamicCache(config=model.config)
-                prefill(model, [3, 1, 4, 1, 5, 9, 2, 6], cache, 0)
-                kv.add(cache, 8)
-                tokens = torch.cat([tokens, torch.tensor([[6]])])
-    return logits_seen, handed_out
-
-
 def assert_same_run(model, fused, tolerance):
-    reference, _ = decode_run(copy.deepcopy(model), decode_step)
-    got, handed_out = decode_run(model, fused)
+    reference, _, _ = decode_run(copy.deepcopy(model), decode_step, steps=10)
+    got, _, handed_out = decode_run(model, fused, steps=10)
     assert [tuple(t.shape) for t in got] == [tuple(t.shape) for t in reference]
     assert max(float((a - b).abs().max()) for a, b in zip(reference, got)) < tolerance
     # In-place appends went only past the views handed out: each one still holds what it held then.
