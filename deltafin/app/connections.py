@@ -44,8 +44,10 @@ class BodyDeadline:
             if complete:  # the body is in; later receives wait for a disconnect and must not time out
                 return await receive()
             try:
-                message = await asyncio.wait_for(receive(), max(0.0, deadline - loop.time()))
-            except asyncio.TimeoutError:
+                # asyncio.timeout, not wait_for: wait_for wraps the receive in a task of its own, per receive.
+                async with asyncio.timeout_at(deadline):
+                    message = await receive()
+            except TimeoutError:
                 raise RequestTimeoutError(
                     f"The request body did not arrive within {self.timeout_s:g} s.", headers={"Connection": "close"}
                 ) from None
@@ -67,13 +69,16 @@ def _raw_response(err: DeltafinError) -> bytes:
 
 def guarded_http(limits: ConnectionsConfig, base: type = _BaseProtocol) -> type:
     """uvicorn's HTTP/1.1 protocol (httptools, else h11) with a header deadline and a cap on open connections."""
+    # Plain numbers: `limits` may be an omegaconf node, ~20 us a read, and these are read per connection.
+    header_timeout_s = float(limits.header_timeout_s)
+    max_open = int(limits.max_open)
 
     class GuardedProtocol(base):  # type: ignore[misc,valid-type]
         _header_timer: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
-            if len(self.connections) > limits.max_open:
+            if len(self.connections) > max_open:
                 self._refuse(EngineUnavailableError("Too many open connections; retry later.", code="too_many_connections"))
                 return
             self._arm()
@@ -94,7 +99,7 @@ def guarded_http(limits: ConnectionsConfig, base: type = _BaseProtocol) -> type:
 
         def _arm(self) -> None:
             if self._header_timer is None:
-                self._header_timer = self.loop.call_later(limits.header_timeout_s, self._headers_too_slow)
+                self._header_timer = self.loop.call_later(header_timeout_s, self._headers_too_slow)
 
         def _disarm(self) -> None:
             if self._header_timer is not None:
@@ -104,7 +109,7 @@ def guarded_http(limits: ConnectionsConfig, base: type = _BaseProtocol) -> type:
         def _headers_too_slow(self) -> None:
             self._header_timer = None
             if self._awaiting_headers() and not self.transport.is_closing():
-                self._refuse(RequestTimeoutError(f"The request headers did not arrive within {limits.header_timeout_s:g} s."))
+                self._refuse(RequestTimeoutError(f"The request headers did not arrive within {header_timeout_s:g} s."))
 
         def _refuse(self, err: DeltafinError) -> None:
             self.transport.write(_raw_response(err))

@@ -10,7 +10,7 @@ from litestar.params import FromPath
 from litestar.response import Stream
 
 from deltafin.app.body import documented_body, strict_body
-from deltafin.app.disconnect import until_disconnected
+from deltafin.app.disconnect import cancel_when, on_disconnect
 from deltafin.app.request_context import STATS_KEY
 from deltafin.app.services import Services
 from deltafin.app.shutdown import Drain
@@ -47,8 +47,8 @@ async def _respond(request: Request, work: Any) -> Response | Stream:
     # a streamed body is cancelled by Litestar itself when the client goes.
     drain: Drain = request.app.state.drain
     stats = _stats(request)
-    work = drain.guard(work, admitted=lambda: stats.queue_wait_s is not None, on_abandoned=_close)
-    result = await until_disconnected(request.receive, work, _close)
+    admitted = lambda: stats.queue_wait_s is not None  # noqa: E731
+    result = await cancel_when(work, [on_disconnect(request.receive), drain.stopper(admitted)], _close)
     if isinstance(result, StreamingResponse):
         return Stream(drain.stream(result.body), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return Response(result)

@@ -17,7 +17,7 @@ from typing import Any, AsyncIterator, Awaitable, Callable, TypeVar
 
 import structlog
 
-from deltafin.app.disconnect import cancel_when
+from deltafin.app.disconnect import Fire, Stopper, cancel_when
 from deltafin.app.errors import send_error
 from deltafin.errors import ShuttingDownError
 from deltafin.serving.sse import DONE, sse_event
@@ -36,7 +36,9 @@ class Drain:
         self.grace_s = grace_s
         self.started = asyncio.Event()
         self.expired = asyncio.Event()
-        # Called when the grace ends: the streams waiting for their next chunk at that moment (see `stream`).
+        # Called when draining starts (`stopper`) and when the grace ends (`stopper`, and the streams waiting
+        # for their next chunk at that moment, see `stream`).
+        self._on_start: set[Callable[[], None]] = set()
         self._on_expiry: set[Callable[[], None]] = set()
 
     def begin(self) -> None:
@@ -45,6 +47,8 @@ class Drain:
             return
         log.info("shutdown_started", grace_s=self.grace_s)
         self.started.set()
+        for callback in list(self._on_start):
+            callback()
         asyncio.get_running_loop().call_later(self.grace_s, self._expire)
 
     def _expire(self) -> None:
@@ -60,16 +64,36 @@ class Drain:
             return  # no loop running yet or any more: nothing in flight to drain
         loop.call_soon_threadsafe(self.begin)
 
+    def stopper(self, admitted: Callable[[], bool]) -> Stopper:
+        """A reason to stop a request's work (`cancel_when`): when draining starts, unless the engine admitted it
+        already; when the grace ends, in any case."""
+
+        def arm(fire: Fire) -> Callable[[], None]:
+            def on_start() -> None:
+                if not admitted():
+                    fire(shutting_down())
+
+            def on_expiry() -> None:
+                fire(shutting_down())
+
+            if self.expired.is_set():
+                on_expiry()
+            elif self.started.is_set():
+                on_start()
+            self._on_start.add(on_start)
+            self._on_expiry.add(on_expiry)
+
+            def disarm() -> None:
+                self._on_start.discard(on_start)
+                self._on_expiry.discard(on_expiry)
+
+            return disarm
+
+        return arm
+
     async def guard(self, work: Awaitable[T], admitted: Callable[[], bool], on_abandoned: Callable[[T], None]) -> T:
-        """Await `work`; when draining starts, cancel it unless the engine admitted it already, and when the
-        grace ends, cancel it anyway. A result that was produced anyway goes to `on_abandoned`."""
-
-        async def until_stopped() -> None:
-            await self.started.wait()
-            if admitted():
-                await self.expired.wait()
-
-        return await cancel_when(work, until_stopped(), on_abandoned, shutting_down)
+        """Await `work` under `stopper(admitted)` alone (the routes also stop it on a disconnect)."""
+        return await cancel_when(work, [self.stopper(admitted)], on_abandoned)
 
     async def stream(self, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
         """Pass an SSE body through; when the grace ends, stop its generation and end it with an error event

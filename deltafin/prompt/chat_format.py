@@ -8,7 +8,6 @@ tokens recognised, message text with `split_special_tokens`, so `<|im_start|>` t
 from __future__ import annotations
 
 import json
-import re
 import secrets
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
@@ -16,7 +15,7 @@ from typing import Any, Callable, Protocol, Sequence
 from deltafin.errors import InvalidRequestError
 from deltafin.prompt.sandbox import render_bounded
 from deltafin.protocol.chat import ChatMessage, ImagePart, TextPart, ToolDefinition
-
+from deltafin.token_codec import TokenCodec
 
 
 @dataclass(frozen=True)
@@ -43,6 +42,7 @@ class TemplateChatFormat:
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError("model.chat_format=template but the checkpoint has no chat template")
         self._tokenizer = tokenizer
+        self._codec = TokenCodec(tokenizer)
         self._content_format = content_format
         self._default_kwargs = dict(default_kwargs)
 
@@ -61,29 +61,19 @@ class TemplateChatFormat:
         conversation = [self._template_message(i, m, texts, nonce) for i, m in enumerate(messages)]
         kwargs = {**self._default_kwargs, **template_kwargs}
         rendered = self._apply(conversation, tools, kwargs, add_generation_prompt)
-        pieces = re.split(f"<<dfx{nonce}:(\\d+)>>", rendered)
-        # split() alternates template text and captured sentinel numbers. A template may drop a text (e.g.
-        # reasoning in history) or repeat it, but one that cut into a sentinel leaves its nonce behind.
-        if any(nonce in piece for piece in pieces[0::2]):
-            raise InvalidRequestError("the chat template altered message content; it cannot be rendered safely")
+        pieces = _split_sentinels(rendered, nonce)
         token_ids: list[int] = []
         text_parts: list[str] = []
+        codec = self._codec
         for index, piece in enumerate(pieces):
             if index % 2 == 0:
-                token_ids += self._encode(piece, split_special_tokens=False)
+                token_ids += codec.encode_template(piece)
                 text_parts.append(piece)
             else:
                 content = texts[int(piece)]
-                token_ids += self._encode(content, split_special_tokens=True)
+                token_ids += codec.encode(content, split_special_tokens=True)
                 text_parts.append(content)
         return RenderedPrompt(token_ids, "".join(text_parts))
-
-    def _encode(self, text: str, *, split_special_tokens: bool) -> list[int]:
-        if not text:
-            return []
-        return list(
-            self._tokenizer(text, add_special_tokens=False, split_special_tokens=split_special_tokens).input_ids
-        )
 
     def _apply(
         self, conversation: list[dict[str, Any]], tools: Sequence[ToolDefinition] | None, kwargs: dict[str, Any], gen: bool
@@ -130,6 +120,27 @@ class TemplateChatFormat:
             return placeholder(message_text(index, message)) if message.content is not None else ""
         message_text(index, message)  # refuses images
         return [{"type": "text", "text": placeholder(part.text)} for part in message.content if isinstance(part, TextPart)]
+
+
+def _split_sentinels(rendered: str, nonce: str) -> list[str]:
+    """Template text and sentinel numbers, alternating (as `re.split` with one group would give, without
+    compiling a pattern for every render's nonce). A template may drop a text (e.g. reasoning in history) or
+    repeat it, but one that cut into a sentinel leaves its nonce behind: refused."""
+    head = f"<<dfx{nonce}:"
+    parts = rendered.split(head)
+    pieces = [parts[0]]
+    for part in parts[1:]:
+        number, closed, rest = part.partition(">>")
+        if not closed or not (number.isascii() and number.isdigit()):
+            raise _altered()
+        pieces += (number, rest)
+    if any(nonce in piece for piece in pieces[0::2]):
+        raise _altered()
+    return pieces
+
+
+def _altered() -> InvalidRequestError:
+    return InvalidRequestError("the chat template altered message content; it cannot be rendered safely")
 
 
 def message_text(index: int, message: ChatMessage) -> str:

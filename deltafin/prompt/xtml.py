@@ -17,6 +17,7 @@ from typing import Any, Sequence
 from deltafin.errors import InvalidRequestError
 from deltafin.prompt.chat_format import RenderedPrompt, _arguments, _tool_dict, message_text
 from deltafin.protocol.chat import ChatMessage, ToolDefinition
+from deltafin.token_codec import TokenCodec
 
 OPEN, CLOSE, SEP, END = "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>"
 EFFORTS = ("low", "high", "max")
@@ -76,6 +77,7 @@ class _Segments:
 class XtmlChatFormat:
     def __init__(self, tokenizer: Any, *, content_format: str, default_kwargs: dict[str, Any]) -> None:
         self._tokenizer = tokenizer
+        self._codec = TokenCodec(tokenizer)
         self._default_kwargs = dict(default_kwargs)
 
     def render(
@@ -108,7 +110,7 @@ class XtmlChatFormat:
             if control:
                 token_ids.append(self._tokenizer.convert_tokens_to_ids(text))
             else:
-                token_ids += self._tokenizer(text, add_special_tokens=False, split_special_tokens=True).input_ids
+                token_ids += self._codec.encode(text, split_special_tokens=True)
         return RenderedPrompt(token_ids, "".join(text for text, _ in out.parts))
 
     def _message(self, index: int, message: ChatMessage, out: _Segments) -> None:

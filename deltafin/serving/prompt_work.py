@@ -72,9 +72,10 @@ class PromptWork:
         self._large_held = 0  # queued or running in the large lane
 
     def prepare(self, *makers: Callable[[], Any]) -> None:
-        """Run `makers` on each lane's thread ahead of the first request (tokenizer copies take a moment)."""
-        for lane in (self._small, self._large):
-            lane.submit(lambda: [make() for make in (self.tokenizers.get, *makers)])
+        """Run `makers` on each lane's thread before the first request (tokenizer copies take a moment), and
+        wait for them: what loading builds is done when loading ends."""
+        for lane in [lane.submit(lambda: [make() for make in (self.tokenizers.get, *makers)]) for lane in (self._small, self._large)]:
+            lane.result()
 
     def _busy(self, why: str) -> EngineBusyError:
         retry_after = str(max(1, math.ceil(self._timeout_s)))
@@ -86,12 +87,13 @@ class PromptWork:
         if large and self._large_held >= self._max_large:
             raise self._busy(f"{self._large_held} large prompts already in work")
         loop = asyncio.get_running_loop()
-        started = asyncio.Event()
+        started = False  # set by the lane's thread; read by the deadline timer on the loop
 
         def guarded() -> T:
+            nonlocal started
             if deadline is not None and time.monotonic() > deadline:
                 raise _Expired()
-            loop.call_soon_threadsafe(started.set)
+            started = True
             return fn()
 
         lane = self._large if large else self._small
@@ -99,17 +101,39 @@ class PromptWork:
         if large:
             self._large_held += 1
             future.add_done_callback(self._large_done)
-        if deadline is not None:
-            began = asyncio.ensure_future(started.wait())
-            done, _ = await asyncio.wait({future, began}, timeout=max(0.0, deadline - time.monotonic()), return_when=asyncio.FIRST_COMPLETED)
-            began.cancel()
-            if not done:
-                future.add_done_callback(_consume)  # abandoned: skipped when its turn comes
-                raise self._busy(f"no prompt thread free within {self._timeout_s:g} s")
-        try:
+        if deadline is None:
             return await future
-        except _Expired:
-            raise self._busy(f"no prompt thread free within {self._timeout_s:g} s") from None
+        # One timer, not an Event, a task and `asyncio.wait` per request (each prompt is one hop to a thread
+        # and back, and in front of an upstream that bookkeeping cost as much as the render): at the deadline,
+        # work that has not started is abandoned. The work that loses the race with the timer is skipped
+        # (`guarded` checks the clock too) or, having just begun, finishes unheard.
+        outcome: asyncio.Future[T] = loop.create_future()
+
+        def expire() -> None:
+            if not started and not outcome.done():
+                outcome.set_exception(self._busy(f"no prompt thread free within {self._timeout_s:g} s"))
+
+        def finished(done: asyncio.Future) -> None:
+            if outcome.done():
+                _consume(done)
+            elif done.cancelled():
+                outcome.cancel()
+            elif isinstance(done.exception(), _Expired):
+                expire()
+            elif done.exception() is not None:
+                outcome.set_exception(done.exception())
+            else:
+                outcome.set_result(done.result())
+
+        future.add_done_callback(finished)
+        timer = loop.call_later(max(0.0, deadline - time.monotonic()), expire)
+        try:
+            return await outcome
+        except asyncio.CancelledError:
+            future.cancel()  # the client left: work still queued is dropped
+            raise
+        finally:
+            timer.cancel()
 
     def _large_done(self, _: asyncio.Future) -> None:
         self._large_held -= 1

@@ -84,3 +84,35 @@ def test_work_that_started_in_time_is_not_cut_short():
         return await work.run(slow, size=10, deadline=time.monotonic() + 0.1)
 
     assert asyncio.run(scenario()) == "finished"
+
+
+def test_a_caller_that_leaves_while_queued_has_its_work_skipped():
+    ran = []
+
+    async def scenario():
+        work, gate = lanes(), threading.Event()
+        first = asyncio.ensure_future(work.run(blocking(gate), size=10))
+        await asyncio.sleep(0.05)
+        queued = asyncio.ensure_future(work.run(lambda: ran.append(True), size=10, deadline=time.monotonic() + 5))
+        await asyncio.sleep(0.05)
+        queued.cancel()  # the client disconnected while its prompt waited for the lane
+        with pytest.raises(asyncio.CancelledError):
+            await queued
+        gate.set()
+        assert await first == "done"
+        # The lane is free again and the abandoned work never ran.
+        assert await work.run(lambda: "after", size=10, deadline=time.monotonic() + 5) == "after"
+
+    asyncio.run(scenario())
+    assert ran == []
+
+
+def test_errors_from_the_work_reach_the_caller_with_a_deadline():
+    def broken():
+        raise ValueError("bad template")
+
+    async def scenario():
+        return await lanes().run(broken, size=10, deadline=time.monotonic() + 5)
+
+    with pytest.raises(ValueError, match="bad template"):
+        asyncio.run(scenario())
