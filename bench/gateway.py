@@ -6,8 +6,9 @@
     .venv/bin/python bench/gateway.py --upstream paced-fake --streams 16 --tokens 16 --reps 2
 
 `paced-fake` puts the gateway (a real process) in front of a fake llama-server in another process that sends each
-token `--pace-ms` apart, as a GPU upstream would: the gateway's CPU without a CPU-bound upstream beside it (on
-2 cores llama-server's own decoding competes with the gateway and inflates its figures). No direct side.
+token `--pace-ms` apart, as a GPU upstream would: the gateway's CPU and latency without a CPU-bound upstream beside
+it (on 2 cores llama-server's own decoding competes with the gateway and inflates its figures). Its direct side
+streams the fake's own `/completion` with the token ids the gateway would send.
 
 `fake` is an in-process llama-server stand-in that answers at once (no model; its HTTP runs over a socket pair
 in the same process): the CPU the gateway's whole serving path (upstream HTTP and SSE parsing, decoding, chat
@@ -43,10 +44,40 @@ from tests.llama_server import start_llama_server  # noqa: E402
 PROMPT = [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}]
 
 
-def start_upstream_llama_server(streams: int) -> tuple[subprocess.Popen, str]:
+def start_upstream_llama_server(streams: int, threads: int) -> tuple[subprocess.Popen, str]:
     from deltafin.engine.loader import resolve_model_path
 
-    return start_llama_server(resolve_model_path(compose_config().model.path), parallel=streams, context=1024 * streams)
+    return start_llama_server(resolve_model_path(compose_config().model.path), parallel=streams, context=1024 * streams,
+                              threads=threads)
+
+
+def pinned(cpus: set[int] | None):
+    """Run what follows (and the processes it starts, which inherit it) on `cpus` only; None: no change."""
+
+    class Pin:
+        def __enter__(self) -> None:
+            self.before = os.sched_getaffinity(0)
+            if cpus:
+                os.sched_setaffinity(0, cpus)
+
+        def __exit__(self, *exc: object) -> None:
+            os.sched_setaffinity(0, self.before)
+
+    return Pin()
+
+
+def completion_body(prompt_ids: list[int], tokens: int) -> dict:
+    """The very request the gateway sends llama-server for these chats (its adapter builds it): the direct side
+    sends it too, so both sides ask the upstream for the same work. (llama-server's own chat endpoint templates,
+    parses and samples with its defaults, top-k 40, DRY, ...: a different cost per step, which would show up as
+    latency the gateway does not add or save.)"""
+    from deltafin.engine.events import GenerationJob
+    from deltafin.engine.upstream.engine import UpstreamSettings
+    from deltafin.engine.upstream.llama_server import LlamaServerAdapter
+    from deltafin.protocol.sampling import SamplingParams
+
+    job = GenerationJob(tuple(prompt_ids), SamplingParams(max_tokens=tokens, temperature=0.0, ignore_eos=True))
+    return LlamaServerAdapter(UpstreamSettings(url="")).request(job, "bench", frozenset())[1]
 
 
 async def one_stream(client: httpx.AsyncClient, url: str, tokens: int) -> tuple[float, list[float]]:
@@ -64,8 +95,28 @@ async def one_stream(client: httpx.AsyncClient, url: str, tokens: int) -> tuple[
     return arrivals[0] - sent, gaps
 
 
-async def burst(url: str, streams: int, tokens: int) -> list[tuple[float, list[float]]]:
+async def one_completion_stream(client: httpx.AsyncClient, url: str, tokens: int, prompt_ids: list[int]) -> tuple[float, list[float]]:
+    """The direct side in front of llama-server (or the paced fake): its `/completion`, the request the gateway
+    sends."""
+    body = completion_body(prompt_ids, tokens)
+    sent = time.perf_counter()
+    arrivals: list[float] = []
+    async with client.stream("POST", url + "/completion", json=body) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            compact = line.replace(" ", "")  # llama-server writes compact JSON, the fake spaced
+            if compact.startswith("data:{") and '"tokens":[' in compact and '"tokens":[]' not in compact:
+                arrivals.append(time.perf_counter())
+    if not arrivals:
+        raise RuntimeError(f"no tokens from {url}")
+    return arrivals[0] - sent, [b - a for a, b in zip(arrivals, arrivals[1:])]
+
+
+async def burst(url: str, streams: int, tokens: int, prompt_ids: list[int] | None = None) -> list[tuple[float, list[float]]]:
+    """STREAMS concurrent streams: chat completions, or (with `prompt_ids`) llama-server completions."""
     async with httpx.AsyncClient(timeout=600) as client:
+        if prompt_ids is not None:
+            return await asyncio.gather(*(one_completion_stream(client, url, tokens, prompt_ids) for _ in range(streams)))
         return await asyncio.gather(*(one_stream(client, url, tokens) for _ in range(streams)))
 
 
@@ -153,6 +204,10 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--pace-ms", type=float, default=20.0, help="paced-fake: the gap between two tokens")
+    parser.add_argument("--upstream-threads", type=int, default=2, help="llama-server: its -t")
+    parser.add_argument("--pin", action="store_true",
+                        help="the upstream on CPU 0, the gateway and this client on the others: the gateway's CPU then "
+                             "delays its own streams (the latency it adds) instead of slowing the upstream's steps")
     parser.add_argument("--serve-paced-fake", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve_paced_fake is not None:
@@ -163,15 +218,21 @@ def main() -> None:
         return
 
     stop_upstream = None
+    all_cpus = os.sched_getaffinity(0)
+    upstream_cpus = {min(all_cpus)} if args.pin and len(all_cpus) > 1 else None
+    if upstream_cpus:
+        os.sched_setaffinity(0, all_cpus - upstream_cpus)  # this client, and the gateway it starts below
     if args.upstream in ("llama-server", "paced-fake"):
-        if args.upstream == "llama-server":
-            process, upstream_url = start_upstream_llama_server(args.streams)
-        else:
-            process, upstream_url = start_paced_fake(args.pace_ms / 1000)
+        with pinned(upstream_cpus):
+            if args.upstream == "llama-server":
+                process, upstream_url = start_upstream_llama_server(args.streams, args.upstream_threads)
+            else:
+                process, upstream_url = start_paced_fake(args.pace_ms / 1000)
         stop_upstream = process.kill
         engine = ["engine=llama_server", f"engine.max_inflight={args.streams}"]
     else:
-        up = LiveServer(["server.memo.entries=0", f"server.queue.max_waiting={args.streams}", "server.queue.timeout_s=600"])
+        with pinned(upstream_cpus):
+            up = LiveServer(["server.memo.entries=0", f"server.queue.max_waiting={args.streams}", "server.queue.timeout_s=600"])
         up.wait_ready()
         stop_upstream, upstream_url = up.stop, up.base_url
         engine = ["engine=vllm", "engine.max_inflight=1"]
@@ -180,18 +241,22 @@ def main() -> None:
     try:
         gateway.wait_ready()
         asyncio.run(burst(gateway.base_url, 2, 4))  # warm both paths (connections, tokenizer caches)
-        direct = args.upstream != "paced-fake"  # the fake speaks llama-server's /completion only
-        if direct:
-            asyncio.run(burst(upstream_url, 2, 4))
+        # In front of llama-server (or the fake) the direct side sends the gateway's own upstream request: the
+        # chat rendered by the gateway's /tokenize, with the adapter's body (completion_body). In front of a
+        # second Deltafin it sends the same chat request.
+        prompt_ids = httpx.post(gateway.base_url + "/tokenize", json={"messages": PROMPT}).json()["tokens"] \
+            if args.upstream != "deltafin" else None
+        asyncio.run(burst(upstream_url, 2, 4, prompt_ids))
         results: dict[str, list[tuple[float, list[float]]]] = {"direct": [], "gateway": []}
         gateway_cpu = 0.0
         for rep in range(args.reps):
             order = ["direct", "gateway"] if rep % 2 == 0 else ["gateway", "direct"]
-            order = order if direct else ["gateway"]
             for side in order:
-                url = upstream_url if side == "direct" else gateway.base_url
                 before = cpu_seconds(gateway.process.pid)
-                results[side] += asyncio.run(burst(url, args.streams, args.tokens))
+                if side == "direct":
+                    results[side] += asyncio.run(burst(upstream_url, args.streams, args.tokens, prompt_ids))
+                else:
+                    results[side] += asyncio.run(burst(gateway.base_url, args.streams, args.tokens))
                 if side == "gateway":
                     gateway_cpu += cpu_seconds(gateway.process.pid) - before
         # The gateway's CPU per request is a + b * tokens: a second burst with 4x the tokens separates a and b.
@@ -210,13 +275,12 @@ def main() -> None:
     requests = args.streams * args.reps
     tokens = requests * args.tokens
     g_ttft, g_itl = summary("gateway")
-    print(f"upstream: {args.upstream}, streams: {args.streams}, tokens/request: {args.tokens}, reps: {args.reps}")
-    if results["direct"]:
-        d_ttft, d_itl = summary("direct")
-        print(f"direct : TTFT median {d_ttft:8.1f} ms, inter-token median {d_itl:6.2f} ms")
+    print(f"upstream: {args.upstream}, streams: {args.streams}, tokens/request: {args.tokens}, reps: {args.reps}"
+          + (f", upstream pinned to CPU {min(upstream_cpus)}" if upstream_cpus else ""))
+    d_ttft, d_itl = summary("direct")
+    print(f"direct : TTFT median {d_ttft:8.1f} ms, inter-token median {d_itl:6.2f} ms")
     print(f"gateway: TTFT median {g_ttft:8.1f} ms, inter-token median {g_itl:6.2f} ms")
-    if results["direct"]:
-        print(f"overhead: TTFT {g_ttft - d_ttft:+.1f} ms per request, inter-token {g_itl - d_itl:+.3f} ms per token")
+    print(f"overhead: TTFT {g_ttft - d_ttft:+.1f} ms per request, inter-token {g_itl - d_itl:+.3f} ms per token")
     short_cpu = gateway_cpu / requests
     per_token = (long_cpu - short_cpu) / (3 * args.tokens)
     per_request = short_cpu - per_token * args.tokens

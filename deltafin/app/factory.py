@@ -101,7 +101,9 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
 
         async def load() -> None:
             try:
-                readiness.services = await asyncio.to_thread(Services.load, config)
+                services_loaded = await asyncio.to_thread(Services.load, config)
+                services_loaded.ctx.prompt.prepare_loop_thread()  # on this loop's thread, where small prompts render
+                readiness.services = services_loaded
                 readiness.services.ctx.engine.observe(app_metrics)  # upstream latency and errors
                 _freeze_loaded_heap()
                 log.info("ready", model=config.model.name)

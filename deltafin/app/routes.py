@@ -7,10 +7,10 @@ from typing import Any
 from litestar import Request, Response, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath
-from litestar.response import Stream
 
 from deltafin.app.body import documented_body, strict_body
 from deltafin.app.disconnect import cancel_when, on_disconnect
+from deltafin.app.event_stream import EventStream
 from deltafin.app.request_context import STATS_KEY
 from deltafin.app.services import Services
 from deltafin.app.shutdown import Drain
@@ -18,6 +18,7 @@ from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.completions import CompletionRequest
 from deltafin.protocol.parse import ParseRequest
 from deltafin.protocol.tokenize import DetokenizeRequest, TokenizeRequest
+from deltafin.serving.chat import brings_template
 from deltafin.serving.context import RequestStats
 from deltafin.serving.models import get_model, list_models
 from deltafin.serving.sse import StreamingResponse
@@ -42,7 +43,7 @@ def _close(result: Any) -> None:
         result.close()
 
 
-async def _respond(request: Request, work: Any) -> Response | Stream:
+async def _respond(request: Request, work: Any) -> Response | EventStream:
     # Queue wait and non-streamed generation race the client's disconnect and a shutdown (deltafin.app.shutdown);
     # a streamed body is cancelled by Litestar itself when the client goes.
     drain: Drain = request.app.state.drain
@@ -50,21 +51,21 @@ async def _respond(request: Request, work: Any) -> Response | Stream:
     admitted = lambda: stats.queue_wait_s is not None  # noqa: E731
     result = await cancel_when(work, [on_disconnect(request.receive), drain.stopper(admitted)], _close)
     if isinstance(result, StreamingResponse):
-        return Stream(drain.stream(result.body), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        return EventStream(drain.stream(result.body), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     return Response(result)
 
 
 @post(["/v1/chat/completions", "/chat/completions"], status_code=200, summary="Create a chat completion", **_body(ChatCompletionRequest))
 async def chat_completions(
     request: Request, payload: NamedDependency[ChatCompletionRequest], services: NamedDependency[Services]
-) -> Response | Stream:
+) -> Response | EventStream:
     return await _respond(request, services.chat.create(payload, _stats(request)))
 
 
 @post(["/v1/completions", "/completions"], status_code=200, summary="Create a text completion", **_body(CompletionRequest))
 async def completions(
     request: Request, payload: NamedDependency[CompletionRequest], services: NamedDependency[Services]
-) -> Response | Stream:
+) -> Response | EventStream:
     return await _respond(request, services.completions.create(payload, _stats(request)))
 
 
@@ -83,7 +84,8 @@ async def tokenize(
     request: Request, payload: NamedDependency[TokenizeRequest], services: NamedDependency[Services]
 ) -> dict[str, Any]:
     stats = _stats(request)
-    return await services.ctx.off_loop(services.tokenize.tokenize, payload, stats, size=stats.body_bytes, stats=stats)
+    return await services.ctx.off_loop(services.tokenize.tokenize, payload, stats, size=stats.body_bytes, stats=stats,
+                                       inline=not brings_template(payload))
 
 
 @post(["/detokenize", "/v1/detokenize"], status_code=200, summary="Turn token ids back into text", **_body(DetokenizeRequest))

@@ -58,6 +58,7 @@ class QueueConfig:
     max_waiting: int = 16
     timeout_s: float = 30.0
     large_body_bytes: int = 65536
+    inline_body_bytes: int = 8192
     max_large_prompts: int = 2
 
 

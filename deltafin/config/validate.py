@@ -24,6 +24,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "server.queue.timeout_s": (0, 86400),
     "server.queue.large_body_bytes": (1, 1 << 40),
     "server.queue.max_large_prompts": (1, 1 << 20),
+    "server.queue.inline_body_bytes": (0, 1 << 40),
     "server.memo.entries": (0, 1 << 20),
     "server.prefix_cache.min_tokens": (1, 1 << 30),
     "server.shutdown_grace_s": (0, 3600),

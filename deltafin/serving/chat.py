@@ -59,6 +59,11 @@ class ChoiceAssembly:
         return message
 
 
+def brings_template(request: Any) -> bool:
+    """Whether a request (chat, or /tokenize with messages) brings its own chat template."""
+    return "chat_template" in (getattr(request, "chat_template_kwargs", None) or {})
+
+
 def tool_call_deltas(parsed: ParsedDelta) -> list[dict[str, Any]]:
     """OpenAI tool-call deltas: the first of a call has index, id, type, name and empty arguments; later ones
     index and argument fragments (adjacent fragments of one call are merged)."""
@@ -161,7 +166,9 @@ class ChatService:
         async def produce(request: ChatCompletionRequest) -> dict[str, Any] | ChunkStream:
             self.ctx.check_model(request.model)
             check_tools(request, self.ctx.config.model, self.ctx.model_name)
-            prompt = await self.ctx.off_loop(self.render, request, size=stats.body_bytes, stats=stats)
+            # A request's own template is code of unknown cost: never run on the event loop.
+            prompt = await self.ctx.off_loop(self.render, request, size=stats.body_bytes, stats=stats,
+                                             inline=not brings_template(request))
             jobs = self.constrained(request, prompt, self.jobs(request, prompt))
             stats.prompt_tokens = len(prompt.token_ids)
             choices = [ChoiceAssembly(self.output_parser(request, prompt.text)) for _ in jobs]

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -78,10 +77,10 @@ class ServingContext:
     def __post_init__(self) -> None:
         # Read per request (model name, limits, templates): plain attributes, not omegaconf nodes (~18 us a read).
         self.config = plain_config(self.config)
-        # Each thread gets its own tokenizer: encoding flips `split_special_tokens` state on the Rust object, so
-        # a shared one could let a prompt's content be encoded with control tokens live. The prompt thread
-        # uses engine.tokenizer (through the chat format), the event loop this copy, the engine its own.
-        self._loop_tokenizer = copy.deepcopy(self.engine.tokenizer)
+        # Each thread gets its own tokenizer (`self.tokenizer`): encoding flips `split_special_tokens` state on the
+        # Rust object, so a shared one could let a prompt's content be encoded with control tokens live. The
+        # prompt threads and the event loop each use their own copy (the loop's renders small prompts and counts
+        # tokens), the engine its own.
         if self.prompt is None:
             self.prompt = prompt_work_for(self.config, self.engine.tokenizer)
 
@@ -96,13 +95,15 @@ class ServingContext:
         return stats.arrived + self.config.server.queue.timeout_s + stats.prompt_work_s
 
     def count_tokens(self, text: str) -> int:
-        return len(self._loop_tokenizer(text, add_special_tokens=False).input_ids)
+        return len(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    async def off_loop(self, fn: Callable[..., T], *args: Any, size: int = 0, stats: RequestStats | None = None) -> T:
-        """Run prompt work on a prompt thread: the lane for a body of `size` bytes; with `stats`, refused if no
-        thread is free by the request's deadline, and the work's own time recorded."""
+    async def off_loop(self, fn: Callable[..., T], *args: Any, size: int | None = None, stats: RequestStats | None = None,
+                       inline: bool = True) -> T:
+        """Run prompt work on a prompt thread: the lane for a body of `size` bytes, or here on the loop for a small
+        one when `inline` (deltafin.serving.prompt_work); with `stats`, refused if no thread is free by the
+        request's deadline, and the work's own time recorded."""
         if stats is None:
-            return await self.prompt.run(lambda: fn(*args), size=size)
+            return await self.prompt.run(lambda: fn(*args), size=size, inline=inline)
 
         def timed() -> T:
             began = time.monotonic()
@@ -111,7 +112,7 @@ class ServingContext:
             finally:
                 stats.prompt_work_s += time.monotonic() - began
 
-        return await self.prompt.run(timed, size=size, deadline=self.deadline(stats))
+        return await self.prompt.run(timed, size=size, deadline=self.deadline(stats), inline=inline)
 
     fingerprint: str = "fp_deltafin"
 
@@ -154,7 +155,7 @@ class ServingContext:
     def token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)
         if text is None:
-            text = self._token_texts[token_id] = self._loop_tokenizer.decode([token_id], skip_special_tokens=False)
+            text = self._token_texts[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
         return text
 
     def usage(self, prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, Any]:
@@ -173,5 +174,6 @@ def new_id(prefix: str) -> str:
 def prompt_work_for(config: DeltafinConfig, tokenizer: Any) -> PromptWork:
     queue = config.server.queue
     return PromptWork(
-        tokenizer, large_body_bytes=queue.large_body_bytes, max_large=queue.max_large_prompts, timeout_s=queue.timeout_s
+        tokenizer, large_body_bytes=queue.large_body_bytes, max_large=queue.max_large_prompts, timeout_s=queue.timeout_s,
+        inline_body_bytes=queue.inline_body_bytes,
     )

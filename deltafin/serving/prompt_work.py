@@ -3,6 +3,9 @@
 A request is admitted to the engine or refused (429) within `server.queue.timeout_s` of its arrival. Before
 that it needs its prompt rendered and tokenized, which for a 4 MB body takes seconds. So:
 
+- a body under `server.queue.inline_body_bytes` (8 KiB) is rendered on the event loop itself, when its caller
+  allows it (not a request that brings its own template): a one-line chat renders in ~0.1 ms, less than the
+  hop to a thread and back costs, and the loop then never gives the GIL to a prompt thread mid-write;
 - two lanes, each one thread: bodies of `server.queue.large_body_bytes` or more go to the large lane, the rest
   to the small one, so a one-line chat never waits behind megabytes of someone else's prompt;
 - the large lane holds at most `server.queue.max_large_prompts` requests (queued or running); past that, 429;
@@ -62,8 +65,11 @@ class _Expired(Exception):
 
 
 class PromptWork:
-    def __init__(self, tokenizer: Any, *, large_body_bytes: int, max_large: int, timeout_s: float) -> None:
+    def __init__(self, tokenizer: Any, *, large_body_bytes: int, max_large: int, timeout_s: float,
+                 inline_body_bytes: int = 0) -> None:
         self.tokenizers = PerThread(lambda: copy.deepcopy(tokenizer))
+        self._inline_body_bytes = inline_body_bytes
+        self._makers: tuple[Callable[[], Any], ...] = ()
         self._large_body_bytes = large_body_bytes
         self._max_large = max_large
         self._timeout_s = timeout_s
@@ -74,15 +80,29 @@ class PromptWork:
     def prepare(self, *makers: Callable[[], Any]) -> None:
         """Run `makers` on each lane's thread before the first request (tokenizer copies take a moment), and
         wait for them: what loading builds is done when loading ends."""
+        self._makers = makers
         for lane in [lane.submit(lambda: [make() for make in (self.tokenizers.get, *makers)]) for lane in (self._small, self._large)]:
             lane.result()
+
+    def prepare_loop_thread(self) -> None:
+        """Make the calling thread's (the event loop's) tokenizer, and its chat format where small prompts are
+        rendered there, so its first request does not pay for a tokenizer copy."""
+        self.tokenizers.get()  # token counts and logprob texts are read on the loop
+        if self._inline_body_bytes > 0:
+            for make in self._makers:
+                make()
 
     def _busy(self, why: str) -> EngineBusyError:
         retry_after = str(max(1, math.ceil(self._timeout_s)))
         return EngineBusyError(f"The server is busy ({why}); retry after {retry_after} s.", headers={"Retry-After": retry_after})
 
-    async def run(self, fn: Callable[[], T], *, size: int = 0, deadline: float | None = None) -> T:
-        """`fn()` on the lane for a body of `size` bytes; 429 if it cannot start by `deadline` (monotonic)."""
+    async def run(self, fn: Callable[[], T], *, size: int | None = None, deadline: float | None = None,
+                  inline: bool = True) -> T:
+        """`fn()` on the lane for a body of `size` bytes (unknown: the small lane); 429 if it cannot start by
+        `deadline` (monotonic). A body known to be small enough runs `fn()` here, on the loop, if `inline`."""
+        if inline and size is not None and size < self._inline_body_bytes:
+            return fn()
+        size = size or 0
         large = size >= self._large_body_bytes
         if large and self._large_held >= self._max_large:
             raise self._busy(f"{self._large_held} large prompts already in work")

@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from deltafin.engine import GenerationJob
+from deltafin.engine.upstream.engine import UpstreamSettings
 from deltafin.engine.upstream.llama_server import LlamaServerAdapter
 from deltafin.errors import ContextLengthError
 from deltafin.protocol.sampling import SamplingParams
@@ -38,8 +41,17 @@ def test_every_sampling_knob_is_sent(bundle):
     # llama.cpp's own defaults would change the tokens: each one is neutralised or set.
     assert body["samplers"] == ["penalties", "top_k", "top_p", "min_p", "temperature"]
     assert body["dry_multiplier"] == 0.0 and body["xtc_probability"] == 0.0 and body["typical_p"] == 1.0
-    assert body["top_k"] == 0 and body["repeat_last_n"] == 2 + len(ids) and body["temperature"] == 0.0
+    # Greedy: top-k 1, the same token as temperature 0 without a softmax of the vocabulary per step.
+    assert body["top_k"] == 1 and body["repeat_last_n"] == 2 + len(ids) and body["temperature"] == 0.0
     assert "stop" not in body
+
+
+@pytest.mark.parametrize("top_k,sent", [(0, 0), (5, 5)])
+def test_sampled_requests_send_their_own_top_k(top_k, sent):
+    settings = UpstreamSettings(url="http://upstream")
+    params = SamplingParams(max_tokens=4, temperature=0.7, top_k=top_k)
+    _, body = LlamaServerAdapter(settings).request(GenerationJob((1, 2), params), "rid", frozenset())
+    assert body["top_k"] == sent and body["temperature"] == 0.7
 
 
 def test_eos_stop_type_is_stop(bundle):

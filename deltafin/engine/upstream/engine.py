@@ -15,7 +15,7 @@ import uuid
 import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Callable, Protocol, Sequence
 
 import msgspec
 import structlog
@@ -119,9 +119,10 @@ class UpstreamEngine(EngineClient):
     def submit(self, jobs: Sequence[GenerationJob], stream: GenerationStream) -> None:
         loop = asyncio.get_running_loop()
         self._started[stream] = gate = loop.create_future()
-        left = asyncio.Event()
-        stream.cancelled = _AwaitableCancel(loop, left, already=stream.cancelled.is_set())
-        task = loop.create_task(self._run(jobs, stream, _Gate(gate, len(jobs)), left))
+        # Resolved when the choices are over or one failed, or when the client leaves (`stream.close()`).
+        wake: asyncio.Future[None] = loop.create_future()
+        stream.cancelled = _AwaitableCancel(loop, lambda: _resolve(wake), already=stream.cancelled.is_set())
+        task = loop.create_task(self._run(jobs, stream, _Gate(gate, len(jobs)), wake))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
@@ -165,19 +166,25 @@ class UpstreamEngine(EngineClient):
         return self._pool[1]
 
     async def _run(self, jobs: Sequence[GenerationJob], stream: GenerationStream, gate: "_Gate",
-                   left: asyncio.Event) -> None:
+                   wake: asyncio.Future[None]) -> None:
         with structlog.contextvars.bound_contextvars(**stream.log_context):
             rids = [uuid.uuid4().hex for _ in jobs]
             tasks = [asyncio.create_task(self._choice(job, i, rids[i], stream, gate)) for i, job in enumerate(jobs)]
-            watcher = asyncio.create_task(left.wait())
+            # Done callbacks, not a watcher task and `asyncio.wait` per request: a choice that fails, the last
+            # one ending, or the client leaving resolves `wake`.
+            remaining = len(tasks)
+
+            def settled(task: asyncio.Task[None]) -> None:
+                nonlocal remaining
+                remaining -= 1
+                if remaining == 0 or (not task.cancelled() and task.exception() is not None):
+                    _resolve(wake)
+
+            for task in tasks:
+                task.add_done_callback(settled)
             try:
-                pending: set[asyncio.Task[None]] = set(tasks)
-                while pending:
-                    done, _ = await asyncio.wait(pending | {watcher}, return_when=asyncio.FIRST_COMPLETED)
-                    pending -= done
-                    failed = any(not t.cancelled() and t.exception() is not None for t in done if t is not watcher)
-                    if failed or watcher in done:
-                        break
+                await wake
+                pending = {t for t in tasks if not t.done()}
                 if pending:  # a choice failed or the client left: the rest stop, upstream too
                     await self._stop(pending, rids, tasks)
                 error = next((t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
@@ -185,8 +192,6 @@ class UpstreamEngine(EngineClient):
                 await self._stop({t for t in tasks if not t.done()}, rids, tasks)
                 stream.end()
                 raise
-            finally:
-                watcher.cancel()
             if error is not None and not stream.cancelled.is_set():
                 gate.fail(error)
                 stream.fail(error if isinstance(error, DeltafinError) else str(error))
@@ -313,22 +318,31 @@ class UpstreamEngine(EngineClient):
 
 
 class _AwaitableCancel(threading.Event):
-    """`stream.cancelled`, made awaitable: `close()` (on any thread) also sets an asyncio.Event on our loop, so a
-    submission wakes at once when its client leaves instead of polling a threading.Event."""
+    """`stream.cancelled` that also wakes the submission on our loop when set (`close()`, on any thread), so it
+    stops at once when its client leaves instead of polling a threading.Event."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, mirror: asyncio.Event, *, already: bool) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, wake: Callable[[], None], *, already: bool) -> None:
         super().__init__()
         self._loop = loop
-        self._mirror = mirror
+        self._loop_thread = threading.get_ident()  # made in `submit`, on the loop's thread
+        self._wake = wake
         if already:
             self.set()
 
     def set(self) -> None:
         super().set()
+        if threading.get_ident() == self._loop_thread:
+            self._wake()  # the usual case (a consumer's close): no cross-thread wake-up through the loop's pipe
+            return
         try:
-            self._loop.call_soon_threadsafe(self._mirror.set)
+            self._loop.call_soon_threadsafe(self._wake)
         except RuntimeError:  # the loop is gone (shutdown): nothing left to wake
             pass
+
+
+def _resolve(future: asyncio.Future[None]) -> None:
+    if not future.done():
+        future.set_result(None)
 
 
 class _Gate:

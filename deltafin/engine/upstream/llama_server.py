@@ -45,7 +45,9 @@ class LlamaServerAdapter(Adapter):
             "cache_prompt": True,
             "samplers": SAMPLERS,
             "temperature": params.temperature,
-            "top_k": params.top_k,  # 0 = off in llama.cpp too
+            # 0 = off in llama.cpp too. Greedy: top-k 1 picks the same token (penalties and biases run before it)
+            # without the final sampler softmaxing the whole vocabulary, per stream and step.
+            "top_k": 1 if params.greedy else params.top_k,
             "top_p": params.top_p,
             "min_p": params.min_p,
             "typical_p": 1.0,
