@@ -112,12 +112,21 @@ async def one_completion_stream(client: httpx.AsyncClient, url: str, tokens: int
     return arrivals[0] - sent, [b - a for a, b in zip(arrivals, arrivals[1:])]
 
 
+#: --stagger-ms: stream i starts i * this later (0: all at once)
+STAGGER_S = 0.0
+
+
 async def burst(url: str, streams: int, tokens: int, prompt_ids: list[int] | None = None) -> list[tuple[float, list[float]]]:
-    """STREAMS concurrent streams: chat completions, or (with `prompt_ids`) llama-server completions."""
+    """STREAMS concurrent streams: chat completions, or (with `prompt_ids`) llama-server completions; started
+    STAGGER_S apart (TTFT counts from each one's own start)."""
     async with httpx.AsyncClient(timeout=600) as client:
-        if prompt_ids is not None:
-            return await asyncio.gather(*(one_completion_stream(client, url, tokens, prompt_ids) for _ in range(streams)))
-        return await asyncio.gather(*(one_stream(client, url, tokens) for _ in range(streams)))
+        async def one(i: int) -> tuple[float, list[float]]:
+            await asyncio.sleep(i * STAGGER_S)
+            if prompt_ids is not None:
+                return await one_completion_stream(client, url, tokens, prompt_ids)
+            return await one_stream(client, url, tokens)
+
+        return await asyncio.gather(*(one(i) for i in range(streams)))
 
 
 def cpu_seconds(pid: int) -> float:
@@ -205,11 +214,16 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--pace-ms", type=float, default=20.0, help="paced-fake: the gap between two tokens")
     parser.add_argument("--upstream-threads", type=int, default=2, help="llama-server: its -t")
+    parser.add_argument("--stagger-ms", type=float, default=0.0,
+                        help="start stream i i*STAGGER ms after the first (0: a burst of STREAMS at once, whose median "
+                             "TTFT also waits for the requests ahead of it in every server on the way)")
     parser.add_argument("--pin", action="store_true",
                         help="the upstream on CPU 0, the gateway and this client on the others: the gateway's CPU then "
                              "delays its own streams (the latency it adds) instead of slowing the upstream's steps")
     parser.add_argument("--serve-paced-fake", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
+    global STAGGER_S
+    STAGGER_S = args.stagger_ms / 1000
     if args.serve_paced_fake is not None:
         serve_paced_fake(args.serve_paced_fake)
         return
@@ -267,20 +281,26 @@ def main() -> None:
         gateway.stop()
         stop_upstream()
 
-    def summary(side: str) -> tuple[float, float]:
+    def summary(side: str) -> tuple[float, float, float]:
         ttft = statistics.median(r[0] for r in results[side])
         itl = statistics.median(statistics.mean(r[1]) for r in results[side] if r[1])
-        return ttft * 1000, itl * 1000
+        # The second half of each stream: by then every request of the burst is decoding, whatever order and
+        # spacing they reached the upstream in (the gateway sends them a render apart, the direct client at
+        # once, and an upstream that prefills late arrivals between decode steps slows the early streams).
+        steady = statistics.median(statistics.mean(r[1][len(r[1]) // 2:]) for r in results[side] if len(r[1]) > 1)
+        return ttft * 1000, itl * 1000, steady * 1000
 
     requests = args.streams * args.reps
     tokens = requests * args.tokens
-    g_ttft, g_itl = summary("gateway")
+    g_ttft, g_itl, g_steady = summary("gateway")
     print(f"upstream: {args.upstream}, streams: {args.streams}, tokens/request: {args.tokens}, reps: {args.reps}"
-          + (f", upstream pinned to CPU {min(upstream_cpus)}" if upstream_cpus else ""))
-    d_ttft, d_itl = summary("direct")
-    print(f"direct : TTFT median {d_ttft:8.1f} ms, inter-token median {d_itl:6.2f} ms")
-    print(f"gateway: TTFT median {g_ttft:8.1f} ms, inter-token median {g_itl:6.2f} ms")
-    print(f"overhead: TTFT {g_ttft - d_ttft:+.1f} ms per request, inter-token {g_itl - d_itl:+.3f} ms per token")
+          + (f", upstream pinned to CPU {min(upstream_cpus)}" if upstream_cpus else "")
+          + (f", streams started {args.stagger_ms:g} ms apart" if args.stagger_ms else ""))
+    d_ttft, d_itl, d_steady = summary("direct")
+    print(f"direct : TTFT median {d_ttft:8.1f} ms, inter-token median {d_itl:6.2f} ms (second half {d_steady:6.2f})")
+    print(f"gateway: TTFT median {g_ttft:8.1f} ms, inter-token median {g_itl:6.2f} ms (second half {g_steady:6.2f})")
+    print(f"overhead: TTFT {g_ttft - d_ttft:+.1f} ms per request, inter-token {g_itl - d_itl:+.3f} ms per token "
+          f"(second half {g_steady - d_steady:+.3f})")
     short_cpu = gateway_cpu / requests
     per_token = (long_cpu - short_cpu) / (3 * args.tokens)
     per_request = short_cpu - per_token * args.tokens
