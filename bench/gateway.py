@@ -1,25 +1,32 @@
-"""What Deltafin adds in front of an upstream engine: TTFT and inter-token latency, gateway vs direct, same run.
+"""What Deltafin adds in front of an upstream engine: TTFT and inter-token latency, gateway vs direct, same run,
+and the gateway's own CPU per request and per token.
 
-    .venv/bin/python bench/gateway.py --upstream llama-server --streams 16 --tokens 32 --reps 3
+    .venv/bin/python bench/gateway.py --upstream llama-server --streams 16 --tokens 16 --reps 3 --pin --upstream-threads 1
+    .venv/bin/python bench/gateway.py --upstream llama-server --streams 16 --tokens 16 --reps 3
+    .venv/bin/python bench/gateway.py --upstream paced-fake --streams 16 --tokens 16 --reps 4
+    .venv/bin/python bench/gateway.py --upstream paced-fake --streams 16 --tokens 16 --reps 4 --pin --stagger-ms 10
     .venv/bin/python bench/gateway.py --upstream deltafin --streams 4 --tokens 16 --reps 2
     .venv/bin/python bench/gateway.py --upstream fake --tokens 800
-    .venv/bin/python bench/gateway.py --upstream paced-fake --streams 16 --tokens 16 --reps 2
+
+The upstream is a real llama-server (serving the default model's GGUF, `-np STREAMS`), a paced fake of it, or a
+second Deltafin. Each rep sends STREAMS concurrent streamed chat requests through the gateway
+(`engine=llama_server` / `engine=vllm`) and the same work straight to the upstream, alternating which goes
+first. In front of llama-server (or the fake) the direct side sends the very request the gateway sends
+(`completion_body`: the chat's token ids from the gateway's /tokenize, the adapter's own body), so both sides
+ask the upstream for the same work; in front of a Deltafin, the same chat request. Figures are medians over every
+request: TTFT (request sent to first content byte) and inter-token latency (mean gap between content chunks,
+also over the second half of each stream). Then the gateway's CPU time (from /proc) per request and per token,
+split by a burst with 4x the tokens in every rep: what the gateway costs, free of the upstream's noise.
 
 `paced-fake` puts the gateway (a real process) in front of a fake llama-server in another process that sends each
 token `--pace-ms` apart, as a GPU upstream would: the gateway's CPU and latency without a CPU-bound upstream beside
-it (on 2 cores llama-server's own decoding competes with the gateway and inflates its figures). Its direct side
-streams the fake's own `/completion` with the token ids the gateway would send.
+it (on 2 cores llama-server's own decoding competes with the gateway and inflates its figures). `--pin` keeps the
+upstream on CPU 0 and the gateway and this client on the others; `--stagger-ms` starts the streams apart instead
+of in one burst, whose median TTFT also waits for the requests ahead of it.
 
 `fake` is an in-process llama-server stand-in that answers at once (no model; its HTTP runs over a socket pair
 in the same process): the CPU the gateway's whole serving path (upstream HTTP and SSE parsing, decoding, chat
 chunks, SSE out), the fake upstream and the test client included, spends per token.
-
-The upstream is a real llama-server (serving the default model's GGUF, `-np STREAMS`) or a second Deltafin.
-Each rep sends STREAMS concurrent streamed chat requests straight to the upstream's own chat endpoint and then
-the same requests through the gateway (`engine=llama_server` / `engine=vllm`), alternating which goes first.
-Figures are medians over every request: TTFT (request sent to first content byte) and inter-token latency
-(mean gap between content chunks). Then the gateway's CPU time (from /proc) per request and per token, split
-by a last burst with 4x the tokens: what the gateway costs, free of the upstream's (and a busy machine's) noise.
 """
 
 from __future__ import annotations
@@ -262,7 +269,7 @@ def main() -> None:
             if args.upstream != "deltafin" else None
         asyncio.run(burst(upstream_url, 2, 4, prompt_ids))
         results: dict[str, list[tuple[float, list[float]]]] = {"direct": [], "gateway": []}
-        gateway_cpu = 0.0
+        gateway_cpu = long_cpu = 0.0
         for rep in range(args.reps):
             order = ["direct", "gateway"] if rep % 2 == 0 else ["gateway", "direct"]
             for side in order:
@@ -273,10 +280,11 @@ def main() -> None:
                     results[side] += asyncio.run(burst(gateway.base_url, args.streams, args.tokens))
                 if side == "gateway":
                     gateway_cpu += cpu_seconds(gateway.process.pid) - before
-        # The gateway's CPU per request is a + b * tokens: a second burst with 4x the tokens separates a and b.
-        before = cpu_seconds(gateway.process.pid)
-        asyncio.run(burst(gateway.base_url, args.streams, 4 * args.tokens))
-        long_cpu = (cpu_seconds(gateway.process.pid) - before) / args.streams
+            # The gateway's CPU per request is a + b * tokens: a burst with 4x the tokens in every rep (the
+            # machine's state drifts, so both sizes are sampled throughout) separates a and b.
+            before = cpu_seconds(gateway.process.pid)
+            asyncio.run(burst(gateway.base_url, args.streams, 4 * args.tokens))
+            long_cpu += (cpu_seconds(gateway.process.pid) - before) / (args.streams * args.reps)
     finally:
         gateway.stop()
         stop_upstream()
@@ -305,7 +313,7 @@ def main() -> None:
     per_token = (long_cpu - short_cpu) / (3 * args.tokens)
     per_request = short_cpu - per_token * args.tokens
     print(f"gateway CPU: {short_cpu * 1000:.2f} ms per {args.tokens}-token request, {long_cpu * 1000:.2f} ms per "
-          f"{4 * args.tokens}-token request ({requests} + {args.streams} requests, {tokens} + {4 * args.tokens * args.streams} tokens)")
+          f"{4 * args.tokens}-token request ({requests} + {requests} requests, {tokens} + {4 * tokens} tokens)")
     print(f"gateway CPU split: {per_request * 1000:.2f} ms per request + {per_token * 1000:.3f} ms per token")
 
 

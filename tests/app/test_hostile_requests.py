@@ -100,3 +100,20 @@ class TestRequestTemplates:
         assert time.monotonic() - started < 5
         # The prompt thread is free again: a normal request is served.
         assert trusting_client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
+
+    def test_a_request_template_never_renders_on_the_event_loop(self, trusting_client):
+        """Small bodies render on the loop, but a request's own template is code of unknown cost: it renders on
+        a prompt thread, so a CPU burn (cut at the 0.5 s budget) leaves other clients answered meanwhile."""
+        import threading
+
+        burn = "{% for i in range(99999) %}{% for j in range(99999) %}{% endfor %}{% endfor %}"
+        body = {"messages": user(), "max_tokens": 1, "chat_template_kwargs": {"chat_template": burn}}
+        statuses = []
+        thread = threading.Thread(target=lambda: statuses.append(trusting_client.post(CHAT, json=body).status_code))
+        thread.start()
+        time.sleep(0.1)  # the burn is rendering
+        started = time.monotonic()
+        assert trusting_client.get("/v1/models").status_code == 200
+        answered_in = time.monotonic() - started
+        thread.join(10)
+        assert statuses == [400] and answered_in < 0.3, answered_in

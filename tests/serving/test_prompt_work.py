@@ -116,3 +116,34 @@ def test_errors_from_the_work_reach_the_caller_with_a_deadline():
 
     with pytest.raises(ValueError, match="bad template"):
         asyncio.run(scenario())
+
+
+def inline_lanes(inline_body_bytes=100):
+    return PromptWork(object(), large_body_bytes=LARGE, max_large=1, timeout_s=1.0, inline_body_bytes=inline_body_bytes)
+
+
+def test_a_small_body_is_worked_on_the_loop_itself():
+    async def scenario():
+        work = inline_lanes()
+        return await work.run(threading.get_ident, size=10, deadline=time.monotonic() + 1), threading.get_ident()
+
+    ran_on, loop_thread = asyncio.run(scenario())
+    assert ran_on == loop_thread
+
+
+@pytest.mark.parametrize("size,inline", [(100, True), (10, False), (None, True)])
+def test_larger_bodies_unknown_sizes_and_refused_inlining_go_to_a_prompt_thread(size, inline):
+    async def scenario():
+        work = inline_lanes(inline_body_bytes=100)
+        return await work.run(threading.get_ident, size=size, inline=inline), threading.get_ident()
+
+    ran_on, loop_thread = asyncio.run(scenario())
+    assert ran_on != loop_thread
+
+
+def test_inlining_off_sends_every_body_to_a_thread():
+    async def scenario():
+        return await inline_lanes(inline_body_bytes=0).run(threading.get_ident, size=0), threading.get_ident()
+
+    ran_on, loop_thread = asyncio.run(scenario())
+    assert ran_on != loop_thread
