@@ -76,11 +76,11 @@ async def metrics(state: State) -> bytes:
 
 
 def _freeze_loaded_heap() -> None:
-    """Move everything loaded so far (torch, transformers, the tokenizers, the model: a few hundred thousand
-    objects that live as long as the process) out of the cyclic collector's reach. Left in, every full
-    collection walked them all: ~140 ms with the event loop stopped, every few hundred requests, which was a
-    sixth of the gateway's CPU per request and a latency spike for every stream in flight. Done once, when
-    loading ends (the one pause falls before the server says it is ready)."""
+    """Move everything loaded so far (torch, transformers, the tokenizers, the model: 340,000-440,000 objects
+    that live as long as the process) out of the cyclic collector's reach. Left in, every full collection
+    walked them all: ~185 ms (gateway) to ~235 ms (local engine) with the event loop stopped, three times in a
+    couple of hundred gateway requests: a latency spike for every stream in flight (bench/gc_pause.py). Done
+    once, when loading ends (the one pause falls before the server says it is ready)."""
     gc.collect()
     gc.freeze()
 

@@ -81,8 +81,9 @@ class PromptWork:
         """Run `makers` on each lane's thread before the first request (tokenizer copies take a moment), and
         wait for them: what loading builds is done when loading ends."""
         self._makers = makers
-        for lane in [lane.submit(lambda: [make() for make in (self.tokenizers.get, *makers)]) for lane in (self._small, self._large)]:
-            lane.result()
+        made = [lane.submit(lambda: [make() for make in (self.tokenizers.get, *makers)]) for lane in (self._small, self._large)]
+        for future in made:
+            future.result()
 
     def prepare_loop_thread(self) -> None:
         """Make the calling thread's (the event loop's) tokenizer, and its chat format where small prompts are
