@@ -36,13 +36,6 @@ def on_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> Stopper:
     return arm
 
 
-async def until_disconnected(
-    receive: Callable[[], Awaitable[dict[str, Any]]], work: Awaitable[T], on_abandoned: Callable[[T], None]
-) -> T:
-    """Await `work`; if the client goes first, cancel it (see `cancel_when`)."""
-    return await cancel_when(work, [on_disconnect(receive)], on_abandoned)
-
-
 async def cancel_when(work: Awaitable[T], stoppers: Sequence[Stopper], on_abandoned: Callable[[T], None]) -> T:
     """Await `work` unless one of `stoppers` fires first: then cancel the work and raise the stopper's error.
     A result produced anyway (the work finished as it was stopped) goes to `on_abandoned`, so its

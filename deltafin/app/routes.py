@@ -44,11 +44,14 @@ def _close(result: Any) -> None:
 
 
 async def _respond(request: Request, work: Any) -> Response | EventStream:
-    # Queue wait and non-streamed generation race the client's disconnect and a shutdown (deltafin.app.shutdown);
-    # a streamed body is cancelled by Litestar itself when the client goes.
+    # Queue wait and non-streamed generation stop at the client's disconnect or a shutdown (deltafin.app.shutdown);
+    # a streamed body stops when the client goes (deltafin.app.event_stream) or the drain's grace ends.
     drain: Drain = request.app.state.drain
     stats = _stats(request)
-    admitted = lambda: stats.queue_wait_s is not None  # noqa: E731
+
+    def admitted() -> bool:
+        return stats.queue_wait_s is not None
+
     result = await cancel_when(work, [on_disconnect(request.receive), drain.stopper(admitted)], _close)
     if isinstance(result, StreamingResponse):
         return EventStream(drain.stream(result.body), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
