@@ -19,19 +19,21 @@ def receiver(disconnect_after: float | None):
     return receive
 
 
+async def long_work(cancelled: list):
+    """Work that would run 10 s, noting in `cancelled` that it was cancelled."""
+    try:
+        await asyncio.sleep(10)
+    except asyncio.CancelledError:
+        cancelled.append(True)
+        raise
+
+
 def test_a_disconnect_cancels_the_work_and_says_why():
     cancelled = []
 
-    async def work():
-        try:
-            await asyncio.sleep(10)
-        except asyncio.CancelledError:
-            cancelled.append(True)
-            raise
-
     async def scenario():
         with pytest.raises(ClientClosedRequest):
-            await cancel_when(work(), [on_disconnect(receiver(0.05))], lambda _: None)
+            await cancel_when(long_work(cancelled), [on_disconnect(receiver(0.05))], lambda _: None)
 
     asyncio.run(scenario())
     assert cancelled == [True]
@@ -73,14 +75,7 @@ def test_the_callers_own_cancellation_cancels_the_work_and_stays_a_cancellation(
     cancelled = []
 
     async def scenario():
-        async def work():
-            try:
-                await asyncio.sleep(10)
-            except asyncio.CancelledError:
-                cancelled.append(True)
-                raise
-
-        outer = asyncio.ensure_future(cancel_when(work(), [on_disconnect(receiver(None))], lambda _: None))
+        outer = asyncio.ensure_future(cancel_when(long_work(cancelled), [on_disconnect(receiver(None))], lambda _: None))
         await asyncio.sleep(0.02)
         outer.cancel()
         with pytest.raises(asyncio.CancelledError):
