@@ -19,6 +19,7 @@ from deltafin.app.request_context import RequestContext
 from deltafin.app.auth import ApiKeyGate
 from deltafin.app.body import publish_body_schemas
 from deltafin.app.connections import BodyDeadline
+from deltafin.app.generation import GenerationEndpoints, document_generation_routes
 from deltafin.app.routes import BODY_TYPES, ROUTES
 from deltafin.app.services import Services, engine_name
 from deltafin.app.shutdown import Drain, DrainGate
@@ -36,16 +37,19 @@ class Readiness:
         self.services: Services | None = None
         self.error: str | None = None
 
+    def require(self) -> Services:
+        """The services, or the 503 that says why there are none yet."""
+        if self.services is None:
+            if self.error:
+                raise EngineUnavailableError(
+                    f"Service unavailable: the model failed to load: {self.error}.", code="model_load_failed"
+                )
+            raise EngineUnavailableError("Service unavailable: the model is still loading.", headers={"Retry-After": "5"})
+        return self.services
+
 
 def _provide_services(state: State) -> Services:
-    readiness: Readiness = state.readiness
-    if readiness.services is None:
-        if readiness.error:
-            raise EngineUnavailableError(
-                f"Service unavailable: the model failed to load: {readiness.error}.", code="model_load_failed"
-            )
-        raise EngineUnavailableError("Service unavailable: the model is still loading.", headers={"Retry-After": "5"})
-    return readiness.services
+    return state.readiness.require()
 
 
 def _engine_state(readiness: Readiness) -> tuple[float, float]:
@@ -133,9 +137,13 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
         logging_config=None,  # Litestar's default would give the root logger its own plain-text format
     )
     publish_body_schemas(litestar_app, BODY_TYPES)
+    document_generation_routes(litestar_app)
     # Outermost first: request id + log line + metrics; refuse new work while draining; the API key,
-    # checked before routing so a request without one never has its body read; the body's deadline.
-    inner = BodyDeadline(litestar_app, config.server.connections.body_timeout_s)
+    # checked before routing so a request without one never has its body read; the body's deadline; the
+    # generation routes, then Litestar for the rest.
+    inner = GenerationEndpoints(litestar_app, services=readiness.require, drain=drain,
+                                max_body_bytes=config.server.max_body_bytes)
+    inner = BodyDeadline(inner, config.server.connections.body_timeout_s)
     inner = ApiKeyGate(inner, config.server.api_keys, config.server.open_routes)
     app = RequestContext(DrainGate(inner, drain), app_metrics, engine=engine_name(config))
     app.drain = drain  # the server starts draining it on SIGTERM/SIGINT (deltafin.app.server)

@@ -1,19 +1,17 @@
-"""Thin HTTP routes: decode (Litestar + msgspec), call the serving layer, wrap JSON or SSE."""
+"""Thin HTTP routes: decode (Litestar + msgspec), call the serving layer, answer JSON. (The generation routes,
+/v1/chat/completions and /v1/completions, are a plain ASGI layer in front of these: deltafin.app.generation.)"""
 
 from __future__ import annotations
 
 from typing import Any
 
-from litestar import Request, Response, get, post
+from litestar import Request, get, post
 from litestar.di import NamedDependency
 from litestar.params import FromPath
 
 from deltafin.app.body import documented_body, strict_body
-from deltafin.app.disconnect import cancel_when, on_disconnect
-from deltafin.app.event_stream import EventStream
 from deltafin.app.request_context import STATS_KEY
 from deltafin.app.services import Services
-from deltafin.app.shutdown import Drain
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.completions import CompletionRequest
 from deltafin.protocol.parse import ParseRequest
@@ -21,10 +19,10 @@ from deltafin.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from deltafin.serving.chat import brings_template
 from deltafin.serving.context import RequestStats
 from deltafin.serving.models import get_model, list_models
-from deltafin.serving.sse import StreamingResponse
 
 
-#: The request types whose schemas /schema publishes (deltafin.app.body.publish_body_schemas).
+#: The request types whose schemas /schema publishes (deltafin.app.body.publish_body_schemas), the generation
+#: routes' included.
 BODY_TYPES = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, ParseRequest]
 
 
@@ -36,40 +34,6 @@ def _body(request_type: type) -> dict[str, Any]:
 def _stats(request: Request) -> RequestStats:
     stats = request.scope.get("state", {}).get(STATS_KEY)
     return stats if stats is not None else RequestStats()
-
-
-def _close(result: Any) -> None:
-    if isinstance(result, StreamingResponse):
-        result.close()
-
-
-async def _respond(request: Request, work: Any) -> Response | EventStream:
-    # Queue wait and non-streamed generation stop at the client's disconnect or a shutdown (deltafin.app.shutdown);
-    # a streamed body stops when the client goes (deltafin.app.event_stream) or the drain's grace ends.
-    drain: Drain = request.app.state.drain
-    stats = _stats(request)
-
-    def admitted() -> bool:
-        return stats.queue_wait_s is not None
-
-    result = await cancel_when(work, [on_disconnect(request.receive), drain.stopper(admitted)], _close)
-    if isinstance(result, StreamingResponse):
-        return EventStream(drain.stream(result.body), media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    return Response(result)
-
-
-@post(["/v1/chat/completions", "/chat/completions"], status_code=200, summary="Create a chat completion", **_body(ChatCompletionRequest))
-async def chat_completions(
-    request: Request, payload: NamedDependency[ChatCompletionRequest], services: NamedDependency[Services]
-) -> Response | EventStream:
-    return await _respond(request, services.chat.create(payload, _stats(request)))
-
-
-@post(["/v1/completions", "/completions"], status_code=200, summary="Create a text completion", **_body(CompletionRequest))
-async def completions(
-    request: Request, payload: NamedDependency[CompletionRequest], services: NamedDependency[Services]
-) -> Response | EventStream:
-    return await _respond(request, services.completions.create(payload, _stats(request)))
 
 
 @get(["/v1/models", "/models"], summary="List the served model")
@@ -101,4 +65,4 @@ async def parse(payload: NamedDependency[ParseRequest], services: NamedDependenc
     return await services.ctx.off_loop(services.parse.parse, payload)
 
 
-ROUTES = [chat_completions, completions, models, model, tokenize, detokenize, parse]
+ROUTES = [models, model, tokenize, detokenize, parse]

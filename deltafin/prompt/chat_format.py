@@ -3,14 +3,21 @@
 Control tokens may come only from the template. Every piece of message text is swapped for a sentinel
 before rendering; the rendered string is then tokenized piece by piece: template text with special
 tokens recognised, message text with `split_special_tokens`, so `<|im_start|>` typed by a user stays text.
+
+Since the template sees only sentinels, its output is a function of the conversation's shape (roles, names,
+tool calls, the number of text pieces), the tools and the template arguments: renders are kept per shape
+(`RenderCache`), and a request whose shape was seen before is not templated again.
 """
 
 from __future__ import annotations
 
 import json
 import secrets
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
+
+import msgspec
 
 from deltafin.errors import InvalidRequestError
 from deltafin.prompt.sandbox import render_bounded
@@ -45,6 +52,7 @@ class TemplateChatFormat:
         self._codec = TokenCodec(tokenizer)
         self._content_format = content_format
         self._default_kwargs = dict(default_kwargs)
+        self._renders = RenderCache() if RenderCache.deterministic(tokenizer.chat_template) else None
 
     def render(
         self,
@@ -60,8 +68,13 @@ class TemplateChatFormat:
         texts: list[str] = []
         conversation = [self._template_message(i, m, texts, nonce) for i, m in enumerate(messages)]
         kwargs = {**self._default_kwargs, **template_kwargs}
-        rendered = self._apply(conversation, tools, kwargs, add_generation_prompt)
-        pieces = _split_sentinels(rendered, nonce)
+        cache = self._renders if "chat_template" not in kwargs else None  # a request's own template: not kept
+        key = cache.key(conversation, tools, kwargs, add_generation_prompt, nonce) if cache is not None else None
+        pieces = cache.get(key) if key is not None else None
+        if pieces is None:
+            pieces = _split_sentinels(self._apply(conversation, tools, kwargs, add_generation_prompt), nonce)
+            if key is not None:
+                cache.put(key, pieces)
         token_ids: list[int] = []
         text_parts: list[str] = []
         codec = self._codec
@@ -120,6 +133,51 @@ class TemplateChatFormat:
             return placeholder(message_text(index, message)) if message.content is not None else ""
         message_text(index, message)  # refuses images
         return [{"type": "text", "text": placeholder(part.text)} for part in message.content if isinstance(part, TextPart)]
+
+
+class RenderCache:
+    """Rendered templates (split at the sentinels, so free of any nonce) by conversation shape: the template
+    arguments with every text swapped for its sentinel, as JSON with the nonce taken out. Bounded in entries
+    and in the characters of one entry (large tool lists are rendered each time)."""
+
+    MAX_ENTRIES = 256
+    MAX_CHARS = 64 * 1024
+
+    def __init__(self) -> None:
+        self._entries: OrderedDict[bytes, tuple[str, ...]] = OrderedDict()
+
+    @staticmethod
+    def deterministic(template: Any) -> bool:
+        """Whether the template's output depends on its arguments alone: not on the clock (`strftime_now`, as
+        in Llama 3.1's "Today Date") or chance (Jinja's `lipsum`). Several named templates: not kept."""
+        return isinstance(template, str) and "strftime_now" not in template and "lipsum" not in template
+
+    @staticmethod
+    def key(conversation: list[dict[str, Any]], tools: Sequence[ToolDefinition] | None, kwargs: dict[str, Any],
+            add_generation_prompt: bool, nonce: str) -> bytes | None:
+        tool_dicts = [_tool_dict(t) for t in tools] if tools else None
+        try:
+            encoded = _encode_key([conversation, tool_dicts, kwargs, add_generation_prompt])
+        except (TypeError, ValueError, OverflowError):  # an argument JSON cannot spell: render it every time
+            return None
+        return encoded.replace(nonce.encode("ascii"), b"")
+
+    def get(self, key: bytes) -> list[str] | None:
+        pieces = self._entries.get(key)
+        if pieces is None:
+            return None
+        self._entries.move_to_end(key)
+        return list(pieces)
+
+    def put(self, key: bytes, pieces: list[str]) -> None:
+        if sum(map(len, pieces)) > self.MAX_CHARS:
+            return
+        self._entries[key] = tuple(pieces)
+        if len(self._entries) > self.MAX_ENTRIES:
+            self._entries.popitem(last=False)
+
+
+_encode_key = msgspec.json.Encoder(order="deterministic").encode
 
 
 def _split_sentinels(rendered: str, nonce: str) -> list[str]:

@@ -1,0 +1,232 @@
+"""POST /v1/chat/completions and /v1/completions (and their unversioned aliases) as a plain ASGI layer in
+front of Litestar.
+
+Why not Litestar routes: these two carry every generation, and Litestar's per-request machinery (routing, a
+`Request`, dependency injection, a response object, a task group for a stream) cost ~0.5 ms of the ~1.9 ms a
+gateway spent on a request that arrived alone before its upstream saw it (bench/gateway.py --stagger-ms;
+docs/benchmarks.md). Here a request is: read the body, decode it strictly, call the serving layer, send JSON or
+SSE. Nothing else about the routes changes: the layers outside this one (request context, drain gate, API key,
+body deadline) still run; every error leaves through the same mapping as Litestar's (`to_deltafin_error`,
+`send_error`) with the same bodies and headers; paths are matched after the same normalisation (a trailing or
+doubled slash); OPTIONS and other methods are answered as Litestar did; /schema still documents them
+(`document_generation_routes`).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from typing import Any, Awaitable, Callable
+
+import msgspec
+from litestar import Litestar
+from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, Operation, PathItem, Reference, RequestBody, Schema
+
+from deltafin.app.disconnect import cancel_when, on_disconnect
+from deltafin.app.errors import send_error, to_deltafin_error
+from deltafin.app.request_context import STATS_KEY
+from deltafin.app.services import Services
+from deltafin.app.shutdown import Drain
+from deltafin.errors import ClientClosedRequest, InvalidRequestError, MethodNotAllowedError, PayloadTooLargeError
+from deltafin.protocol.chat import ChatCompletionRequest
+from deltafin.protocol.completions import CompletionRequest
+from deltafin.protocol.decode import decode_request
+from deltafin.serving.context import RequestStats
+from deltafin.serving.sse import StreamingResponse
+
+_encode = msgspec.json.Encoder().encode
+
+_ALLOW = b"POST, OPTIONS"
+_JSON_HEADERS = [(b"content-type", b"application/json")]
+_SSE_HEADERS = [(b"cache-control", b"no-cache"), (b"content-type", b"text/event-stream; charset=utf-8")]
+
+
+@dataclass(frozen=True)
+class GenerationRoute:
+    request_type: type
+    summary: str
+    operation_id: str
+    #: the serving call: (services, decoded request, stats) -> JSON body or a StreamingResponse
+    create: Callable[[Services, Any, RequestStats], Awaitable[Any]]
+
+
+_CHAT = GenerationRoute(ChatCompletionRequest, "Create a chat completion", "ChatCompletions",
+                        lambda services, request, stats: services.chat.create(request, stats))
+_COMPLETION = GenerationRoute(CompletionRequest, "Create a text completion", "Completions",
+                              lambda services, request, stats: services.completions.create(request, stats))
+
+#: path -> route, the versioned path first (both are served and documented)
+GENERATION_ROUTES: dict[str, GenerationRoute] = {
+    "/v1/chat/completions": _CHAT,
+    "/chat/completions": _CHAT,
+    "/v1/completions": _COMPLETION,
+    "/completions": _COMPLETION,
+}
+
+
+def _normalised(path: str) -> str:
+    """The path as Litestar routes it: repeated slashes collapsed, no trailing slash."""
+    while "//" in path:
+        path = path.replace("//", "/")
+    return path.rstrip("/") or "/"
+
+
+class GenerationEndpoints:
+    """ASGI layer: serves the generation routes; every other request goes on to `app` (Litestar)."""
+
+    def __init__(self, app: Any, *, services: Callable[[], Services], drain: Drain, max_body_bytes: int) -> None:
+        self.app = app
+        self._services = services
+        self._drain = drain
+        self._max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        route = None
+        if scope["type"] == "http":
+            path = scope["path"]
+            route = GENERATION_ROUTES.get(path)
+            if route is None:
+                path = _normalised(path)
+                route = GENERATION_ROUTES.get(path)
+        if route is None:
+            await self.app(scope, receive, send)
+            return
+        scope["path_template"] = path  # the metrics label, as Litestar's router sets it
+        method = scope["method"]
+        if method == "OPTIONS":
+            await send({"type": "http.response.start", "status": 204, "headers": [(b"allow", _ALLOW)]})
+            await send({"type": "http.response.body", "body": b""})
+            return
+        started = False
+
+        def tracked_send(message: dict[str, Any]) -> Awaitable[None]:
+            nonlocal started
+            started = True
+            return send(message)
+
+        try:
+            if method != "POST":
+                raise MethodNotAllowedError("Method Not Allowed", headers={"Allow": _ALLOW.decode()})
+            await self._serve(route, scope, receive, tracked_send)
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:
+            if started:
+                raise  # too late for a status; uvicorn logs it and closes the connection
+            await send_error(send, to_deltafin_error(exc))
+
+    async def _serve(self, route: GenerationRoute, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        stats = scope.get("state", {}).get(STATS_KEY)
+        if stats is None:
+            stats = RequestStats()
+        raw = await read_body(scope, receive, self._max_body_bytes)
+        stats.body_bytes = len(raw)  # chooses the prompt-work lane (deltafin.serving.prompt_work)
+        request = decode_request(raw, route.request_type)
+        services = self._services()
+
+        def admitted() -> bool:
+            return stats.queue_wait_s is not None
+
+        # Queue wait and non-streamed generation stop at the client's disconnect or a shutdown
+        # (deltafin.app.shutdown); a streamed body stops when the client goes (send_event_stream) or the drain's
+        # grace ends.
+        result = await cancel_when(route.create(services, request, stats),
+                                   [on_disconnect(receive), self._drain.stopper(admitted)], _close)
+        if isinstance(result, StreamingResponse):
+            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            await send_event_stream(self._drain.stream(result.body), receive, send)
+            return
+        body = _encode(result)
+        headers = [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.body", "body": body})
+
+
+def _close(result: Any) -> None:
+    if isinstance(result, StreamingResponse):
+        result.close()
+
+
+async def read_body(scope: dict[str, Any], receive: Any, limit: int) -> bytes:
+    """The whole request body; 413 past `limit` (before reading anything when Content-Length says so)."""
+    for name, value in scope["headers"]:
+        if name == b"content-length":
+            try:
+                declared = int(value)
+            except ValueError:
+                raise InvalidRequestError(f"Invalid content-length: {value.decode('latin-1')!r}") from None
+            if declared > limit:
+                raise PayloadTooLargeError("Request Entity Too Large")
+            break
+    parts: list[bytes] = []
+    total = 0
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            raise ClientClosedRequest("client disconnected while sending its body")
+        chunk = message.get("body", b"")
+        if chunk:
+            total += len(chunk)
+            if total > limit:  # a chunked upload, or more than it declared
+                raise PayloadTooLargeError("Request Entity Too Large")
+            parts.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+async def send_event_stream(chunks: Any, receive: Any, send: Any) -> None:
+    """Send an SSE body (its start was sent) in this task; a watcher task cancels it when the client
+    disconnects, at its current await, so its `finally` stops the generation and frees the upstream request.
+    (Litestar sent a stream from an anyio task group: a task for the body and a cancel scope per response,
+    which in front of an upstream cost more than the rest of the response.)"""
+    task = asyncio.current_task()
+    assert task is not None
+    state = {"sending": True, "client_left": False}
+
+    async def watch_for_disconnect() -> None:
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                break
+        if state["sending"]:
+            state["client_left"] = True
+            task.cancel()
+
+    watcher = asyncio.ensure_future(watch_for_disconnect())
+    try:
+        async for chunk in chunks:
+            await send({"type": "http.response.body", "body": chunk, "more_body": True})
+        state["sending"] = False
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+    except asyncio.CancelledError:
+        if state["client_left"] and task.uncancel() == 0:
+            return  # the cancellation was ours: the client is gone, nothing more to send
+        raise
+    finally:
+        state["sending"] = False
+        watcher.cancel()
+        aclose = getattr(chunks, "aclose", None)
+        if aclose is not None:
+            await aclose()  # a body left at a `yield` (cancelled during a send) stops its generation too
+
+
+def document_generation_routes(app: Litestar) -> None:
+    """Put the generation routes into the app's (cached) OpenAPI document: Litestar does not route them, so
+    it cannot infer them. Each takes its request type's schema (see deltafin.app.body.publish_body_schemas)
+    and answers JSON, or server-sent events when `stream` is true."""
+    openapi = app.openapi_schema
+    paths = dict(openapi.paths or {})
+    for path, route in GENERATION_ROUTES.items():
+        name = route.request_type.__name__
+        body = RequestBody(content={"application/json": OpenAPIMediaType(schema=Reference(ref=f"#/components/schemas/{name}"))},
+                           required=True)
+        answers = {
+            "application/json": OpenAPIMediaType(schema=Schema(description="the whole response")),
+            "text/event-stream": OpenAPIMediaType(schema=Schema(description="chunks, when `stream` is true")),
+        }
+        prefix = "V1" if path.startswith("/v1/") else ""
+        operation = Operation(summary=route.summary, operation_id=prefix + route.operation_id, request_body=body,
+                              responses={"200": OpenAPIResponse(description="Request fulfilled", content=answers)})
+        paths[path] = PathItem(post=operation)
+    openapi.paths = paths
