@@ -121,19 +121,48 @@ async def one_completion_stream(client: httpx.AsyncClient, url: str, tokens: int
 
 #: --stagger-ms: stream i starts i * this later (0: all at once)
 STAGGER_S = 0.0
+#: --new-connections: every request opens its own connection (else one kept-alive client per side)
+NEW_CONNECTIONS = False
 
 
-async def burst(url: str, streams: int, tokens: int, prompt_ids: list[int] | None = None) -> list[tuple[float, list[float]]]:
+class Clients:
+    """One HTTP client per base URL, kept for the whole run (kept-alive connections, as the OpenAI SDK keeps
+    them), or, with --new-connections, a fresh one per burst (a connection opened for every request)."""
+
+    def __init__(self) -> None:
+        self._clients: dict[str, httpx.AsyncClient] = {}
+
+    def get(self, url: str) -> httpx.AsyncClient:
+        if url not in self._clients:
+            limits = httpx.Limits(max_connections=None, max_keepalive_connections=None)
+            self._clients[url] = httpx.AsyncClient(timeout=600, limits=limits)
+        return self._clients[url]
+
+    async def after_burst(self, url: str) -> None:
+        if NEW_CONNECTIONS:
+            await self._clients.pop(url).aclose()
+
+    async def aclose(self) -> None:
+        for client in self._clients.values():
+            await client.aclose()
+
+
+async def burst(clients: Clients, url: str, streams: int, tokens: int,
+                prompt_ids: list[int] | None = None) -> list[tuple[float, list[float]]]:
     """STREAMS concurrent streams: chat completions, or (with `prompt_ids`) llama-server completions; started
     STAGGER_S apart (TTFT counts from each one's own start)."""
-    async with httpx.AsyncClient(timeout=600) as client:
-        async def one(i: int) -> tuple[float, list[float]]:
-            await asyncio.sleep(i * STAGGER_S)
-            if prompt_ids is not None:
-                return await one_completion_stream(client, url, tokens, prompt_ids)
-            return await one_stream(client, url, tokens)
+    client = clients.get(url)
 
+    async def one(i: int) -> tuple[float, list[float]]:
+        await asyncio.sleep(i * STAGGER_S)
+        if prompt_ids is not None:
+            return await one_completion_stream(client, url, tokens, prompt_ids)
+        return await one_stream(client, url, tokens)
+
+    try:
         return await asyncio.gather(*(one(i) for i in range(streams)))
+    finally:
+        await clients.after_burst(url)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -213,6 +242,40 @@ def start_paced_fake(pace_s: float) -> tuple[subprocess.Popen, str]:
     return process, process.stdout.readline().strip()
 
 
+async def measure(args: argparse.Namespace, gateway: LiveServer, upstream_url: str,
+                  results: dict[str, list[tuple[float, list[float]]]], cpu: dict[str, float]) -> None:
+    """Every rep: STREAMS requests through the gateway and the same work straight to the upstream (alternating
+    which goes first), then a burst with 4x the tokens for the CPU split. Adds to `results` and `cpu`."""
+    clients = Clients()
+    try:
+        await burst(clients, gateway.base_url, 2, 4)  # warm both paths (connections, tokenizer caches)
+        # In front of llama-server (or the fake) the direct side sends the gateway's own upstream request: the
+        # chat rendered by the gateway's /tokenize, with the adapter's body (completion_body). In front of a
+        # second Deltafin it sends the same chat request.
+        prompt_ids = None
+        if args.upstream != "deltafin":
+            answer = await clients.get(gateway.base_url).post(gateway.base_url + "/tokenize", json={"messages": PROMPT})
+            prompt_ids = answer.json()["tokens"]
+            await clients.after_burst(gateway.base_url)
+        await burst(clients, upstream_url, 2, 4, prompt_ids)
+        for rep in range(args.reps):
+            order = ["direct", "gateway"] if rep % 2 == 0 else ["gateway", "direct"]
+            for side in order:
+                before = cpu_seconds(gateway.process.pid)
+                if side == "direct":
+                    results[side] += await burst(clients, upstream_url, args.streams, args.tokens, prompt_ids)
+                else:
+                    results[side] += await burst(clients, gateway.base_url, args.streams, args.tokens)
+                    cpu["short"] += cpu_seconds(gateway.process.pid) - before
+            # The gateway's CPU per request is a + b * tokens: a burst with 4x the tokens in every rep (the
+            # machine's state drifts, so both sizes are sampled throughout) separates a and b.
+            before = cpu_seconds(gateway.process.pid)
+            await burst(clients, gateway.base_url, args.streams, 4 * args.tokens)
+            cpu["long"] += (cpu_seconds(gateway.process.pid) - before) / (args.streams * args.reps)
+    finally:
+        await clients.aclose()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--upstream", choices=("llama-server", "deltafin", "fake", "paced-fake"), default="llama-server")
@@ -227,10 +290,14 @@ def main() -> None:
     parser.add_argument("--pin", action="store_true",
                         help="the upstream on CPU 0, the gateway and this client on the others: the gateway's CPU then "
                              "delays its own streams (the latency it adds) instead of slowing the upstream's steps")
+    parser.add_argument("--new-connections", action="store_true",
+                        help="a new connection for every request (default: each side's client keeps its connections "
+                             "alive, as the OpenAI SDK does; llama-server closes each streamed one anyway)")
     parser.add_argument("--serve-paced-fake", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
-    global STAGGER_S
+    global STAGGER_S, NEW_CONNECTIONS
     STAGGER_S = args.stagger_ms / 1000
+    NEW_CONNECTIONS = args.new_connections
     if args.serve_paced_fake is not None:
         serve_paced_fake(args.serve_paced_fake)
         return
@@ -259,35 +326,15 @@ def main() -> None:
         engine = ["engine=vllm", "engine.max_inflight=1"]
     gateway = LiveServer([*engine, f"engine.url={upstream_url}", "server.memo.entries=0",
                           f"server.queue.max_waiting={args.streams}", "server.queue.timeout_s=600"])
+    results: dict[str, list[tuple[float, list[float]]]] = {"direct": [], "gateway": []}
+    cpu = {"short": 0.0, "long": 0.0}
     try:
         gateway.wait_ready()
-        asyncio.run(burst(gateway.base_url, 2, 4))  # warm both paths (connections, tokenizer caches)
-        # In front of llama-server (or the fake) the direct side sends the gateway's own upstream request: the
-        # chat rendered by the gateway's /tokenize, with the adapter's body (completion_body). In front of a
-        # second Deltafin it sends the same chat request.
-        prompt_ids = httpx.post(gateway.base_url + "/tokenize", json={"messages": PROMPT}).json()["tokens"] \
-            if args.upstream != "deltafin" else None
-        asyncio.run(burst(upstream_url, 2, 4, prompt_ids))
-        results: dict[str, list[tuple[float, list[float]]]] = {"direct": [], "gateway": []}
-        gateway_cpu = long_cpu = 0.0
-        for rep in range(args.reps):
-            order = ["direct", "gateway"] if rep % 2 == 0 else ["gateway", "direct"]
-            for side in order:
-                before = cpu_seconds(gateway.process.pid)
-                if side == "direct":
-                    results[side] += asyncio.run(burst(upstream_url, args.streams, args.tokens, prompt_ids))
-                else:
-                    results[side] += asyncio.run(burst(gateway.base_url, args.streams, args.tokens))
-                if side == "gateway":
-                    gateway_cpu += cpu_seconds(gateway.process.pid) - before
-            # The gateway's CPU per request is a + b * tokens: a burst with 4x the tokens in every rep (the
-            # machine's state drifts, so both sizes are sampled throughout) separates a and b.
-            before = cpu_seconds(gateway.process.pid)
-            asyncio.run(burst(gateway.base_url, args.streams, 4 * args.tokens))
-            long_cpu += (cpu_seconds(gateway.process.pid) - before) / (args.streams * args.reps)
+        asyncio.run(measure(args, gateway, upstream_url, results, cpu))
     finally:
         gateway.stop()
         stop_upstream()
+    gateway_cpu, long_cpu = cpu["short"], cpu["long"]
 
     def summary(side: str) -> tuple[float, float, float]:
         ttft = statistics.median(r[0] for r in results[side])
@@ -303,7 +350,8 @@ def main() -> None:
     g_ttft, g_itl, g_steady = summary("gateway")
     print(f"upstream: {args.upstream}, streams: {args.streams}, tokens/request: {args.tokens}, reps: {args.reps}"
           + (f", upstream pinned to CPU {min(upstream_cpus)}" if upstream_cpus else "")
-          + (f", streams started {args.stagger_ms:g} ms apart" if args.stagger_ms else ""))
+          + (f", streams started {args.stagger_ms:g} ms apart" if args.stagger_ms else "")
+          + (", a new connection per request" if args.new_connections else ""))
     d_ttft, d_itl, d_steady = summary("direct")
     print(f"direct : TTFT median {d_ttft:8.1f} ms, inter-token median {d_itl:6.2f} ms (second half {d_steady:6.2f})")
     print(f"gateway: TTFT median {g_ttft:8.1f} ms, inter-token median {g_itl:6.2f} ms (second half {g_steady:6.2f})")

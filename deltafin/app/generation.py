@@ -133,13 +133,29 @@ class GenerationEndpoints:
         result = await cancel_when(route.create(services, request, stats),
                                    [on_disconnect(receive), self._drain.stopper(admitted)], _close)
         if isinstance(result, StreamingResponse):
-            await send({"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS})
+            head = {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS}
+            if result.ready:  # the first chunk comes at once: the head leaves with it, one wake-up for the client
+                send = _after(head, send)
+            else:
+                await send(head)
             await send_event_stream(self._drain.stream(result.body), receive, send)
             return
         body = _encode(result)
         headers = [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())]
         await send({"type": "http.response.start", "status": 200, "headers": headers})
         await send({"type": "http.response.body", "body": body})
+
+
+def _after(first: dict[str, Any], send: Any) -> Callable[[dict[str, Any]], Awaitable[None]]:
+    """`send` that sends `first` just before the first message it is given."""
+    pending = [first]
+
+    async def send_after(message: dict[str, Any]) -> None:
+        if pending:
+            await send(pending.pop())
+        await send(message)
+
+    return send_after
 
 
 def _close(result: Any) -> None:

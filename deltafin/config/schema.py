@@ -125,6 +125,7 @@ class EngineConfig:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
     retry_after_s: int = 2
+    spare_connections: int = 1
 
 
 @dataclass

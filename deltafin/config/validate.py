@@ -39,6 +39,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "engine.connect_timeout_s": (0.001, 3600),
     "engine.read_timeout_s": (0.001, 86400),
     "engine.retry_after_s": (0, 3600),
+    "engine.spare_connections": (0, 64),
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.chat_format": ("template", "xtml"),

@@ -62,7 +62,7 @@ class EngineFront:
     async def start(self, jobs: Sequence[GenerationJob], *, deadline: float | None = None) -> GenerationStream:
         """Admit the request (or raise 429) and start it; `deadline` is a `time.monotonic()` instant."""
         loop = asyncio.get_running_loop()
-        replays = [self.memo.get(job) if job.params.deterministic else None for job in jobs]
+        replays = [self.memo.get(job) if job.params.deterministic and self.memo.enabled else None for job in jobs]
         if all(replay is not None for replay in replays):
             # Every choice is a memo hit: replay on the event loop, never queued behind a generation.
             stream = GenerationStream(loop)

@@ -14,6 +14,10 @@ class ResponseMemo:
         # Read by the event loop, written by the generation thread.
         self._lock = threading.Lock()
 
+    @property
+    def enabled(self) -> bool:
+        return self._entries > 0
+
     def get(self, key: Hashable) -> tuple[object, ...] | None:
         with self._lock:
             value = self._items.get(key)

@@ -28,12 +28,39 @@ class GenerationFailed(Exception):
         self.error = error
 
 
+class CancelFlag:
+    """Set once, when the consumer stops; read from any thread (the local engine polls it between steps).
+    `on_set` callbacks run on the thread that sets it, and may run twice if set races with registration, so
+    they must be idempotent. (A threading.Event would bring a Condition and a lock for a `wait()` nobody makes.)"""
+
+    __slots__ = ("_set", "_callbacks")
+
+    def __init__(self) -> None:
+        self._set = False
+        self._callbacks: list[Callable[[], None]] = []
+
+    def set(self) -> None:
+        if self._set:
+            return
+        self._set = True  # one store, atomic under the GIL, before any callback runs
+        for callback in self._callbacks:
+            callback()
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def on_set(self, callback: Callable[[], None]) -> None:
+        self._callbacks.append(callback)
+        if self._set:
+            callback()
+
+
 class GenerationStream:
     def __init__(self, loop: asyncio.AbstractEventLoop, *, queue_wait: float = 0.0) -> None:
         self.loop = loop
         self._loop_thread = threading.get_ident()  # created on the loop's thread
         self.queue_wait = queue_wait
-        self.cancelled = threading.Event()
+        self.cancelled = CancelFlag()
         # The request's log context (request id ...), for log lines the engine writes on its own threads.
         self.log_context: dict[str, Any] = structlog.contextvars.get_contextvars()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
@@ -61,6 +88,10 @@ class GenerationStream:
         """The engine cannot go on: the consumer raises `error` (a DeltafinError keeps its status)."""
         self._put(GenerationFailed(error))
         self._put(_END)
+
+    def has_events(self) -> bool:
+        """Whether an event is waiting for the consumer (an upstream's first one, which `started` waited for)."""
+        return not self._queue.empty()
 
     def close(self) -> None:
         """Stop generating at the next token. Synchronous, so it is safe inside a cancelled task."""

@@ -17,7 +17,7 @@ from deltafin.serving.constraints import build_constraint, check_tools
 from deltafin.serving.context import RequestStats, ServingContext, new_id
 from deltafin.serving.logprobs import chat_logprobs
 from deltafin.serving.ruled import serve_with_rules
-from deltafin.serving.sse import ChunkStream, StreamingResponse
+from deltafin.serving.sse import ChunkStream, FollowedChunk, StreamingResponse
 
 
 @dataclass
@@ -175,7 +175,8 @@ class ChatService:
             stream = await self.ctx.engine.start(jobs, deadline=self.ctx.deadline(stats))
             stats.queue_wait_s = stream.queue_wait
             if request.stream:
-                return ChunkStream(self._chunks(request, stream, choices, stats, rule_ctx), stream.close)
+                return ChunkStream(self._chunks(request, stream, choices, stats, rule_ctx), stream.close,
+                                   ready=stream.has_events())
             return await self._collect(request, stream, choices, stats, rule_ctx)
 
         return await serve_with_rules(self.ctx, request, rule_ctx, stats, produce)
@@ -262,23 +263,26 @@ class ChatService:
         pending: dict[int, list[TokenLogprob]] = {}
         async for event in stream:
             index = event.choice
-            if index not in started:
-                started.add(index)
-                yield chunk(index, {"role": "assistant", "content": ""})
+            out: list[dict] = []
             if isinstance(event, TextDelta):
                 stats.saw(event)
                 pending.setdefault(index, []).extend(event.logprobs)
-                if not event.text:
-                    continue
-                stats.first_token()
-                parsed = choices[index].add(choices[index].parser.feed(event.text))
-                if parsed.content or parsed.reasoning or parsed.tool_calls:
-                    yield delta_chunk(index, parsed)
+                if event.text:
+                    stats.first_token()
+                    parsed = choices[index].add(choices[index].parser.feed(event.text))
+                    if parsed.content or parsed.reasoning or parsed.tool_calls:
+                        out.append(delta_chunk(index, parsed))
             elif isinstance(event, Finished):
                 parsed = self._finish(choices[index], event, stats, rule_ctx)
                 if parsed.content or parsed.reasoning or parsed.tool_calls:
-                    yield delta_chunk(index, parsed)
-                yield chunk(index, {}, finish=choices[index].finish_reason)
+                    out.append(delta_chunk(index, parsed))
+                out.append(chunk(index, {}, finish=choices[index].finish_reason))
+            if index not in started:  # a choice's first event: the role chunk first, with what follows at once
+                started.add(index)
+                role = chunk(index, {"role": "assistant", "content": ""})
+                yield FollowedChunk(role) if out else role
+            for item in out:
+                yield item
         if include_usage:
             usage = self.ctx.usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
             yield {**base, "choices": [], "usage": usage}

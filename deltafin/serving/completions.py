@@ -77,7 +77,7 @@ class CompletionService:
             stream = await self.ctx.engine.start(jobs, deadline=self.ctx.deadline(stats))
             stats.queue_wait_s = stream.queue_wait
             if request.stream:
-                return ChunkStream(self._chunks(request, prompt, stream, stats), stream.close)
+                return ChunkStream(self._chunks(request, prompt, stream, stats), stream.close, ready=stream.has_events())
             return await self._collect(request, prompt, stream, stats)
 
         return await serve_with_rules(self.ctx, request, rule_ctx, stats, produce)

@@ -27,7 +27,7 @@ async def serve_with_rules(
         if rules.preflight:
             chunks = await _pull_first(chunks, result.close, stats.rules, rules.preflight)
         body = encode_sse(chunks, lambda err: rules.on_error(err, rule_ctx, stats.rules), result.close)
-        return StreamingResponse(body, result.close)
+        return StreamingResponse(body, result.close, ready=result.ready or bool(rules.preflight))
     except DeltafinError as err:
         raise rules.on_error(err, rule_ctx, stats.rules) from None
 

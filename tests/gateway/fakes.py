@@ -141,8 +141,12 @@ class Fake:
 
 
 def make_engine(adapter_cls: type[Adapter], bundle, fake: Fake, *, max_inflight: int = 4, url: str = URL,
-                read_timeout_s: float = 5.0, tcp: bool = False, **adapter_kwargs: Any) -> UpstreamEngine:
-    settings = UpstreamSettings(url=url, max_inflight=max_inflight, connect_timeout_s=1.0, read_timeout_s=read_timeout_s)
+                read_timeout_s: float = 5.0, tcp: bool = False, spare_connections: int = 0,
+                **adapter_kwargs: Any) -> UpstreamEngine:
+    """An engine in front of `fake`. No spare connection unless asked for (tests count connections and refusals;
+    tests/gateway/test_http1.py::TestSpareConnections covers the spare itself)."""
+    settings = UpstreamSettings(url=url, max_inflight=max_inflight, connect_timeout_s=1.0, read_timeout_s=read_timeout_s,
+                                spare_connections=spare_connections)
     return UpstreamEngine(adapter_cls(settings, **adapter_kwargs), bundle, connect=None if tcp else fake.connector())
 
 

@@ -4,7 +4,9 @@ and streams that end badly, against the fake upstream over real sockets."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import json
+import warnings
 
 import pytest
 
@@ -118,11 +120,6 @@ class TestConnectionReuse:
 
     def test_a_server_that_closes_idle_connections_is_reconnected_to(self, bundle, ids):
         # llama-server closes the connection after each streamed response; the next request reconnects.
-        class Closing(ScriptedBody):
-            async def write(self, reader, writer):
-                await super().write(reader, writer)
-                return False
-
         fake = Fake(lambda b, p: Closing(llama_events(ids), tail=b""))
         front = make_front(LlamaServerAdapter, bundle, fake)
 
@@ -146,6 +143,139 @@ class TestConnectionReuse:
         bodies, opened = asyncio.run(scenario())
         assert bodies == [{"ok": True}] * 2 and opened == 2 and fake.connections == 2
         assert [p for p, _ in fake.requests] == ["/a", "/b", "/c"]
+
+
+class Closing(ScriptedBody):
+    """llama-server's way: the connection closes after each streamed response."""
+
+    async def write(self, reader, writer):
+        await super().write(reader, writer)
+        return False
+
+
+class TestSpareConnections:
+    """`engine.spare_connections`: a connection opened ahead of need, and a request written on the request's own
+    task when one is idle (no task switch, no connect, before the upstream sees it)."""
+
+    def test_each_request_finds_a_connection_opened_ahead(self, bundle, ids):
+        fake = Fake(lambda b, p: Closing(llama_events(ids), tail=b""))
+        front = make_front(LlamaServerAdapter, bundle, fake, spare_connections=1)
+        engine = front.engine
+        opened_before_each: list[int] = []
+
+        async def scenario():
+            outs = []
+            for _ in range(3):
+                opened_before_each.append(fake.connections)
+                outs.append(await collect(front, job(max_tokens=len(ids))))
+            await asyncio.sleep(0.05)  # the spare for a fourth
+            return outs, engine.pool.opened
+
+        outs, opened = asyncio.run(scenario())
+        assert [o.text for o in outs] == ["Hello there, world"] * 3
+        # The first request opened its own and a spare; each later one used the spare left for it and opened the
+        # next: one connection ahead throughout, none opened while a request waited.
+        assert opened_before_each == [0, 2, 3] and fake.connections == 4 and opened == 4
+
+    def test_an_idle_connection_carries_the_request_before_any_await(self):
+        fake = Fake(lambda b, p: (200, {"path": p}))
+
+        async def scenario():
+            pool = Http1Pool("http://up.test", max_idle=2, connect_timeout_s=1, read_timeout_s=1,
+                             connect=fake.connector(), spare=1)
+            async with pool.request("GET", "/a") as response:
+                await response.read_all()
+            exchange = pool.request("GET", "/b")
+            written_at_once = exchange._sent is not None
+            async with exchange as response:
+                body = json.loads(await response.read_all())
+            pool.close()
+            return written_at_once, body
+
+        written_at_once, body = asyncio.run(scenario())
+        assert written_at_once and body == {"path": "/b"}
+
+    def test_a_request_written_but_never_entered_closes_its_connection(self):
+        fake = Fake(lambda b, p: (200, {"path": p}))
+
+        async def scenario():
+            pool = Http1Pool("http://up.test", max_idle=2, connect_timeout_s=1, read_timeout_s=1, connect=fake.connector())
+            async with pool.request("GET", "/a") as response:
+                await response.read_all()
+            exchange = pool.request("GET", "/b")
+            conn = exchange._sent[0]
+            exchange.discard()
+            exchange.discard()  # twice is harmless
+            async with pool.request("GET", "/c") as response:
+                body = json.loads(await response.read_all())
+            pool.close()
+            return conn.usable(), body
+
+        usable, body = asyncio.run(scenario())
+        assert not usable and body == {"path": "/c"} and fake.connections == 2  # /c had to connect again
+
+    def test_a_shutdown_before_the_choice_ran_closes_the_written_connection(self, bundle, ids):
+        from deltafin.engine.stream import GenerationStream
+
+        fake = Fake(lambda b, p: ScriptedBody(llama_events(ids), delay=0.01, tail=b""))
+        front = make_front(LlamaServerAdapter, bundle, fake)
+        engine = front.engine
+
+        async def scenario():
+            await collect(front, job(max_tokens=len(ids)))  # leaves a keep-alive connection idle
+            stream = GenerationStream(asyncio.get_running_loop())
+            engine.submit([job(max_tokens=len(ids))], stream)  # written at once on the idle connection
+            await engine.aclose()  # cancels the choice's task before it ever ran
+            events = [event async for event in stream]
+            for _ in range(50):
+                if len(fake.bodies) == 2 and fake.bodies[1].closed_early:
+                    break
+                await asyncio.sleep(0.01)
+            return events
+
+        gc.collect()  # what earlier tests left behind is not this test's
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", ResourceWarning)  # a transport left to the garbage collector says so
+            events = asyncio.run(scenario())
+            gc.collect()
+        assert events == [] and fake.bodies[1].closed_early
+        assert not [w for w in caught if "unclosed" in str(w.message)]
+
+    def test_a_client_gone_at_once_stops_the_written_request(self, bundle, ids):
+        from deltafin.engine.stream import GenerationStream
+
+        fake = Fake(lambda b, p: ScriptedBody(llama_events(ids), delay=0.01, tail=b""))
+        front = make_front(LlamaServerAdapter, bundle, fake)
+        engine = front.engine
+
+        async def scenario():
+            await collect(front, job(max_tokens=len(ids)))
+            stream = GenerationStream(asyncio.get_running_loop())
+            engine.submit([job(max_tokens=len(ids))], stream)
+            stream.close()
+            events = [event async for event in stream]
+            for _ in range(50):
+                if len(fake.bodies) == 2 and fake.bodies[1].closed_early:
+                    break
+                await asyncio.sleep(0.01)
+            return events, engine.pool._idle
+
+        events, idle = asyncio.run(scenario())
+        assert events == [] and fake.bodies[1].closed_early and not idle
+
+    def test_a_refused_spare_leaves_the_next_request_to_connect(self, bundle, ids):
+        # Both the request's connect and the spare's are refused; then the upstream is back.
+        fake = Fake(lambda b, p: ScriptedBody(llama_events(ids), tail=b""), refuse=2)
+        front = make_front(LlamaServerAdapter, bundle, fake, spare_connections=1)
+
+        async def scenario():
+            down = await collect(front, job(max_tokens=len(ids)))
+            up = await collect(front, job(max_tokens=len(ids)))
+            return down, up
+
+        down, up = asyncio.run(scenario())
+        assert down.start_error is not None and down.start_error.status == 503
+        assert up.text == "Hello there, world" and fake.refuse == 0
 
 
 class TestBadStreams:

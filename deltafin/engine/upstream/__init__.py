@@ -19,6 +19,7 @@ def settings_of(config: DeltafinConfig) -> UpstreamSettings:
     return UpstreamSettings(
         url=str(e.url), max_inflight=e.max_inflight, connect_timeout_s=e.connect_timeout_s,
         read_timeout_s=e.read_timeout_s, retry_after_s=e.retry_after_s, model=e.model, api_key=e.api_key,
+        spare_connections=e.spare_connections,
     )
 
 

@@ -9,13 +9,14 @@ closes the upstream request at once (and the adapter's abort endpoint is called 
 from __future__ import annotations
 
 import asyncio
+import itertools
 import threading
 import time
 import uuid
 import weakref
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Protocol, Sequence
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import msgspec
 import structlog
@@ -25,7 +26,7 @@ from deltafin.engine.events import GenerationJob, TextDelta
 from deltafin.engine.interface import EngineCapabilities, EngineClient, Readiness
 from deltafin.engine.stream import GenerationStream
 from deltafin.engine.tokenizer_only import TokenizerBundle
-from deltafin.engine.upstream.http1 import ConnectFailed, Connector, Http1Pool, ReadTimedOut, Response, TransportError
+from deltafin.engine.upstream.http1 import ConnectFailed, Connector, Http1Pool, ReadTimedOut, Response, TransportError, _Exchange
 from deltafin.engine.upstream.wire import (
     Chunk,
     Garbled,
@@ -50,6 +51,8 @@ class UpstreamSettings:
     connect_timeout_s: float = 5.0
     read_timeout_s: float = 600.0
     retry_after_s: int = 2
+    #: connections kept open ahead of need (llama-server closes each streamed one; 0: connect on demand)
+    spare_connections: int = 1
     #: the `model` field sent upstream (None: left out, the upstream serves its only model)
     model: str | None = None
     api_key: str | None = None
@@ -113,18 +116,21 @@ class UpstreamEngine(EngineClient):
         self._started: weakref.WeakKeyDictionary[GenerationStream, asyncio.Future[None]] = weakref.WeakKeyDictionary()
         self._tasks: set[asyncio.Task[None]] = set()
         self._health: tuple[float, Readiness] | None = None
+        # Upstream request ids (abort endpoints name them): unique across gateways sharing an upstream by a
+        # random prefix, and within this one by a counter (no random bytes read per request).
+        prefix = uuid.uuid4().hex
+        self._request_ids = (f"{prefix}-{n}" for n in itertools.count())
 
     # -- the EngineClient contract ------------------------------------------------------------------------
 
     def submit(self, jobs: Sequence[GenerationJob], stream: GenerationStream) -> None:
         loop = asyncio.get_running_loop()
         self._started[stream] = gate = loop.create_future()
-        # Resolved when the choices are over or one failed, or when the client leaves (`stream.close()`).
-        wake: asyncio.Future[None] = loop.create_future()
-        stream.cancelled = _AwaitableCancel(loop, lambda: _resolve(wake), already=stream.cancelled.is_set())
-        task = loop.create_task(self._run(jobs, stream, _Gate(gate, len(jobs)), wake))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        submission = _Submission(self, jobs, stream, _Gate(gate, len(jobs)), self._request_ids)
+        # Tells the submission, on our loop, when the client leaves (`stream.close()`, on any thread), so the
+        # choices stop at once instead of noticing at their next event.
+        stream.cancelled.on_set(_on_loop(loop, submission.client_left))
+        submission.start()
 
     async def started(self, stream: GenerationStream) -> None:
         """Wait for every choice's first upstream event, so errors known before then become HTTP statuses."""
@@ -162,42 +168,9 @@ class UpstreamEngine(EngineClient):
             headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
             # Idle connections for every generation in flight, plus the health check and aborts.
             self._pool = (loop, Http1Pool(self.target.url, max_idle=s.max_inflight + 2, headers=headers, connect=self._connect,
-                                          connect_timeout_s=s.connect_timeout_s, read_timeout_s=s.read_timeout_s))
+                                          connect_timeout_s=s.connect_timeout_s, read_timeout_s=s.read_timeout_s,
+                                          spare=s.spare_connections))
         return self._pool[1]
-
-    async def _run(self, jobs: Sequence[GenerationJob], stream: GenerationStream, gate: "_Gate",
-                   wake: asyncio.Future[None]) -> None:
-        with structlog.contextvars.bound_contextvars(**stream.log_context):
-            rids = [uuid.uuid4().hex for _ in jobs]
-            tasks = [asyncio.create_task(self._choice(job, i, rids[i], stream, gate)) for i, job in enumerate(jobs)]
-            # Done callbacks, not a watcher task and `asyncio.wait` per request: a choice that fails, the last
-            # one ending, or the client leaving resolves `wake`.
-            remaining = len(tasks)
-
-            def settled(task: asyncio.Task[None]) -> None:
-                nonlocal remaining
-                remaining -= 1
-                if remaining == 0 or (not task.cancelled() and task.exception() is not None):
-                    _resolve(wake)
-
-            for task in tasks:
-                task.add_done_callback(settled)
-            try:
-                await wake
-                pending = {t for t in tasks if not t.done()}
-                if pending:  # a choice failed or the client left: the rest stop, upstream too
-                    await self._stop(pending, rids, tasks)
-                error = next((t.exception() for t in tasks if t.done() and not t.cancelled() and t.exception()), None)
-            except asyncio.CancelledError:  # engine shutdown
-                await self._stop({t for t in tasks if not t.done()}, rids, tasks)
-                stream.end()
-                raise
-            if error is not None and not stream.cancelled.is_set():
-                gate.fail(error)
-                stream.fail(error if isinstance(error, DeltafinError) else str(error))
-                return
-            gate.cancel()
-            stream.end()
 
     async def _stop(self, pending: set[asyncio.Task[None]], rids: list[str], tasks: list[asyncio.Task[None]]) -> None:
         for task in pending:
@@ -218,10 +191,24 @@ class UpstreamEngine(EngineClient):
         except TransportError as exc:  # the connection is closed anyway; the upstream notices in time
             log.warning("upstream_abort_failed", engine=self.name, error=type(exc).__name__)
 
-    async def _choice(self, job: GenerationJob, choice: int, rid: str, stream: GenerationStream, gate: "_Gate") -> None:
+    def _send(self, job: GenerationJob, choice: int, rid: str, stream: GenerationStream) -> _Exchange:
+        """The upstream request of one choice; written at once when a connection is idle (`Http1Pool.request`)."""
+        # The client's request id travels upstream, so one grep finds both log lines.
+        request_id = stream.log_context.get("request_id")
+        headers = {"x-request-id": f"{request_id}-{choice}" if choice else str(request_id)} if request_id else {}
+        path, body = self.adapter.request(job, rid, self._stop_ids(job))
+        return self.pool.request("POST", path, _encode(body), headers)
+
+    def _stop_ids(self, job: GenerationJob) -> frozenset[int]:
+        return self.stop_token_ids | frozenset(job.params.stop_token_ids)
+
+    async def _choice(self, job: GenerationJob, choice: int, rid: str, stream: GenerationStream, gate: "_Gate",
+                      exchange: _Exchange | BaseException) -> None:
         started = time.perf_counter()
         try:
-            await self._stream_choice(job, choice, rid, stream, gate, started)
+            if isinstance(exchange, BaseException):  # building the request failed on the request's task
+                raise exchange
+            await self._stream_choice(job, choice, rid, stream, gate, started, exchange)
         except DeltafinError as exc:
             self._count_error(exc.code or type(exc).__name__)
             raise
@@ -240,22 +227,18 @@ class UpstreamEngine(EngineClient):
             raise UpstreamError(f"The upstream {self.target} closed the stream ({exc}).") from None
 
     async def _stream_choice(self, job: GenerationJob, choice: int, rid: str, stream: GenerationStream,
-                             gate: "_Gate", started: float) -> None:
-        stop_ids = self.stop_token_ids | frozenset(job.params.stop_token_ids)
+                             gate: "_Gate", started: float, exchange: _Exchange) -> None:
         prompt_len = len(job.prompt_ids)
-        # The client's request id travels upstream, so one grep finds both log lines.
-        request_id = stream.log_context.get("request_id")
-        headers = {"x-request-id": f"{request_id}-{choice}" if choice else str(request_id)} if request_id else {}
         for attempt in range(2):
-            path, body = self.adapter.request(job, rid, stop_ids)
-            async with self.pool.request("POST", path, _encode(body), headers) as response:
+            async with exchange as response:
                 if response.status != 200:
                     raw = await response.read_all()
                     if attempt == 0 and self.adapter.fallback(response.status):
+                        exchange = self._send(job, choice, rid, stream)  # the adapter switched endpoints
                         continue
                     raise error_for_status(self.target, response.status, raw, response.headers,
                                            context_length=self.context_length, prompt_tokens=prompt_len)
-                await self._read(response, job, choice, stream, gate, started, stop_ids)
+                await self._read(response, job, choice, stream, gate, started, self._stop_ids(job))
                 return
 
     async def _read(self, response: Response, job: GenerationJob, choice: int, stream: GenerationStream,
@@ -317,32 +300,91 @@ class UpstreamEngine(EngineClient):
             self.observer.upstream_error(self.name, kind)
 
 
-class _AwaitableCancel(threading.Event):
-    """`stream.cancelled` that also wakes the submission on our loop when set (`close()`, on any thread), so it
-    stops at once when its client leaves instead of polling a threading.Event."""
+class _Submission:
+    """One request's choices, each a task reading its upstream stream. Done callbacks, not a task waiting on
+    them: when every choice ended, the stream ends; when one failed or the client left, the others are stopped
+    (upstream too) in a task of their own, then the stream ends or fails."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, wake: Callable[[], None], *, already: bool) -> None:
-        super().__init__()
-        self._loop = loop
-        self._loop_thread = threading.get_ident()  # made in `submit`, on the loop's thread
-        self._wake = wake
-        if already:
-            self.set()
+    def __init__(self, engine: UpstreamEngine, jobs: Sequence[GenerationJob], stream: GenerationStream, gate: "_Gate",
+                 request_ids: Iterator[str]) -> None:
+        self._engine = engine
+        self._jobs = jobs
+        self._stream = stream
+        self._gate = gate
+        self._rids = [next(request_ids) for _ in jobs]
+        self._tasks: list[asyncio.Task[None]] = []
+        self._settled = False
 
-    def set(self) -> None:
-        super().set()
-        if threading.get_ident() == self._loop_thread:
-            self._wake()  # the usual case (a consumer's close): no cross-thread wake-up through the loop's pipe
+    def start(self) -> None:
+        """On the request's task (its log context is inherited): each choice's request is written now when a
+        connection is idle, and read by a task of its own."""
+        if self._settled:
+            return  # the client left before the submission (the stream has ended)
+        engine, loop = self._engine, asyncio.get_running_loop()
+        for choice, job in enumerate(self._jobs):
+            try:
+                exchange: _Exchange | BaseException = engine._send(job, choice, self._rids[choice], self._stream)
+            except Exception as exc:  # raised by the choice's task, so it counts and reports as before
+                exchange = exc
+            task = loop.create_task(engine._choice(job, choice, self._rids[choice], self._stream, self._gate, exchange))
+            if isinstance(exchange, _Exchange):
+                task.add_done_callback(lambda _, exchange=exchange: exchange.discard())  # cancelled before it ran
+            task.add_done_callback(self._ended)
+            engine._tasks.add(task)
+            task.add_done_callback(engine._tasks.discard)
+            self._tasks.append(task)
+
+    def client_left(self) -> None:
+        self._settle()
+
+    def _ended(self, task: asyncio.Task[None]) -> None:
+        if all(t.done() for t in self._tasks) or (not task.cancelled() and task.exception() is not None):
+            self._settle()
+
+    def _settle(self) -> None:
+        if self._settled:
+            return
+        self._settled = True
+        pending = {t for t in self._tasks if not t.done()}
+        if not pending:
+            self._conclude()
+            return
+        stopper = asyncio.get_running_loop().create_task(self._stop(pending))
+        self._engine._tasks.add(stopper)
+        stopper.add_done_callback(self._engine._tasks.discard)
+
+    async def _stop(self, pending: set[asyncio.Task[None]]) -> None:
+        try:
+            await self._engine._stop(pending, self._rids, self._tasks)
+        finally:  # engine shutdown cancels this too: the stream still ends
+            self._conclude()
+
+    def _conclude(self) -> None:
+        stream, gate = self._stream, self._gate
+        error = next((t.exception() for t in self._tasks if t.done() and not t.cancelled() and t.exception()), None)
+        if error is not None and not stream.cancelled.is_set():
+            gate.fail(error)
+            stream.fail(error if isinstance(error, DeltafinError) else str(error))
+            return
+        gate.cancel()
+        stream.end()
+
+
+def _on_loop(loop: asyncio.AbstractEventLoop, callback: Callable[[], None]) -> Callable[[], None]:
+    """`callback`, run on `loop`'s thread whichever thread calls it (directly when that is the loop's thread,
+    the usual case: a consumer's close, with no wake-up through the loop's pipe)."""
+    loop_thread = threading.get_ident()  # made in `submit`, on the loop's thread
+
+    def call() -> None:
+        if threading.get_ident() == loop_thread:
+            callback()
             return
         try:
-            self._loop.call_soon_threadsafe(self._wake)
-        except RuntimeError:  # the loop is gone (shutdown): nothing left to wake
+            loop.call_soon_threadsafe(callback)
+        except RuntimeError:  # the loop is gone (shutdown): nothing left to tell
             pass
 
-
-def _resolve(future: asyncio.Future[None]) -> None:
-    if not future.done():
-        future.set_result(None)
+    return call
 
 
 class _Gate:

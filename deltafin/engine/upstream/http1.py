@@ -245,7 +245,7 @@ class Http1Pool:
     per loop."""
 
     def __init__(self, base_url: str, *, max_idle: int, connect_timeout_s: float, read_timeout_s: float,
-                 headers: Mapping[str, str] | None = None, connect: Connector | None = None) -> None:
+                 headers: Mapping[str, str] | None = None, connect: Connector | None = None, spare: int = 0) -> None:
         parts = urllib.parse.urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {base_url}")
@@ -259,6 +259,11 @@ class Http1Pool:
         self._connect_timeout_s = connect_timeout_s
         self._read_timeout_s = read_timeout_s
         self._idle: list[_Connection] = []
+        #: connections kept open ahead of need (see `_refill`)
+        self._spare = min(spare, max_idle)
+        self._opening = 0
+        self._background: set[asyncio.Task[None]] = set()
+        self._closed = False
         #: connections opened so far (the tests and the benchmark read it)
         self.opened = 0
 
@@ -268,23 +273,78 @@ class Http1Pool:
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: Mapping[str, str] | None = None,
                 *, read_timeout_s: float | None = None) -> "_Exchange":
-        """`async with pool.request(...) as response:` the response head has been read; the body is yours."""
-        return _Exchange(self, method, path, body, headers, read_timeout_s)
+        """`async with pool.request(...) as response:` the response head has been read; the body is yours.
 
-    async def _acquire(self) -> tuple[_Connection, bool]:
+        When an idle connection is at hand the request is written here and now, before the caller's next await
+        (the gateway calls this on the request's own task and reads the answer on another: the upstream gets
+        the request a task switch sooner). An exchange that is never entered must be `discard()`ed."""
+        return _Exchange(self, self._head(method, path, body, headers), read_timeout_s)
+
+    def _head(self, method: str, path: str, body: bytes | None, headers: Mapping[str, str] | None) -> bytes:
+        head = f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._head_fields}"
+        if headers:
+            head += "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+        if body is not None:
+            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
+        return (head + "\r\n").encode("latin-1") + (body or b"")
+
+    def _take_idle(self) -> _Connection | None:
         while self._idle:
             conn = self._idle.pop()
             if conn.usable():
-                return conn, True
+                self._refill()
+                return conn
             conn.close()
+        return None
+
+    async def _acquire(self) -> tuple[_Connection, bool]:
+        conn = self._take_idle()
+        if conn is not None:
+            return conn, True
+        self._refill()  # for the request after this one
+        reader, writer = await self._open()
+        return _Connection(reader, writer), False
+
+    async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
-            reader, writer = await asyncio.wait_for(self._connect(), self._connect_timeout_s)
+            opened = await asyncio.wait_for(self._connect(), self._connect_timeout_s)
         except asyncio.TimeoutError:
             raise ConnectFailed(f"ConnectTimeout after {self._connect_timeout_s:g} s") from None
         except OSError as exc:
             raise ConnectFailed(f"{type(exc).__name__}: {exc}") from None
         self.opened += 1
-        return _Connection(reader, writer), False
+        return opened
+
+    def _refill(self) -> None:
+        """Open connections in the background until `spare` are idle or opening. An upstream that closes every
+        streamed connection (llama-server) otherwise makes each request wait for a connect of its own."""
+        if self._closed or not self._spare:
+            return
+        self._drop_closed_idle()
+        if len(self._idle) + self._opening >= self._spare:
+            return
+        self._opening += 1
+        task = asyncio.get_running_loop().create_task(self._open_spare())
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _drop_closed_idle(self) -> None:
+        """Idle connections the server has closed since (llama-server closes each streamed one) are no spares."""
+        live = [conn for conn in self._idle if conn.usable()]
+        if len(live) < len(self._idle):
+            for conn in self._idle:
+                if not conn.usable():
+                    conn.close()
+            self._idle = live
+
+    async def _open_spare(self) -> None:
+        try:
+            reader, writer = await self._open()
+        except ConnectFailed:
+            return  # the next request connects itself, and reports the failure
+        finally:
+            self._opening -= 1
+        self._release(_Connection(reader, writer), reusable=not self._closed)
 
     def _release(self, conn: _Connection, *, reusable: bool) -> None:
         if reusable and len(self._idle) < self._max_idle and conn.usable():
@@ -293,23 +353,34 @@ class Http1Pool:
             conn.close()
 
     def close(self) -> None:
+        self._closed = True
+        for task in list(self._background):
+            task.cancel()
         while self._idle:
             self._idle.pop().close()
 
-    async def _exchange(self, method: str, path: str, body: bytes | None, headers: Mapping[str, str] | None,
-                        read_timeout_s: float | None) -> Response:
-        head = f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._head_fields}"
-        if headers:
-            head += "".join(f"{k}: {v}\r\n" for k, v in headers.items())
-        if body is not None:
-            head += f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n"
-        raw = (head + "\r\n").encode("latin-1") + (body or b"")
+    def _send_now(self, raw: bytes, read_timeout_s: float | None) -> tuple[_Connection, _Watchdog] | None:
+        """Write `raw` on an idle connection, if there is one (see `request`)."""
+        conn = self._take_idle()
+        if conn is None:
+            return None
+        watchdog = _Watchdog(asyncio.get_running_loop(), read_timeout_s or self._read_timeout_s, conn.writer.transport)
+        conn.writer.write(raw)
+        return conn, watchdog
+
+    async def _exchange(self, raw: bytes, read_timeout_s: float | None,
+                        sent: tuple[_Connection, _Watchdog] | None = None) -> Response:
         loop = asyncio.get_running_loop()
         for attempt in (0, 1):
-            conn, reused = await self._acquire()
-            watchdog = _Watchdog(loop, read_timeout_s or self._read_timeout_s, conn.writer.transport)
+            if sent is not None:  # written already on a reused connection (`_send_now`)
+                (conn, watchdog), reused, sent = sent, True, None
+                write: bytes | None = None
+            else:
+                conn, reused = await self._acquire()
+                watchdog = _Watchdog(loop, read_timeout_s or self._read_timeout_s, conn.writer.transport)
+                write = raw
             try:
-                status, fields = await self._send_and_read_head(conn, raw, watchdog)
+                status, fields = await self._send_and_read_head(conn, write, watchdog)
             except _StaleConnection:
                 watchdog.cancel()
                 conn.close()
@@ -328,9 +399,11 @@ class Http1Pool:
                 raise
         raise AssertionError("unreachable")
 
-    async def _send_and_read_head(self, conn: _Connection, raw: bytes, watchdog: _Watchdog) -> tuple[int, dict[str, str]]:
+    async def _send_and_read_head(self, conn: _Connection, raw: bytes | None, watchdog: _Watchdog) -> tuple[int, dict[str, str]]:
+        """Write `raw` (None: written already) and read the response head."""
         try:
-            conn.writer.write(raw)
+            if raw is not None:
+                conn.writer.write(raw)
             if conn.writer.transport.get_write_buffer_size():
                 await asyncio.wait_for(conn.writer.drain(), self._connect_timeout_s)
             head = await conn.reader.readuntil(b"\r\n\r\n")
@@ -359,14 +432,24 @@ class _StaleConnection(Exception):
 class _Exchange:
     """`async with`: opens the exchange, closes (or pools) its connection on the way out, whatever happens."""
 
-    def __init__(self, pool: Http1Pool, method: str, path: str, body: bytes | None,
-                 headers: Mapping[str, str] | None, read_timeout_s: float | None) -> None:
-        self._args = (method, path, body, headers, read_timeout_s)
+    def __init__(self, pool: Http1Pool, raw: bytes, read_timeout_s: float | None) -> None:
         self._pool = pool
+        self._raw = raw
+        self._read_timeout_s = read_timeout_s
+        self._sent = pool._send_now(raw, read_timeout_s)
         self._response: Response | None = None
 
+    def discard(self) -> None:
+        """Close the connection of a request written but never entered (its task was cancelled first)."""
+        if self._sent is not None:
+            conn, watchdog = self._sent
+            self._sent = None
+            watchdog.cancel()
+            conn.close()
+
     async def __aenter__(self) -> Response:
-        self._response = await self._pool._exchange(*self._args)
+        sent, self._sent = self._sent, None
+        self._response = await self._pool._exchange(self._raw, self._read_timeout_s, sent)
         return self._response
 
     async def __aexit__(self, *exc: object) -> None:
