@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
+import os
 import re
 import time
-import uuid
 from typing import Any
 
 import structlog
@@ -31,7 +31,7 @@ def request_id_of(scope: dict[str, Any]) -> str:
             if _CLIENT_REQUEST_ID.fullmatch(value):
                 return value.decode("ascii")
             break
-    return uuid.uuid4().hex
+    return os.urandom(16).hex()  # as random as uuid4().hex, without building a UUID (~1.4 us)
 
 
 def route_template(scope: dict[str, Any]) -> str:

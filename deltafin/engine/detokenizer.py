@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from deltafin.token_codec import TokenCodec
+from deltafin.token_codec import decoder_for
 
 
 class IncrementalDetokenizer:
     """Decodes a growing token list a window at a time, so each step costs O(1) tokens, not O(n)."""
 
     def __init__(self, tokenizer: Any) -> None:
-        self._decode = TokenCodec(tokenizer).decode
+        self._decode = decoder_for(tokenizer)
         self._ids: list[int] = []
         # Text of ids[prefix:read] was already emitted; decoding from `prefix` keeps tokenizers that
         # drop or merge leading spaces consistent with a decode of the whole sequence.

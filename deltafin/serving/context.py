@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
+import os
 import time
-import uuid
 from dataclasses import dataclass, field
 from typing import Any, Callable, TypeVar
 
@@ -168,7 +168,7 @@ class ServingContext:
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}-{uuid.uuid4().hex}"
+    return f"{prefix}-{os.urandom(16).hex()}"
 
 
 def prompt_work_for(config: DeltafinConfig, tokenizer: Any) -> PromptWork:

@@ -8,7 +8,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from deltafin.engine.detokenizer import IncrementalDetokenizer
-from deltafin.token_codec import TokenCodec
+from deltafin.token_codec import TokenCodec, decoder_for
 
 TEXTS = [
     "Hello there, how are you?",
@@ -56,6 +56,21 @@ def test_the_detokenizer_streams_what_a_whole_decode_gives(tokenizer):
     ids = tokenizer(TEXTS[3] + TEXTS[0], add_special_tokens=False).input_ids
     detokenizer = IncrementalDetokenizer(tokenizer)
     assert "".join(detokenizer.push(i) for i in ids) == tokenizer.decode(ids, skip_special_tokens=False)
+
+
+def test_one_decoder_per_tokenizer_which_it_does_not_keep_alive(loaded_model):
+    import gc
+    import weakref
+
+    tokenizer = copy.deepcopy(loaded_model.tokenizer)
+    decode = decoder_for(tokenizer)
+    assert decoder_for(tokenizer) is decode  # every detokenizer of this tokenizer shares it
+    ids = tokenizer(TEXTS[3], add_special_tokens=False).input_ids
+    assert decode(ids) == tokenizer.decode(ids, skip_special_tokens=False)
+    gone = weakref.ref(tokenizer)
+    del tokenizer
+    gc.collect()
+    assert gone() is None
 
 
 def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_path(loaded_model):
