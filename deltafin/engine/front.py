@@ -75,7 +75,8 @@ class EngineFront:
         units = await self.admission.acquire(len(jobs), deadline=deadline)
         stream = GenerationStream(loop, queue_wait=time.perf_counter() - queued_at)
         stream.on_end(lambda: self.admission.release(units))
-        stream.observe(_MemoRecorder(self.memo, jobs, stream))
+        if self.memo.enabled and any(job.params.deterministic for job in jobs):
+            stream.observe(_MemoRecorder(self.memo, jobs, stream))
         try:
             self.engine.submit(jobs, stream)
         except BaseException:
