@@ -26,7 +26,15 @@ from deltafin.engine.events import GenerationJob, TextDelta
 from deltafin.engine.interface import EngineCapabilities, EngineClient, Readiness
 from deltafin.engine.stream import GenerationStream
 from deltafin.engine.tokenizer_only import TokenizerBundle
-from deltafin.engine.upstream.http1 import ConnectFailed, Connector, Http1Pool, ReadTimedOut, Response, TransportError, _Exchange
+from deltafin.engine.upstream.http1 import (
+    ConnectFailed,
+    Connector,
+    Exchange,
+    Http1Pool,
+    ReadTimedOut,
+    Response,
+    TransportError,
+)
 from deltafin.engine.upstream.wire import (
     Chunk,
     Garbled,
@@ -191,7 +199,7 @@ class UpstreamEngine(EngineClient):
         except TransportError as exc:  # the connection is closed anyway; the upstream notices in time
             log.warning("upstream_abort_failed", engine=self.name, error=type(exc).__name__)
 
-    def _send(self, job: GenerationJob, choice: int, rid: str, stream: GenerationStream) -> _Exchange:
+    def _send(self, job: GenerationJob, choice: int, rid: str, stream: GenerationStream) -> Exchange:
         """The upstream request of one choice; written at once when a connection is idle (`Http1Pool.request`)."""
         # The client's request id travels upstream, so one grep finds both log lines.
         request_id = stream.log_context.get("request_id")
@@ -203,7 +211,7 @@ class UpstreamEngine(EngineClient):
         return self.stop_token_ids | frozenset(job.params.stop_token_ids)
 
     async def _choice(self, job: GenerationJob, choice: int, rid: str, stream: GenerationStream, gate: "_Gate",
-                      exchange: _Exchange | BaseException) -> None:
+                      exchange: Exchange | BaseException) -> None:
         started = time.perf_counter()
         try:
             if isinstance(exchange, BaseException):  # building the request failed on the request's task
@@ -227,7 +235,7 @@ class UpstreamEngine(EngineClient):
             raise UpstreamError(f"The upstream {self.target} closed the stream ({exc}).") from None
 
     async def _stream_choice(self, job: GenerationJob, choice: int, rid: str, stream: GenerationStream,
-                             gate: "_Gate", started: float, exchange: _Exchange) -> None:
+                             gate: "_Gate", started: float, exchange: Exchange) -> None:
         prompt_len = len(job.prompt_ids)
         for attempt in range(2):
             async with exchange as response:
@@ -323,11 +331,11 @@ class _Submission:
         engine, loop = self._engine, asyncio.get_running_loop()
         for choice, job in enumerate(self._jobs):
             try:
-                exchange: _Exchange | BaseException = engine._send(job, choice, self._rids[choice], self._stream)
+                exchange: Exchange | BaseException = engine._send(job, choice, self._rids[choice], self._stream)
             except Exception as exc:  # raised by the choice's task, so it counts and reports as before
                 exchange = exc
             task = loop.create_task(engine._choice(job, choice, self._rids[choice], self._stream, self._gate, exchange))
-            if isinstance(exchange, _Exchange):
+            if isinstance(exchange, Exchange):
                 task.add_done_callback(lambda _, exchange=exchange: exchange.discard())  # cancelled before it ran
             task.add_done_callback(self._ended)
             engine._tasks.add(task)

@@ -272,13 +272,13 @@ class Http1Pool:
         return await asyncio.open_connection(self._host, self._port, ssl=context, limit=_READ_SIZE * 4)
 
     def request(self, method: str, path: str, body: bytes | None = None, headers: Mapping[str, str] | None = None,
-                *, read_timeout_s: float | None = None) -> "_Exchange":
+                *, read_timeout_s: float | None = None) -> "Exchange":
         """`async with pool.request(...) as response:` the response head has been read; the body is yours.
 
         When an idle connection is at hand the request is written here and now, before the caller's next await
         (the gateway calls this on the request's own task and reads the answer on another: the upstream gets
         the request a task switch sooner). An exchange that is never entered must be `discard()`ed."""
-        return _Exchange(self, self._head(method, path, body, headers), read_timeout_s)
+        return Exchange(self, self._head(method, path, body, headers), read_timeout_s)
 
     def _head(self, method: str, path: str, body: bytes | None, headers: Mapping[str, str] | None) -> bytes:
         head = f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._head_fields}"
@@ -429,7 +429,7 @@ class _StaleConnection(Exception):
     """Nothing came back on a connection: closed before our request was read (safe to send again once)."""
 
 
-class _Exchange:
+class Exchange:
     """`async with`: opens the exchange, closes (or pools) its connection on the way out, whatever happens."""
 
     def __init__(self, pool: Http1Pool, raw: bytes, read_timeout_s: float | None) -> None:
