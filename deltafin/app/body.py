@@ -41,16 +41,15 @@ def documented_body(request_type: type) -> type[Operation]:
     @dataclass
     class WithBody(Operation):
         def __post_init__(self) -> None:
-            self.request_body = RequestBody(
-                content={
-                    "application/json": OpenAPIMediaType(
-                        schema=Reference(ref=f"#/components/schemas/{request_type.__name__}")
-                    )
-                },
-                required=True,
-            )
+            self.request_body = json_request_body(request_type)
 
     return WithBody
+
+
+def json_request_body(request_type: type) -> RequestBody:
+    """A required JSON body whose schema is `request_type`'s entry in the components."""
+    schema = Reference(ref=f"#/components/schemas/{request_type.__name__}")
+    return RequestBody(content={"application/json": OpenAPIMediaType(schema=schema)}, required=True)
 
 
 def publish_body_schemas(app: Litestar, types: list[type]) -> None:

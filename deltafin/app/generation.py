@@ -20,8 +20,9 @@ from typing import Any, Awaitable, Callable
 
 import msgspec
 from litestar import Litestar
-from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, Operation, PathItem, Reference, RequestBody, Schema
+from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, Operation, PathItem, Schema
 
+from deltafin.app.body import json_request_body
 from deltafin.app.disconnect import cancel_when, on_disconnect
 from deltafin.app.errors import send_error, to_deltafin_error
 from deltafin.app.request_context import STATS_KEY
@@ -234,9 +235,7 @@ def document_generation_routes(app: Litestar) -> None:
     openapi = app.openapi_schema
     paths = dict(openapi.paths or {})
     for path, route in GENERATION_ROUTES.items():
-        name = route.request_type.__name__
-        body = RequestBody(content={"application/json": OpenAPIMediaType(schema=Reference(ref=f"#/components/schemas/{name}"))},
-                           required=True)
+        body = json_request_body(route.request_type)
         answers = {
             "application/json": OpenAPIMediaType(schema=Schema(description="the whole response")),
             "text/event-stream": OpenAPIMediaType(schema=Schema(description="chunks, when `stream` is true")),

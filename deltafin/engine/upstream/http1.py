@@ -330,12 +330,13 @@ class Http1Pool:
 
     def _drop_closed_idle(self) -> None:
         """Idle connections the server has closed since (llama-server closes each streamed one) are no spares."""
-        live = [conn for conn in self._idle if conn.usable()]
-        if len(live) < len(self._idle):
-            for conn in self._idle:
-                if not conn.usable():
-                    conn.close()
-            self._idle = live
+        live = []
+        for conn in self._idle:
+            if conn.usable():
+                live.append(conn)
+            else:
+                conn.close()
+        self._idle = live
 
     async def _open_spare(self) -> None:
         try:
