@@ -278,7 +278,7 @@ class Http1Pool:
         When an idle connection is at hand the request is written here and now, before the caller's next await
         (the gateway calls this on the request's own task and reads the answer on another: the upstream gets
         the request a task switch sooner). An exchange that is never entered must be `discard()`ed."""
-        return Exchange(self, self._head(method, path, body, headers), read_timeout_s)
+        return Exchange(self, self._head(method, path, body, headers), read_timeout_s, path)
 
     def _head(self, method: str, path: str, body: bytes | None, headers: Mapping[str, str] | None) -> bytes:
         head = f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._head_fields}"
@@ -433,7 +433,9 @@ class _StaleConnection(Exception):
 class Exchange:
     """`async with`: opens the exchange, closes (or pools) its connection on the way out, whatever happens."""
 
-    def __init__(self, pool: Http1Pool, raw: bytes, read_timeout_s: float | None) -> None:
+    def __init__(self, pool: Http1Pool, raw: bytes, read_timeout_s: float | None, path: str = "") -> None:
+        #: the request's path (what an adapter that may switch endpoints needs to know of a failed one)
+        self.path = path
         self._pool = pool
         self._raw = raw
         self._read_timeout_s = read_timeout_s
