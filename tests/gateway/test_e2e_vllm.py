@@ -238,10 +238,10 @@ def served(replica: VllmServer) -> float:
 
 
 async def stream_chat(base_url: str, content: str, max_tokens: int, first_token: threading.Event | None = None):
-    """(status, content tokens, finish_reason, error message, monotonic time of the first content) of one
+    """(status, completion tokens, finish_reason, error message, monotonic time of the first content) of one
     streamed chat through a gateway."""
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     tokens, finish, error, first = 0, None, None, None
     async with httpx.AsyncClient(timeout=300) as http:
         async with http.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:
@@ -254,13 +254,13 @@ async def stream_chat(base_url: str, content: str, max_tokens: int, first_token:
                 if "error" in event:
                     error = event["error"]["message"]
                     break
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
                 for choice in event["choices"]:
-                    if choice["delta"].get("content"):
-                        tokens += 1
-                        if first is None:
-                            first = time.monotonic()
-                            if first_token is not None:
-                                first_token.set()
+                    if choice["delta"].get("content") and first is None:
+                        first = time.monotonic()
+                        if first_token is not None:
+                            first_token.set()
                     finish = choice["finish_reason"] or finish
     return 200, tokens, finish, error, first
 

@@ -58,6 +58,15 @@ class TestGenerateEndpoint:
         assert knobs["skip_special_tokens"] is False and "stop" not in knobs and knobs["temperature"] == 0.0
         assert set(bundle.stop_token_ids) <= set(knobs["stop_token_ids"])
 
+    def test_ignore_eos_sends_no_stop_ids(self, bundle):
+        """vLLM's `ignore_eos` does not override an EOS named in `stop_token_ids`: the gateway names none, so the
+        choice runs to max_tokens as on the local engine."""
+        ids = ids_of(bundle, "Hi") + [2, 2]
+        fake = Fake(lambda body, path: ScriptedBody(generate_events(ids, per_chunk=1, finish="length")))
+        out = run(collect(make_front(VllmAdapter, bundle, fake), job(max_tokens=len(ids), ignore_eos=True)))
+        assert fake.requests[0][1]["sampling_params"]["stop_token_ids"] == []
+        assert out.ids == ids and out.finished.reason == "length"
+
     def test_stop_token_ends_the_choice_without_text(self, bundle):
         ids = ids_of(bundle, "Hi") + [2]  # 2 is SmolLM2's EOS
         fake = Fake(lambda body, path: ScriptedBody(generate_events(ids, per_chunk=1)))

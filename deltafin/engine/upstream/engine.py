@@ -209,6 +209,10 @@ class UpstreamEngine(EngineClient):
         return self.pool.request("POST", path, _encode(body), headers)
 
     def _stop_ids(self, job: GenerationJob) -> frozenset[int]:
+        """The ids the choice stops at, upstream and in Deltafin's decoder alike (`ignore_eos`: none, as the
+        local engine runs it to max_tokens; sent upstream as given, vLLM would stop at an EOS in this list)."""
+        if job.params.ignore_eos:
+            return frozenset()
         return self.stop_token_ids | frozenset(job.params.stop_token_ids)
 
     async def _choice(self, job: GenerationJob, choice: int, rid: str, stream: GenerationStream, gate: "_Gate",
