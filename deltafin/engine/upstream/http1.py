@@ -231,8 +231,10 @@ class _Connection:
         self.writer = writer
 
     def usable(self) -> bool:
-        """Not closed by either side while idle (a server's keep-alive timeout, llama-server's close)."""
-        return not self.reader.at_eof() and not self.writer.transport.is_closing()
+        """Not closed by either side while idle (a server's keep-alive timeout, llama-server's close), and silent:
+        an idle connection has nothing to say, so bytes waiting on it are a server's goodbye (a 408 before its
+        close: uvicorn's, Deltafin's own header timeout), never the answer to the next request."""
+        return not self.reader.at_eof() and not self.writer.transport.is_closing() and not self.reader._buffer
 
     def close(self) -> None:
         self.writer.transport.abort()  # no graceful close to wait for: the exchange is over or abandoned
@@ -382,6 +384,10 @@ class Http1Pool:
                 write = raw
             try:
                 status, fields = await self._send_and_read_head(conn, write, watchdog)
+                if status == 408 and reused:
+                    # The server timed the idle connection out as we reused it (its 408 and close crossed our
+                    # request): the request was never read, as with a close.
+                    raise _StaleConnection()
             except _StaleConnection:
                 watchdog.cancel()
                 conn.close()
