@@ -26,8 +26,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deltafin.engine.loader import convert_gguf, default_cache_dir, resolve_model_path  # noqa: E402
 from tests.conftest import LiveServer, compose_config  # noqa: E402
-from tests.gateway.test_e2e_vllm import GATEWAY, NAME, served, stream_chat  # noqa: E402
-from tests.vllm_server import VllmRouter, VllmServer  # noqa: E402
+from tests.vllm_server import VllmRouter, VllmServer, served, stream_chat  # noqa: E402
+
+
+NAME = "smollm2"
+#: a gateway whose answers are all vLLM's (no memo), as in tests/gateway/test_e2e_vllm.py
+GATEWAY = ["engine=vllm", "model.context_length=2048", "server.memo.entries=0", "engine.max_inflight=16"]
 
 
 def rss_mib(pid: int) -> float:

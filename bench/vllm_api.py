@@ -23,8 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.conftest import TINY_OVERRIDES, LiveServer  # noqa: E402
 from tests.gateway.taught import taught_model  # noqa: E402
-from tests.gateway.test_e2e_vllm import stream_chat  # noqa: E402
-from tests.vllm_server import VllmServer  # noqa: E402
+from tests.vllm_server import VllmServer, stream_chat  # noqa: E402
 
 
 async def burst(url: str, streams: int, tokens: int) -> float:

