@@ -1,14 +1,14 @@
 """Finds and loads the weights: HF folders (safetensors) and GGUF files, placed as the config says.
 
-GGUF files are dequantized by transformers, which takes tens of seconds; the result is cached as a
-safetensors folder keyed on the file's identity, so later boots load in seconds.
+GGUF files are dequantized by transformers, which takes tens of seconds; the result is cached as a standard
+Hugging Face folder keyed on the file's identity, so later boots load in seconds and other engines (vLLM,
+SGLang) load the same folder as they load a hub checkpoint.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
 import shutil
 import tempfile
@@ -65,10 +65,15 @@ def default_cache_dir() -> Path:
     return Path(base) / "deltafin"
 
 
+#: the layout convert_gguf writes, part of the cache key: a folder an older Deltafin wrote (no `architectures`,
+#: the tied embedding stored as `lm_head.weight` only) is never reused
+CONVERTED_LAYOUT = "hf-2"
+
+
 def _gguf_cache_key(gguf: Path, sample: int = 4 << 20) -> str:
     """Keyed on the file's content (size, first and last 4 MiB), not its path: two virtualenvs holding the
     same wheel share one converted copy, and hashing stays cheap for multi-GB files."""
-    digest = hashlib.sha256(str(gguf.stat().st_size).encode())
+    digest = hashlib.sha256(f"{CONVERTED_LAYOUT}:{gguf.stat().st_size}".encode())
     with gguf.open("rb") as handle:
         digest.update(handle.read(sample))
         handle.seek(max(0, gguf.stat().st_size - sample))
@@ -77,8 +82,9 @@ def _gguf_cache_key(gguf: Path, sample: int = 4 << 20) -> str:
 
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
-    """The safetensors folder for a GGUF file, converting it on first use."""
-    from safetensors.torch import save_model
+    """The Hugging Face folder for a GGUF file, converting it on first use: written by transformers' own
+    `save_pretrained` (config with `architectures`, tied weights stored as transformers stores them, generation
+    config), with the tokenizer and its chat template beside it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = cache_dir / _gguf_cache_key(gguf)
@@ -92,11 +98,11 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     # Write beside the target, then rename: a concurrent boot never sees a half-written folder.
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=cache_dir))
     try:
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)  # the weights are plain float now
-        (staging / "config.json").write_text(json.dumps(config, indent=2))
-        model.generation_config.save_pretrained(staging)
-        save_model(model, str(staging / "model.safetensors"))
+        # The tensors are plain float already; without the GGUF quantizer the model saves as any other.
+        quantizer = getattr(model, "hf_quantizer", None)
+        if quantizer is not None:
+            quantizer.remove_quantization_config(model)
+        model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         try:
             staging.rename(target)
