@@ -14,7 +14,7 @@ from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig
-from omegaconf.errors import ConfigAttributeError, OmegaConfBaseException
+from omegaconf.errors import ConfigAttributeError, ConfigKeyError, OmegaConfBaseException
 
 import deltafin
 from deltafin.config.schema import DeltafinConfig
@@ -50,8 +50,9 @@ def compose_raw(overrides: Sequence[str] = ()) -> DictConfig:
         key = exc.override.split("=", 1)[0].lstrip("+~") or exc.override
         raise ConfigError(f"{key}: cannot parse {exc.override!r}: {_parse_reason(exc.message)}") from None
     except (HydraException, OmegaConfBaseException) as exc:
-        cause = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__
-        if isinstance(cause, ConfigAttributeError) and getattr(cause, "full_key", None):
+        # Hydra keeps OmegaConf's error as the cause, or (for an option file's own keys) as the context
+        cause = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__ or exc.__context__
+        if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and getattr(cause, "full_key", None):
             raise ConfigError(no_such_key(cause.full_key)) from None
         if isinstance(cause, OmegaConfBaseException):
             raise ConfigError(omegaconf_reason(cause)) from None

@@ -120,7 +120,7 @@ def _open_routes(routes: Any) -> str | None:
 def _no_blank_keys(keys: Any) -> str | None:
     for index, key in enumerate(keys):
         if not str(key).strip():
-            return f"entry {index} is empty: every API key needs characters (an empty list turns keys off)"
+            return f"entry {index} is blank: a key needs a non-space character (an empty list turns keys off)"
     return None
 
 
