@@ -15,6 +15,7 @@ from typing import Sequence
 from omegaconf import OmegaConf
 
 from deltafin.config import ConfigError, DeltafinConfig, compose_config, conf_dir
+from deltafin.config.schema import Device
 
 USAGE = """\
 usage: python -m deltafin [--cfg job] [GROUP=OPTION ...] [KEY=VALUE ...]
@@ -48,6 +49,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     from deltafin.app.server import serve
     from deltafin.logging import configure_logging
 
+    _without_triton(config)
     configure_logging(config.server.log_level)
     serve(build_app(config), config, listener)
 
@@ -64,6 +66,14 @@ def checked_config(overrides: Sequence[str] = ()) -> DeltafinConfig:
     build_pipeline(config.compat.rules, config.model.family)
     _check_engine(config)
     return config
+
+
+def _without_triton(config: DeltafinConfig) -> None:
+    """triton comes with xgrammar (its GPU kernels) and torch._dynamo imports it whenever it is installed (the
+    model code imports torch._dynamo); on the CPU nothing runs it, and its bindings print "nanobind: leaked ..."
+    lines at exit. A None in sys.modules makes `import triton` fail as if it were not installed."""
+    if config.placement.device == Device.cpu:
+        sys.modules.setdefault("triton", None)  # type: ignore[arg-type]
 
 
 def _parse(args: list[str]) -> tuple[bool | None, list[str]]:

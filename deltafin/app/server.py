@@ -24,6 +24,12 @@ class GracefulServer(uvicorn.Server):
         super().__init__(config)
         self._on_signal = on_signal
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if sockets and not self.should_exit:
+            # uvicorn names the address only for sockets it bound itself; this one was bound before loading
+            self._log_started_message(sockets)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         first = not self.should_exit
         super().handle_exit(sig, frame)
