@@ -111,6 +111,7 @@ OPENABLE_ROUTES = ("/health", "/metrics", "/schema")
 
 
 def _open_routes(routes: Any) -> str | None:
+    """a subset of `/health`, `/metrics`, `/schema`"""
     for route in routes:
         if route not in OPENABLE_ROUTES:
             return f"{route!r} is not one of {', '.join(OPENABLE_ROUTES)}"
@@ -118,6 +119,7 @@ def _open_routes(routes: Any) -> str | None:
 
 
 def _no_blank_keys(keys: Any) -> str | None:
+    """no blank entry"""
     for index, key in enumerate(keys):
         if not str(key).strip():
             return f"entry {index} is blank: a key needs a non-space character (an empty list turns keys off)"
@@ -125,6 +127,7 @@ def _no_blank_keys(keys: Any) -> str | None:
 
 
 def _http_url(url: Any) -> str | None:
+    """`http://` or `https://` URL"""
     if url is not None and not str(url).startswith(("http://", "https://")):
         return f"an upstream engine needs http(s)://HOST:PORT (got {url!r})"
     return None
@@ -134,9 +137,11 @@ _HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
 
 
 def _bindable_host(host: Any) -> str | None:
-    """An IP address, or a hostname as RFC 1123 spells one (a dotted string of digits that is not an IPv4
-    address, such as 999.1.1.1, is neither). Whether this machine can listen there is found out by binding
-    the socket before anything loads (deltafin.cli)."""
+    """an IP address or a host name this machine can listen on
+
+    A host name as RFC 1123 spells one: a dotted string of digits that is not an IPv4 address (999.1.1.1) is
+    neither. Whether this machine can listen there is found out by binding the socket before anything loads
+    (deltafin.cli)."""
     text = str(host)
     try:
         ipaddress.ip_address(text)
@@ -167,8 +172,8 @@ class ModelConfig:
     reasoning_parser: Optional[str] = None  # the same, for the reasoning parser's name
     # prompt + completion tokens; null = the checkpoint's max_position_embeddings
     context_length: Optional[int] = ranged(None, 1, 1 << 30)
-    chat_format: ChatFormatName = ChatFormatName.template  # who renders the prompt: template | xtml
-    content_format: ContentFormat = ContentFormat.string  # how the template reads message content: string | openai
+    chat_format: ChatFormatName = ChatFormatName.template  # who renders the prompt
+    content_format: ContentFormat = ContentFormat.string  # how the template reads message content (a string, or OpenAI's parts)
     thinking_kwarg: Optional[str] = None  # the chat_template_kwargs key that turns thinking on/off (/parse reads it)
     trust_remote_code: bool = False  # run the checkpoint's own model and tokenizer code
     dtype: ModelDtype = ModelDtype.auto  # the weights' dtype; auto = placement.dtype
@@ -179,14 +184,14 @@ class ModelConfig:
 
 @dataclass
 class PlacementConfig:
-    device: Device = Device.cpu  # where the weights live: cpu | cuda | auto (accelerate's device_map)
-    dtype: Dtype = Dtype.float32  # compute dtype: float32 | bfloat16 | float16 (CPU bf16 matmuls are slower)
+    device: Device = Device.cpu  # where the weights live (auto: accelerate's device_map decides)
+    dtype: Dtype = Dtype.float32  # the compute dtype (CPU bf16 matmuls are slower than float32)
     device_map: Optional[str] = None  # accelerate device map (auto, balanced, ...); null = the whole model on `device`
     max_memory: Optional[dict[str, str]] = None  # per-device limits for a device map, e.g. {0: 20GiB, cpu: 64GiB}
     offload_folder: Optional[str] = None  # where accelerate offloads weights that fit nowhere else
     num_threads: Optional[int] = ranged(None, 1, 4096)  # torch threads of the engine; null = torch's default
     compile: bool = False  # torch.compile the batched decode step (static shapes per batch bucket)
-    quantize: Quantize = Quantize.none  # weight-only linear layers at load: none | int8 | int4 (CPU kernels, cached)
+    quantize: Quantize = Quantize.none  # weight-only quantized linear layers at load (CPU kernels; cached)
 
 
 @dataclass
@@ -246,7 +251,7 @@ class ServerConfig:
     max_n: int = ranged(8, 1, 128)  # upper bound for `n`
     max_stop_sequences: int = ranged(16, 0, 1024)  # upper bound for the number of `stop` strings
     max_top_logprobs: int = ranged(20, 0, 1000)  # upper bound for `top_logprobs` / completions' `logprobs`
-    log_level: LogLevel = LogLevel.info  # debug | info | warning | error (libraries log at warning and above)
+    log_level: LogLevel = LogLevel.info  # the server's log level (libraries log at warning and above)
     queue: QueueConfig = field(default_factory=QueueConfig)
     memo: MemoConfig = field(default_factory=MemoConfig)
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
@@ -266,7 +271,7 @@ class EngineConfig:
     _target_: str = "deltafin.app.services.build_local_engine"
     max_batch: int = ranged(8, 1, 1024)  # local: rows (choices of requests) decoded together in one step; more wait in the queue
     url: Optional[str] = checked(_http_url, default=None)  # upstream: its base URL, e.g. http://gpu-node:8000
-    api: UpstreamApi = UpstreamApi.auto  # vLLM upstream: auto | generate | completions
+    api: UpstreamApi = UpstreamApi.auto  # vLLM upstream: its route (auto: /inference/v1/generate, else /v1/completions)
     model: Optional[str] = None  # upstream: the `model` field sent; null leaves it out (the upstream serves one model)
     api_key: Optional[str] = None  # upstream: sent as `Authorization: Bearer <key>` when set
     max_inflight: int = ranged(64, 1, 1 << 16)  # upstream: generations (choices) in flight at once; the queue holds the rest
