@@ -265,7 +265,8 @@ class ServerConfig:
 
 @dataclass
 class EngineConfig:
-    """One schema for every engine; each conf/engine/*.yaml sets the keys its engine reads."""
+    """One schema for every engine: conf/engine/*.yaml chooses the builder; a key marked local or upstream is
+    read by those engines only."""
 
     # who generates: a callable `(config) -> EngineClient` (the local torch engine, or an upstream's builder)
     _target_: str = "deltafin.app.services.build_local_engine"
