@@ -133,7 +133,7 @@ def _http_url(url: Any) -> str | None:
     return None
 
 
-_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9-]{1,63}(?<!-)")
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")  # `_` too: container names resolve with one
 
 
 def _bindable_host(host: Any) -> str | None:
