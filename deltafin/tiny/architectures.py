@@ -1,11 +1,12 @@
 """The real transformers architecture classes, scaled down to a few hundred thousand parameters.
 
-Family modules name one of these in their tiny recipe; transformers is imported only when a model is built.
+Family modules name one of these in their tiny recipe (`TinyRecipe.model`, looked up in `ARCHITECTURES`);
+transformers is imported only when a model is built.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 CONTEXT = 4096
 
@@ -44,3 +45,7 @@ def qwen3(vocab: int) -> Any:
         num_key_value_heads=2, head_dim=16, max_position_embeddings=CONTEXT, tie_word_embeddings=True,
     )
     return Qwen3ForCausalLM(config)
+
+
+#: name (a family's `TinyRecipe.model`) -> vocabulary size -> the scaled-down model
+ARCHITECTURES: dict[str, Callable[[int], Any]] = {"deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe, "qwen3": qwen3}

@@ -12,6 +12,7 @@ def write_tiny_model(family: str, out: Path, *, variant: str | None = None, seed
     import torch
 
     from deltafin.families import get_family
+    from deltafin.tiny.architectures import ARCHITECTURES
     from deltafin.tiny.tokenizer import train_tokenizer
 
     spec = get_family(family)
@@ -27,7 +28,7 @@ def write_tiny_model(family: str, out: Path, *, variant: str | None = None, seed
     if recipe.template:
         text = resources.files("deltafin.tiny").joinpath("templates", recipe.template).read_text()
         tokenizer.chat_template = recipe.template_prefix + text
-    model = recipe.model(len(tokenizer))
+    model = ARCHITECTURES[recipe.model](len(tokenizer))
     stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in recipe.stop_tokens]
     model.config.eos_token_id = stop_ids
     model.generation_config.eos_token_id = stop_ids
