@@ -14,8 +14,9 @@ between two markers is tokenized whole, as the tokenizer would tokenize the rend
 from __future__ import annotations
 
 import json
+import os
+import random
 import re
-import secrets
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Sequence
@@ -46,6 +47,10 @@ _VALUE_FIELDS: dict[type, tuple[str, ...]] = {
     nodes.MarkSafeIfAutoescape: ("expr",),
 }
 _VALUE_FILTERS = {"string", "safe", "trim", "e", "escape"}
+#: marker nonces: unpredictable to clients, who never see one (a template error naming one is cleaned), without a
+#: system call per render
+_NONCES = random.Random(os.urandom(32))
+_MARKER = re.compile(f"{_OPEN_MARK}[0-9]+\\.[0-9]+{_CLOSE_MARK}")
 
 
 def control_strings(tokenizer: Any, source: str) -> list[str]:
@@ -153,7 +158,10 @@ class TemplateChatFormat:
         self._tokenizer = tokenizer
         self._content_format = content_format
         self._default_kwargs = dict(default_kwargs)
-        self._special_tokens = dict(tokenizer.special_tokens_map)  # what apply_chat_template gives every template
+        from transformers.utils.chat_template_utils import _plain_template_data
+
+        # What apply_chat_template gives every template, before the kwargs.
+        self._special_tokens = _plain_template_data(dict(tokenizer.special_tokens_map))
         self._compiled: OrderedDict[str, tuple[MarkedTemplate, _PieceEncoder]] = OrderedDict()
         self._marked(tokenizer.get_chat_template(None, None))  # a template that does not compile fails at load
 
@@ -202,7 +210,7 @@ class TemplateChatFormat:
     def _apply(self, marked: MarkedTemplate, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                kwargs: dict[str, Any], gen: bool) -> list[str]:
         """The rendered text split at the markers: text, control index, text, ... (as `re.split` with one group)."""
-        nonce = f"{_OPEN_MARK}{secrets.randbelow(10**12):012d}."
+        nonce = f"{_OPEN_MARK}{_NONCES.getrandbits(48)}."
         marks = [f"{nonce}{k}{_CLOSE_MARK}" for k in range(len(marked.controls))]
         rendered = self._render(marked.template, conversation, tools, kwargs, gen, marks)
         parts = rendered.split(nonce)
@@ -221,18 +229,19 @@ class TemplateChatFormat:
         from jinja2 import TemplateError
         from transformers.utils.chat_template_utils import _alias_reasoning_fields, _plain_template_data
 
-        # What the template sees is what apply_chat_template gives it: special tokens, then the kwargs, as plain data.
-        variables = _plain_template_data({**self._special_tokens, **kwargs})
-        chat = _alias_reasoning_fields(_plain_template_data(conversation))
+        # What the template sees is what apply_chat_template gives it: special tokens, then the kwargs, as plain
+        # data (messages and tools are built here from decoded JSON: plain already), reasoning under its aliases.
+        variables = {**self._special_tokens, **_plain_template_data(kwargs)} if kwargs else self._special_tokens
+        chat = _alias_reasoning_fields(conversation)
         try:
             # Bounded in time and size: the template is code, and a request may bring its own (sandbox.py).
             return render_bounded(lambda: template.render(
-                messages=chat, tools=_plain_template_data(tools), documents=None, add_generation_prompt=gen,
-                **variables, **{MARKS: marks},
+                messages=chat, tools=tools, documents=None, add_generation_prompt=gen, **variables, **{MARKS: marks},
             ))
         except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             # Templates raise on conversations they do not support (e.g. role order); that is the client's input.
-            raise InvalidRequestError(f"the chat template rejected these messages: {exc}", param="messages") from None
+            message = _MARKER.sub("", str(exc))  # a marker never leaves: its nonce must stay unknown to clients
+            raise InvalidRequestError(f"the chat template rejected these messages: {message}", param="messages") from None
 
     def _sanitized_render(self, marked: MarkedTemplate, conversation: Any, tools: Any, kwargs: dict[str, Any],
                           gen: bool) -> str:
@@ -271,6 +280,10 @@ class TemplateChatFormat:
         return [{"type": "text", "text": part.text} for part in message.content if isinstance(part, TextPart)]
 
 
+_KEPT_PIECE_CHARS = 4096
+_KEPT_PIECES = 512
+
+
 class _PieceEncoder:
     """Token ids of a render split at its markers: control tokens as their ids; the text between two markers
     tokenized whole as plain text, as the tokenizer would tokenize it between two added tokens of the rendered
@@ -280,6 +293,7 @@ class _PieceEncoder:
 
     def __init__(self, tokenizer: Any, controls: Sequence[str]) -> None:
         self._plain = PlainText(tokenizer, controls)
+        self._seen: dict[tuple[str, bool], tuple[int, ...]] = {}
         self._controls = tuple(controls)
         self._live = TokenCodec(tokenizer).encode_template
         self._ids = [tokenizer.convert_tokens_to_ids(token) for token in controls]
@@ -323,13 +337,26 @@ class _PieceEncoder:
         return RenderedPrompt(ids, "".join(piece for piece in pieces if piece))
 
     def _text_ids(self, piece: str, *, after_marker: bool) -> list[int]:
+        """Ids of one piece; pieces come back request after request (the template's own text between two control
+        tokens, and in a conversation every earlier turn), so short ones are kept."""
         if not piece:
             return []
+        key = (piece, after_marker)
+        ids = self._seen.get(key)
+        if ids is None:
+            ids = self._encode_piece(piece, after_marker=after_marker)
+            if len(piece) <= _KEPT_PIECE_CHARS:
+                if len(self._seen) >= _KEPT_PIECES:
+                    self._seen.clear()  # a simple bound: the pieces in use come back at once
+                self._seen[key] = ids
+        return list(ids)
+
+    def _encode_piece(self, piece: str, *, after_marker: bool) -> tuple[int, ...]:
         if after_marker and self._prefix_space:
             ids = self._plain.encode("\n" + piece)
             if ids[: len(self._newline)] == self._newline:
-                return ids[len(self._newline):]
-        return self._plain.encode(piece)
+                return tuple(ids[len(self._newline):])
+        return tuple(self._plain.encode(piece))
 
 
 def _joined(pieces: list[str], controls: Sequence[str]) -> str:
