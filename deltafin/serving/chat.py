@@ -7,7 +7,7 @@ from typing import Any, AsyncIterator
 
 from deltafin.engine import Finished, GenerationJob, GenerationStream, TextDelta, TokenLogprob
 from deltafin.errors import InvalidRequestError
-from deltafin.prompt.chat_format import RenderedPrompt
+from deltafin.prompt import PromptOptions, RenderedPrompt
 from deltafin.families import build_output_parser
 from deltafin.prompt.parsers import OutputParser, ParsedDelta
 from deltafin.prompt.sandbox import TemplateBudget, template_budget
@@ -105,9 +105,12 @@ class ChatService:
                 "(server.templates.trust_request_chat_template is off)",
                 param="chat_template_kwargs.chat_template",
             )
+        # What else shapes the prompt: K3 writes tool_choice and response_format as system messages, and every
+        # format reads reasoning_effort (K3 maps it to its thinking effort; templates get it as vLLM passes it).
+        options = PromptOptions(request.tool_choice, request.response_format, request.reasoning_effort)
         with template_budget(TemplateBudget(templates.render_timeout_s, templates.max_rendered_chars)):
             return self.ctx.chat_format.render(
-                request.messages, request.tools, kwargs, add_generation_prompt=add_generation_prompt
+                request.messages, request.tools, kwargs, add_generation_prompt=add_generation_prompt, options=options
             )
 
     def jobs(self, request: ChatCompletionRequest, prompt: RenderedPrompt) -> list[GenerationJob]:

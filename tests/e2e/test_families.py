@@ -24,11 +24,12 @@ KIMI_ID = "functions.get_weather:0"
 
 K3_CALL = ('<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
            '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
-           '<|open|>argument key="days" type="integer"<|sep|>3<|close|>argument<|sep|><|close|>call<|sep|>'
+           '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|><|close|>call<|sep|>'
            '<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>')
 #: family -> (turn 1: raw output with the tool call, turn 2: raw output after the tool result)
 SCRIPTS = {
-    "kimi_k3": ("Weather needed.<|close|>think<|sep|>" + K3_CALL,
+    # K3 writes an empty response channel beside its calls, as its encoder renders such turns.
+    "kimi_k3": ("Weather needed.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>" + K3_CALL,
                 "Fine.<|close|>think<|sep|><|open|>response<|sep|>Sunny in Paris.<|close|>response<|sep|>"
                 "<|close|>message<|sep|><|end_of_msg|>"),
     "kimi_k2": ("Weather needed.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
