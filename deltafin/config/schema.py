@@ -89,6 +89,15 @@ class ConnectionsConfig:
 
 
 @dataclass
+class ResponsesConfig:
+    store: str = "memory"  # where stored responses live: memory | sqlite
+    path: Optional[str] = None  # the sqlite file (store=sqlite); its folder must exist
+    max_entries: int = 1000  # stored responses kept at most; the oldest leave first
+    max_bytes: int = 64 * 1024 * 1024  # bytes of stored responses kept at most
+    unsupported_tools: str = "drop"  # hosted tools (web_search, ...): drop (named in a header) | reject (400)
+
+
+@dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -106,6 +115,7 @@ class ServerConfig:
     shutdown_grace_s: float = 10.0
     templates: TemplateConfig = field(default_factory=TemplateConfig)
     connections: ConnectionsConfig = field(default_factory=ConnectionsConfig)
+    responses: ResponsesConfig = field(default_factory=ResponsesConfig)
 
 
 @dataclass

@@ -34,6 +34,8 @@ _RANGES: dict[str, tuple[float, float]] = {
     "server.connections.header_timeout_s": (0.1, 3600),
     "server.connections.body_timeout_s": (0.1, 3600),
     "server.connections.keep_alive_s": (0.1, 3600),
+    "server.responses.max_entries": (0, 1 << 30),
+    "server.responses.max_bytes": (0, 1 << 40),
     "engine.max_batch": (1, 1024),
     "engine.max_inflight": (1, 1 << 16),
     "engine.connect_timeout_s": (0.001, 3600),
@@ -46,6 +48,8 @@ _CHOICES: dict[str, tuple[str, ...]] = {
     "model.content_format": ("string", "openai"),
     "server.log_level": ("debug", "info", "warning", "error"),
     "engine.api": ("auto", "generate", "completions"),
+    "server.responses.store": ("memory", "sqlite"),
+    "server.responses.unsupported_tools": ("drop", "reject"),
 }
 
 
