@@ -13,7 +13,10 @@ from deltafin.prompt.parsers import OutputParser, ParsedDelta
 from deltafin.prompt.sandbox import TemplateBudget, template_budget
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.rules import RuleContext
-from deltafin.serving.constraints import build_constraint, check_tools
+from deltafin.grammar.forced_json import arguments_only
+from deltafin.prompt.parsers.base import random_call_id
+from deltafin.prompt.parsers.forced_json import ForcedJsonCallParser
+from deltafin.serving.constraints import build_constraint, check_tools, forced_without_parser
 from deltafin.serving.context import RequestStats, ServingContext, new_id
 from deltafin.serving.logprobs import chat_logprobs
 from deltafin.serving.ruled import Frame, serve_with_rules
@@ -151,6 +154,9 @@ class ChatService:
         """Tool calls are parsed only when the request declares tools and allows calls."""
         model = self.ctx.config.model
         calls_allowed = bool(request.tools) and request.tool_choice != "none"
+        forced = forced_without_parser(request, model) if calls_allowed else None
+        if forced is not None:  # a family without a tool-call syntax: the call was forced as plain JSON
+            return ForcedJsonCallParser(random_call_id, name=arguments_only(forced))
         return build_output_parser(
             model.family,
             model.variant,
