@@ -127,47 +127,8 @@ class ResponsesService:
         return frame
 
     def _chat_request(self, request: ResponsesRequest, tools: ServedTools, items: list[Item]) -> ChatCompletionRequest:
-        messages = chat_messages(request.instructions, items, developer_role=self._developer_role)
-        if not messages:
-            raise InvalidRequestError("input must not be empty", param="input")
-        tool_choice, definitions = chat_tool_choice(request.tool_choice, tools)
-        kwargs, effort = self._reasoning(request)
-        logprobs = request.includes("message.output_text.logprobs")
-        return ChatCompletionRequest(
-            model=request.model,
-            messages=messages,
-            tools=definitions or None,
-            tool_choice=tool_choice,
-            parallel_tool_calls=request.parallel_tool_calls,
-            response_format=_response_format(request),
-            max_completion_tokens=request.max_output_tokens,
-            temperature=request.temperature,
-            top_p=request.top_p,
-            stream=request.stream,
-            stream_options=StreamOptions(include_usage=True) if request.stream else None,
-            user=request.user,
-            logprobs=logprobs,
-            top_logprobs=request.top_logprobs if logprobs else None,
-            chat_template_kwargs=kwargs or None,
-            reasoning_effort=effort,
-        )
-
-    def _reasoning(self, request: ResponsesRequest) -> tuple[dict[str, Any], str | None]:
-        """reasoning.effort onto the family's thinking controls: "none"/"minimal" turn thinking off, the others
-        turn it on and pass the effort on as chat's `reasoning_effort` (for formats that render it). On a model
-        without a thinking switch, asking for reasoning is a 400."""
-        effort = request.reasoning.effort if request.reasoning is not None else None
-        if effort is None:
-            return {}, None
-        key = self.ctx.config.model.thinking_kwarg
-        thinking = effort not in ("none", "minimal")
-        if key is None:
-            if thinking:
-                raise InvalidRequestError(
-                    f"The model `{self.ctx.model_name}` does not reason; reasoning.effort {effort!r} cannot be served "
-                    "(leave it out, or send 'none')", param="reasoning.effort")
-            return {}, None
-        return {key: thinking}, effort if thinking else None
+        return chat_request(request, tools, items, developer_role=self._developer_role,
+                            thinking_kwarg=self.ctx.config.model.thinking_kwarg, model_name=self.ctx.model_name)
 
     # --- retrieve, delete, input items
 
@@ -193,6 +154,52 @@ class ResponsesService:
         page = items[: query.limit]
         return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
                 "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
+
+
+def chat_request(request: ResponsesRequest, tools: ServedTools, items: list[Item], *, developer_role: bool,
+                 thinking_kwarg: str | None, model_name: str) -> ChatCompletionRequest:
+    """The chat request a Responses request (with its whole conversation, `items`) is served as."""
+    messages = chat_messages(request.instructions, items, developer_role=developer_role)
+    if not messages:
+        raise InvalidRequestError("input must not be empty", param="input")
+    tool_choice, definitions = chat_tool_choice(request.tool_choice, tools)
+    kwargs, effort = _reasoning(request, thinking_kwarg, model_name)
+    logprobs = request.includes("message.output_text.logprobs")
+    return ChatCompletionRequest(
+        model=request.model,
+        messages=messages,
+        tools=definitions or None,
+        tool_choice=tool_choice,
+        parallel_tool_calls=request.parallel_tool_calls,
+        response_format=_response_format(request),
+        max_completion_tokens=request.max_output_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        stream=request.stream,
+        stream_options=StreamOptions(include_usage=True) if request.stream else None,
+        user=request.user,
+        logprobs=logprobs,
+        top_logprobs=request.top_logprobs if logprobs else None,
+        chat_template_kwargs=kwargs or None,
+        reasoning_effort=effort,
+    )
+
+
+def _reasoning(request: ResponsesRequest, key: str | None, model_name: str) -> tuple[dict[str, Any], str | None]:
+    """reasoning.effort onto the family's thinking controls: "none"/"minimal" turn thinking off, the others turn
+    it on and pass the effort on as chat's `reasoning_effort` (for formats that render it). On a model without a
+    thinking switch, asking for reasoning is a 400."""
+    effort = request.reasoning.effort if request.reasoning is not None else None
+    if effort is None:
+        return {}, None
+    thinking = effort not in ("none", "minimal")
+    if key is None:
+        if thinking:
+            raise InvalidRequestError(
+                f"The model `{model_name}` does not reason; reasoning.effort {effort!r} cannot be served "
+                "(leave it out, or send 'none')", param="reasoning.effort")
+        return {}, None
+    return {key: thinking}, effort if thinking else None
 
 
 def _response_format(request: ResponsesRequest) -> ResponseFormat | None:
