@@ -1,4 +1,4 @@
-"""POST /v1/chat/completions and /v1/completions (and their unversioned aliases) as a plain ASGI layer in
+"""POST /v1/chat/completions, /v1/completions and /v1/responses (and their unversioned aliases) as a plain ASGI layer in
 front of Litestar.
 
 Why not Litestar routes: these two carry every generation, and Litestar's per-request machinery (routing, a

@@ -101,6 +101,14 @@ class TestToolsAndRefusals:
         assert client.post(RESPONSES, json=ask(reasoning={"effort": "none", "summary": "auto"})).status_code == 200
 
 
+def test_output_text_logprobs_when_included(client):
+    response = client.post(RESPONSES, json=ask(include=["message.output_text.logprobs"], top_logprobs=2))
+    part = Response.model_validate(response.json()).output[0].content[0]
+    assert len(part.logprobs) == response.json()["usage"]["output_tokens"]
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in part.logprobs)
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+
+
 class TestTruncation:
     LONG = "Tell me about the sea. " * 900  # ~5,400 tokens: two turns of it do not fit SmolLM2's 8,192
 

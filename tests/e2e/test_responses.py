@@ -29,7 +29,7 @@ class Person(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def client(live_server):
-    return openai.OpenAI(base_url=f"{live_server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
+    return openai.OpenAI(base_url=f"{live_server.base_url}/v1", api_key="unused", max_retries=0, timeout=300)
 
 
 def strict(body: dict) -> Response:

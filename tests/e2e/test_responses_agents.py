@@ -10,8 +10,6 @@ the model's chat format here, in the test."""
 from __future__ import annotations
 
 import json
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import msgspec
 import openai
@@ -27,6 +25,7 @@ from deltafin.serving.responses.tools import served_tools
 from deltafin.tiny import write_tiny_model
 from tests.conftest import TINY_OVERRIDES, LiveServer, tiny_config
 from tests.e2e.scripted import teach
+from tests.e2e.stand_in import stand_in
 
 pytestmark = pytest.mark.e2e
 
@@ -54,33 +53,18 @@ def recorded_agent_bodies() -> list[dict]:
                  "arguments": '{"city": "Paris"}', "status": "completed"}],
                [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
                  "content": [{"type": "output_text", "text": "Sunny in Paris.", "annotations": []}]}]]
-    bodies: list[dict] = []
 
-    class Handler(BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            bodies.append(json.loads(self.rfile.read(int(self.headers["content-length"]))))
-            answer = json.dumps({
-                "id": f"resp_{len(bodies)}", "object": "response", "created_at": 0, "model": "m", "status": "completed",
-                "output": outputs[len(bodies) - 1], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
-                "usage": {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2,
-                          "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-                          "output_tokens_details": {"reasoning_tokens": 0}}}).encode()
-            self.send_response(200)
-            self.send_header("content-type", "application/json")
-            self.send_header("content-length", str(len(answer)))
-            self.end_headers()
-            self.wfile.write(answer)
+    def reply(bodies: list[dict]) -> tuple[int, dict]:
+        return 200, {
+            "id": f"resp_{len(bodies)}", "object": "response", "created_at": 0, "model": "m", "status": "completed",
+            "output": outputs[len(bodies) - 1], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
+            "usage": {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2,
+                      "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                      "output_tokens_details": {"reasoning_tokens": 0}}}
 
-        def log_message(self, *args) -> None:
-            pass
-
-    stand_in = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-    threading.Thread(target=stand_in.serve_forever, daemon=True).start()
-    try:
-        result, _ = run_agent(f"http://127.0.0.1:{stand_in.server_port}/v1")
-        assert result == "Sunny in Paris." and len(bodies) == 2
-    finally:
-        stand_in.shutdown()
+    with stand_in(reply) as (base_url, bodies):
+        result, _ = run_agent(base_url)
+    assert result == "Sunny in Paris." and len(bodies) == 2
     return bodies
 
 
