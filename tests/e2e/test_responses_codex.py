@@ -50,7 +50,8 @@ def codex_server(tmp_path_factory):
     rng = random.Random(0)
     teach(path, [([rng.choice(words) for _ in range(n)] + turn_end, ANSWER + "<|im_end|>") for n in (4, 64, 256)],
           steps=150)
-    server = LiveServer([*TINY_OVERRIDES["qwen3"], f"model.path={path}", "model.chat_template_kwargs.enable_thinking=false"])
+    # Thinking stays on (conf/model/qwen3.yaml): the assistant turn starts right after `assistant\n`, as taught.
+    server = LiveServer([*TINY_OVERRIDES["qwen3"], f"model.path={path}"])
     try:
         server.wait_ready()
         yield server, root
