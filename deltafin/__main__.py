@@ -11,6 +11,7 @@ from deltafin.config import CONF_DIR, ConfigError, validate_config
 from deltafin.engine.loader import ModelLoadError, resolve_model_path
 from deltafin.families import check_family
 from deltafin.rules import build_pipeline
+from deltafin.serving.responses.store import open_store
 
 
 @hydra.main(config_path=str(CONF_DIR), config_name="config", version_base=None)
@@ -21,6 +22,7 @@ def main(raw: DictConfig) -> None:
         build_pipeline(config.compat.rules, config.model.family)
         check_family(config.model.family, config.model.variant)
         resolve_model_path(config.model.path)
+        open_store(config.server.responses).close()  # a response store that cannot be opened stops start-up here
     except (ConfigError, ModelLoadError) as exc:
         print(f"deltafin: config error: {exc}", file=sys.stderr)
         sys.exit(2)
