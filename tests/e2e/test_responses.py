@@ -40,7 +40,7 @@ def strict(body: dict) -> Response:
 def sse_events(live_server, body: dict) -> list[dict]:
     """The raw event stream: each `event:` line names its data's type; every event parses with the SDK."""
     events = []
-    with httpx.stream("POST", f"{live_server.base_url}/v1/responses", json={**body, "stream": True}, timeout=120) as r:
+    with httpx.stream("POST", f"{live_server.base_url}/v1/responses", json={**body, "stream": True}, timeout=300) as r:
         assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
         name = None
         for line in r.iter_lines():
