@@ -40,6 +40,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(OmegaConf.to_yaml(config), end="")
             return
         _check_model_path(config)
+        _check_response_store(config)
         listener = _listen(config)
     except ConfigError as exc:
         print(f"deltafin: config error: {exc}", file=sys.stderr)
@@ -126,6 +127,14 @@ def _check_model_path(config: DeltafinConfig) -> None:
         resolve_model_path(config.model.path)
     except ModelLoadError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _check_response_store(config: DeltafinConfig) -> None:
+    """A response store that cannot be opened (a foreign or corrupt sqlite file, a missing folder) stops start-up
+    here, never loses stored responses silently later."""
+    from deltafin.serving.responses.store import open_store
+
+    open_store(config.server.responses).close()
 
 
 def _listen(config: DeltafinConfig) -> socket.socket:

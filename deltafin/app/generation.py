@@ -1,5 +1,5 @@
-"""POST /v1/chat/completions and /v1/completions (and their unversioned aliases) as Litestar `@asgi` route
-handlers.
+"""POST /v1/chat/completions, /v1/completions and /v1/responses (and their unversioned aliases) as Litestar
+`@asgi` route handlers.
 
 Litestar routes them (path normalisation, the route template the metrics label by, guards, the exception
 handlers) and hands over the raw ASGI call: no `Request`, no dependency injection, no response object and no
@@ -32,6 +32,7 @@ from deltafin.errors import ClientClosedRequest, InvalidRequestError, MethodNotA
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.completions import CompletionRequest
 from deltafin.protocol.decode import decode_request
+from deltafin.protocol.responses import ResponsesRequest
 from deltafin.serving.context import RequestStats
 from deltafin.serving.sse import StreamingResponse
 
@@ -56,12 +57,17 @@ _CHAT = GenerationRoute(ChatCompletionRequest, "Create a chat completion", "Chat
 _COMPLETION = GenerationRoute(CompletionRequest, "Create a text completion", "Completions",
                               lambda services, request, stats: services.completions.create(request, stats))
 
+_RESPONSE = GenerationRoute(ResponsesRequest, "Create a model response (Responses API)", "Responses",
+                            lambda services, request, stats: services.responses.create(request, stats))
+
 #: path -> route, the versioned path first (both are served and documented)
 GENERATION_ROUTES: dict[str, GenerationRoute] = {
     "/v1/chat/completions": _CHAT,
     "/chat/completions": _CHAT,
     "/v1/completions": _COMPLETION,
     "/completions": _COMPLETION,
+    "/v1/responses": _RESPONSE,
+    "/responses": _RESPONSE,
 }
 
 

@@ -83,6 +83,16 @@ class Quantize(StrEnum):
     int4 = "int4"
 
 
+class ResponseStoreKind(StrEnum):
+    memory = "memory"  # gone at restart
+    sqlite = "sqlite"  # kept in server.responses.path (the standard library's sqlite3, write-ahead log)
+
+
+class UnsupportedTools(StrEnum):
+    drop = "drop"  # left out of the prompt, named in a response header and the log
+    reject = "reject"  # a 400 naming the tool
+
+
 class ChatFormatName(StrEnum):
     template = "template"  # the checkpoint's own Jinja chat template
     xtml = "xtml"  # Kimi K3's XTML, rendered by Deltafin
@@ -241,6 +251,16 @@ class ConnectionsConfig:
 
 
 @dataclass
+class ResponsesConfig:
+    store: ResponseStoreKind = ResponseStoreKind.memory  # where `store: true` responses live (/v1/responses)
+    path: Optional[str] = None  # the sqlite file (store=sqlite); its folder must exist, a foreign file stops start-up
+    max_entries: int = ranged(1000, 0, 1 << 30)  # stored responses kept at most; the oldest leave first (0: none)
+    max_bytes: int = ranged(64 * 1024 * 1024, 0, 1 << 40)  # bytes of stored responses kept at most
+    # hosted tools (web_search, file_search, ...): drop (named in x-deltafin-dropped-tools) | reject (400)
+    unsupported_tools: UnsupportedTools = UnsupportedTools.drop
+
+
+@dataclass
 class ServerConfig:
     host: str = checked(_bindable_host, default="127.0.0.1")  # the address to listen on (0.0.0.0: every interface)
     port: int = ranged(8000, 0, 65535)  # the TCP port to listen on (0: any free port)
@@ -261,6 +281,7 @@ class ServerConfig:
     shutdown_grace_s: float = ranged(10.0, 0, 3600)  # SIGTERM/SIGINT: in-flight generations get this long, then end with an error event
     templates: TemplateConfig = field(default_factory=TemplateConfig)
     connections: ConnectionsConfig = field(default_factory=ConnectionsConfig)
+    responses: ResponsesConfig = field(default_factory=ResponsesConfig)
 
 
 @dataclass

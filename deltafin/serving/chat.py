@@ -13,11 +13,14 @@ from deltafin.prompt.parsers import OutputParser, ParsedDelta
 from deltafin.prompt.sandbox import TemplateBudget, template_budget
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.rules import RuleContext
-from deltafin.serving.constraints import build_constraint, check_tools
+from deltafin.grammar.forced_json import arguments_only
+from deltafin.prompt.parsers.base import random_call_id
+from deltafin.prompt.parsers.forced_json import ForcedJsonCallParser
+from deltafin.serving.constraints import build_constraint, check_tools, forced_without_parser
 from deltafin.serving.context import RequestStats, ServingContext, new_id
 from deltafin.serving.logprobs import chat_logprobs
-from deltafin.serving.ruled import serve_with_rules
-from deltafin.serving.sse import ChunkStream, FollowedChunk, StreamingResponse
+from deltafin.serving.ruled import Frame, serve_with_rules
+from deltafin.serving.sse import ChunkStream, FollowedChunk, StreamingResponse, encode_sse
 
 
 @dataclass
@@ -154,6 +157,9 @@ class ChatService:
         """Tool calls are parsed only when the request declares tools and allows calls."""
         model = self.ctx.config.model
         calls_allowed = bool(request.tools) and request.tool_choice != "none"
+        forced = forced_without_parser(request, model) if calls_allowed else None
+        if forced is not None:  # a family without a tool-call syntax: the call was forced as plain JSON
+            return ForcedJsonCallParser(random_call_id, name=arguments_only(forced))
         return build_output_parser(
             model.family,
             model.variant,
@@ -163,8 +169,11 @@ class ChatService:
             history_calls=sum(len(m.tool_calls or ()) for m in request.messages),
         )
 
-    async def create(self, request: ChatCompletionRequest, stats: RequestStats) -> dict[str, Any] | StreamingResponse:
-        rule_ctx = self.rule_context(request)
+    async def create(self, request: ChatCompletionRequest, stats: RequestStats, *, frame: Frame = encode_sse,
+                     rule_ctx: RuleContext | None = None) -> dict[str, Any] | StreamingResponse:
+        """`frame` turns the streamed chunks into the SSE body (/v1/responses sends its own events); `rule_ctx`
+        is read back by callers that need what serving counted (reasoning tokens)."""
+        rule_ctx = rule_ctx or self.rule_context(request)
 
         async def produce(request: ChatCompletionRequest) -> dict[str, Any] | ChunkStream:
             self.ctx.check_model(request.model)
@@ -182,7 +191,7 @@ class ChatService:
                                    ready=stream.has_events())
             return await self._collect(request, stream, choices, stats, rule_ctx)
 
-        return await serve_with_rules(self.ctx, request, rule_ctx, stats, produce)
+        return await serve_with_rules(self.ctx, request, rule_ctx, stats, produce, frame)
 
     def _finish(self, choice: ChoiceAssembly, event: Finished, stats: RequestStats, rule_ctx: RuleContext) -> ParsedDelta:
         parsed = choice.add(choice.parser.finish(event.reason))

@@ -16,8 +16,9 @@ def main() -> None:
     parser.add_argument("--variant", default=None, help="model.variant of the family (e.g. glm47); default: its first")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--context", type=int, default=None, help="max_position_embeddings (default: 4096)")
     args = parser.parse_args()
-    out = write_tiny_model(args.family, args.out, variant=args.variant, seed=args.seed)
+    out = write_tiny_model(args.family, args.out, variant=args.variant, seed=args.seed, context=args.context)
     print(f"wrote a tiny {args.family} model to {out}")
 
 

@@ -7,8 +7,10 @@ from importlib import resources
 from pathlib import Path
 
 
-def write_tiny_model(family: str, out: Path, *, variant: str | None = None, seed: int = 0) -> Path:
-    """Write config, safetensors weights, tokenizer (with chat template) and generation config to `out`."""
+def write_tiny_model(family: str, out: Path, *, variant: str | None = None, seed: int = 0,
+                     context: int | None = None) -> Path:
+    """Write config, safetensors weights, tokenizer (with chat template) and generation config to `out`.
+    `context`: the model's max_position_embeddings (its context length), e.g. for prompts as long as an agent's."""
     import torch
 
     from deltafin.families import get_family
@@ -29,6 +31,8 @@ def write_tiny_model(family: str, out: Path, *, variant: str | None = None, seed
         text = resources.files("deltafin.tiny").joinpath("templates", recipe.template).read_text()
         tokenizer.chat_template = recipe.template_prefix + text
     model = ARCHITECTURES[recipe.model](len(tokenizer))
+    if context is not None:  # rotary positions: a longer context is only this number
+        model.config.max_position_embeddings = context
     stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in recipe.stop_tokens]
     model.config.eos_token_id = stop_ids
     model.generation_config.eos_token_id = stop_ids
