@@ -32,6 +32,7 @@ class ModelConfig:
     trust_remote_code: bool = False
     dtype: str = "auto"
     cache_dir: Optional[str] = None
+    gguf_weights: str = "native"  # GGUF: native = serve the file's own blocks; dequantize = float32 copy
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 

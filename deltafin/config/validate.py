@@ -44,6 +44,7 @@ _RANGES: dict[str, tuple[float, float]] = {
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.chat_format": ("template", "xtml"),
     "model.content_format": ("string", "openai"),
+    "model.gguf_weights": ("native", "dequantize"),
     "server.log_level": ("debug", "info", "warning", "error"),
     "engine.api": ("auto", "generate", "completions"),
 }
