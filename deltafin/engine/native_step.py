@@ -89,7 +89,7 @@ class NativeLlamaStep:
                             rows, width, capacity, self._cos.data_ptr(), self._sin.data_ptr(), logits.data_ptr(),
                             torch.get_num_threads())
         if failed:
-            raise MemoryError("the native decode step could not allocate its work buffers")
+            raise MemoryError(f"the native decode step failed ({failed}): out of memory for its work buffers")
         return logits
 
     def _ensure_rotary(self, positions: int) -> None:
@@ -136,6 +136,8 @@ def native_llama_step(model: Any) -> NativeLlamaStep | None:
     """The native step for a model whose projections are all GGML blocks without biases, else None."""
     if ggml() is None or getattr(model.config, "model_type", None) != "llama":
         return None
+    if model.model.layers[0].self_attn.head_dim % 32 or getattr(model.config, "hidden_act", "silu") != "silu":
+        return None  # attention outputs are quantized head by head, in blocks of 32
     inner = model.model
     if not isinstance(inner.embed_tokens, GGMLEmbedding) or not isinstance(model.lm_head, GGMLLinear):
         return None

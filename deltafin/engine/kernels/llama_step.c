@@ -48,9 +48,10 @@ static void rotate(float *v, int64_t dim, const float *cos, const float *sin) {
     }
 }
 
-/* Rows n of several matrices run as one parallel loop (one barrier): n in [0, sum of their rows). */
-static void matrices_for(const qmatrix *const *mats, float *const *outs, const int64_t *ldo, int count,
-                         const qrows *x, int64_t m_rows) {
+/* Rows n of several matrices run as one parallel loop (one barrier): n in [0, sum of their rows).
+   With `residual`, each output is also added to residual[m * ldo + n] by the thread that computed it. */
+static void matrices_for(const qmatrix *const *mats, float *const *outs, int64_t ldo, int count, const qrows *x,
+                         int64_t m_rows, float *residual) {
     int64_t total = 0;
     for (int i = 0; i < count; i++) total += mats[i]->rows;
     #pragma omp for schedule(static)
@@ -58,29 +59,40 @@ static void matrices_for(const qmatrix *const *mats, float *const *outs, const i
         int64_t r = n;
         int i = 0;
         while (r >= mats[i]->rows) r -= mats[i++]->rows;
-        matrix_rows(mats[i], r, r + 1, x, m_rows, outs[i], ldo[i]);
+        matrix_rows(mats[i], r, r + 1, x, m_rows, outs[i], ldo);
+        if (residual)
+            for (int64_t m = 0; m < m_rows; m++) residual[m * ldo + r] += outs[i][m * ldo + r];
     }
 }
 
+static inline void quantize_block(const float *v, qrows *q, int64_t row, int64_t k, int64_t block) {
+    quantize_row(v, QK, q->q + row * k + block * QK, q->d + row * (k / QK) + block, q->s + row * (k / QK) + block);
+}
+
 /* tokens, positions: [B]; mask: [B, width] (0 = padding); cos, sin: [positions, head_dim / 2];
-   logits: [B, vocab]. Returns 0, or -1 when out of memory. */
+   logits: [B, vocab]. Returns 0, or -1 when out of memory.
+
+   Seven barriers a layer: norm | q,k,v | rotary + cache write + attention + quantize, per (row, kv head) |
+   o (+ residual) | norm | gate and up by blocks of 32 columns, SiLU-gate and quantize | down (+ residual). */
 int deltafin_llama_step(const llama_model *model, const int64_t *tokens, const int64_t *positions,
                         const int64_t *mask, int64_t rows, int64_t width, int64_t capacity,
                         const float *cos, const float *sin, float *logits, int threads) {
     const int64_t H = model->hidden, D = model->head_dim, Hq = model->heads, Hk = model->kv_heads;
-    const int64_t I = model->intermediate, group = Hq / Hk, half = D / 2, col = width - 1;
+    const int64_t I = model->intermediate, group = Hq / Hk, half = D / 2, col = width - 1, A = Hq * D;
     const int64_t qkv_width = (Hq + 2 * Hk) * D;
-    const int64_t widest = I > H ? (I > Hq * D ? I : Hq * D) : (H > Hq * D ? H : Hq * D);
+    const int64_t widest = I > H ? (I > A ? I : A) : (H > A ? H : A);
+    if (H % QK || I % QK || D % QK) return -2;
     float *x = malloc(sizeof(float) * rows * H);
     float *h = malloc(sizeof(float) * rows * widest);
     float *qkv = malloc(sizeof(float) * rows * qkv_width);
-    float *attended = malloc(sizeof(float) * rows * Hq * D);
+    float *attended = malloc(sizeof(float) * rows * A);
     float *gate_up = malloc(sizeof(float) * rows * 2 * I);
     float *scores = malloc(sizeof(float) * rows * Hq * width);
-    qrows q;
-    const int ok = qrows_alloc(&q, rows, widest) && x && h && qkv && attended && gate_up && scores;
+    qrows q, gated;  /* a layer's quantized inputs; the gated MLP activations (written while q is read) */
+    const int ok = qrows_alloc(&q, rows, widest) & qrows_alloc(&gated, rows, I) && x && h && qkv && attended
+                   && gate_up && scores;
     if (!ok) {
-        free(x); free(h); free(qkv); free(attended); free(gate_up); free(scores); qrows_free(&q);
+        free(x); free(h); free(qkv); free(attended); free(gate_up); free(scores); qrows_free(&q); qrows_free(&gated);
         return -1;
     }
     #pragma omp parallel num_threads(threads)
@@ -98,92 +110,84 @@ int deltafin_llama_step(const llama_model *model, const int64_t *tokens, const i
             }
             {
                 const qmatrix *mats[3] = {&L->q, &L->k, &L->v};
-                float *outs[3] = {qkv, qkv + Hq * D, qkv + (Hq + Hk) * D};
-                const int64_t ldo[3] = {qkv_width, qkv_width, qkv_width};
-                matrices_for(mats, outs, ldo, 3, &q, rows);
+                float *outs[3] = {qkv, qkv + A, qkv + A + Hk * D};
+                matrices_for(mats, outs, qkv_width, 3, &q, rows, NULL);
             }
-            /* rotary on q and k, then the new key and value into the cache at column `col` */
+            /* per (row, kv head): its key and value into the cache, then its query heads' attention */
             #pragma omp for schedule(static)
-            for (int64_t b = 0; b < rows; b++) {
+            for (int64_t task = 0; task < rows * Hk; task++) {
+                const int64_t b = task / Hk, g = task % Hk;
                 float *row = qkv + b * qkv_width;
                 const float *c = cos + positions[b] * half, *s = sin + positions[b] * half;
-                for (int64_t head = 0; head < Hq + Hk; head++) rotate(row + head * D, D, c, s);
-                for (int64_t g = 0; g < Hk; g++) {
-                    const int64_t at = ((b * Hk + g) * capacity + col) * D;
-                    memcpy(L->keys + at, row + (Hq + g) * D, sizeof(float) * D);
-                    memcpy(L->values + at, row + (Hq + Hk + g) * D, sizeof(float) * D);
-                }
-            }
-            #pragma omp for schedule(static)
-            for (int64_t task = 0; task < rows * Hq; task++) {
-                const int64_t b = task / Hq, head = task % Hq, g = head / group;
-                const float *query = qkv + b * qkv_width + head * D;
+                const int64_t at = ((b * Hk + g) * capacity + col) * D;
+                rotate(row + A + g * D, D, c, s);
+                memcpy(L->keys + at, row + A + g * D, sizeof(float) * D);
+                memcpy(L->values + at, row + A + (Hk + g) * D, sizeof(float) * D);
                 const float *keys = L->keys + (b * Hk + g) * capacity * D;
                 const float *values = L->values + (b * Hk + g) * capacity * D;
                 const int64_t *visible = mask + b * width;
-                float *p = scores + task * width;
-                float top = -INFINITY;
-                for (int64_t t = 0; t < width; t++) {
-                    if (!visible[t]) continue;
-                    float dot = 0.0f;
-                    for (int64_t i = 0; i < D; i++) dot += query[i] * keys[t * D + i];
-                    p[t] = dot * model->scale;
-                    top = p[t] > top ? p[t] : top;
-                }
-                float total = 0.0f;
-                for (int64_t t = 0; t < width; t++) {
-                    if (!visible[t]) continue;
-                    p[t] = expf(p[t] - top);
-                    total += p[t];
-                }
-                float *out = attended + b * Hq * D + head * D;
-                for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
-                for (int64_t t = 0; t < width; t++) {
-                    if (!visible[t]) continue;
-                    const float weight = p[t] / total;
-                    for (int64_t i = 0; i < D; i++) out[i] += weight * values[t * D + i];
+                for (int64_t head = g * group; head < (g + 1) * group; head++) {
+                    float *query = row + head * D;
+                    rotate(query, D, c, s);
+                    float *p = scores + (b * Hq + head) * width;
+                    float top = -INFINITY;
+                    for (int64_t t = 0; t < width; t++) {
+                        if (!visible[t]) continue;
+                        float dot = 0.0f;
+                        for (int64_t i = 0; i < D; i++) dot += query[i] * keys[t * D + i];
+                        p[t] = dot * model->scale;
+                        top = p[t] > top ? p[t] : top;
+                    }
+                    float total = 0.0f;
+                    for (int64_t t = 0; t < width; t++) {
+                        if (!visible[t]) continue;
+                        p[t] = expf(p[t] - top);
+                        total += p[t];
+                    }
+                    float *out = attended + b * A + head * D;
+                    for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
+                    for (int64_t t = 0; t < width; t++) {
+                        if (!visible[t]) continue;
+                        const float weight = p[t] / total;
+                        for (int64_t i = 0; i < D; i++) out[i] += weight * values[t * D + i];
+                    }
+                    for (int64_t blk = 0; blk < D / QK; blk++)
+                        quantize_block(out + blk * QK, &q, b, A, head * (D / QK) + blk);
                 }
             }
-            #pragma omp for schedule(static)
-            for (int64_t b = 0; b < rows; b++)
-                quantize_row(attended + b * Hq * D, Hq * D, q.q + b * Hq * D, q.d + b * (Hq * D / QK),
-                             q.s + b * (Hq * D / QK));
             {
                 const qmatrix *mats[1] = {&L->o};
                 float *outs[1] = {h};
-                const int64_t ldo[1] = {H};
-                matrices_for(mats, outs, ldo, 1, &q, rows);
+                matrices_for(mats, outs, H, 1, &q, rows, x);
             }
             #pragma omp for schedule(static)
             for (int64_t b = 0; b < rows; b++) {
-                for (int64_t i = 0; i < H; i++) x[b * H + i] += h[b * H + i];
                 rms_norm(x + b * H, L->ffn_norm, H, model->eps, h + b * H);
                 quantize_row(h + b * H, H, q.q + b * H, q.d + b * (H / QK), q.s + b * (H / QK));
             }
-            {
-                const qmatrix *mats[2] = {&L->gate, &L->up};
-                float *outs[2] = {gate_up, gate_up + I};
-                const int64_t ldo[2] = {2 * I, 2 * I};
-                matrices_for(mats, outs, ldo, 2, &q, rows);
-            }
+            /* gate and up by blocks of 32 columns: the thread that computed a block gates and quantizes it */
             #pragma omp for schedule(static)
-            for (int64_t b = 0; b < rows; b++) {
-                float *gu = gate_up + b * 2 * I;
-                for (int64_t i = 0; i < I; i++) {
-                    const float g = gu[i];
-                    h[b * I + i] = (g / (1.0f + expf(-g))) * gu[I + i];
+            for (int64_t blk = 0; blk < I / QK; blk++) {
+                const int64_t i0 = blk * QK;
+                for (int64_t r = i0; r < i0 + QK; r++) {
+                    matrix_rows(&L->gate, r, r + 1, &q, rows, gate_up, 2 * I);
+                    matrix_rows(&L->up, r, r + 1, &q, rows, gate_up + I, 2 * I);
                 }
-                quantize_row(h + b * I, I, q.q + b * I, q.d + b * (I / QK), q.s + b * (I / QK));
+                for (int64_t b = 0; b < rows; b++) {
+                    const float *gu = gate_up + b * 2 * I;
+                    float act[QK];
+                    for (int64_t i = 0; i < QK; i++) {
+                        const float g = gu[i0 + i];
+                        act[i] = (g / (1.0f + expf(-g))) * gu[I + i0 + i];
+                    }
+                    quantize_block(act, &gated, b, I, blk);
+                }
             }
             {
                 const qmatrix *mats[1] = {&L->down};
-                float *outs[1] = {gate_up};  /* free again: [B, H] with stride H */
-                const int64_t ldo[1] = {H};
-                matrices_for(mats, outs, ldo, 1, &q, rows);
+                float *outs[1] = {h};
+                matrices_for(mats, outs, H, 1, &gated, rows, x);
             }
-            #pragma omp for schedule(static)
-            for (int64_t b = 0; b < rows; b++)
-                for (int64_t i = 0; i < H; i++) x[b * H + i] += gate_up[b * H + i];
         }
         #pragma omp for schedule(static)
         for (int64_t b = 0; b < rows; b++) {
@@ -193,10 +197,9 @@ int deltafin_llama_step(const llama_model *model, const int64_t *tokens, const i
         {
             const qmatrix *mats[1] = {&model->head};
             float *outs[1] = {logits};
-            const int64_t ldo[1] = {model->vocab};
-            matrices_for(mats, outs, ldo, 1, &q, rows);
+            matrices_for(mats, outs, model->vocab, 1, &q, rows, NULL);
         }
     }
-    free(x); free(h); free(qkv); free(attended); free(gate_up); free(scores); qrows_free(&q);
+    free(x); free(h); free(qkv); free(attended); free(gate_up); free(scores); qrows_free(&q); qrows_free(&gated);
     return 0;
 }
