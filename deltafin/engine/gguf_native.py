@@ -124,6 +124,7 @@ def load_native(gguf: Path, folder: Path) -> Any:
     """transformers' model class for `folder`'s config, with every weight taken from `gguf` in its own form."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
+    from deltafin.engine.native_step import install_native_forward, native_llama_step
     from deltafin.engine.qlinear import GGMLEmbedding, GGMLLinear
 
     config = AutoConfig.from_pretrained(folder)
@@ -156,5 +157,8 @@ def load_native(gguf: Path, folder: Path) -> Any:
     if left:
         raise RuntimeError(f"GGUF file {gguf.name} left weights unset: {', '.join(left[:5])}")
     model.eval()
+    step = native_llama_step(model)
+    if step is not None:  # prefill windows through the same C code as the decode step
+        install_native_forward(model, step)
     log.info("gguf_native_loaded", gguf=str(gguf), bytes=sum(t.numel() for t in model.buffers()))
     return model

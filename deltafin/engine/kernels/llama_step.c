@@ -1,16 +1,25 @@
-/* One decode step of a Llama-architecture decoder over GGUF block-quantized weights, all layers in one call.
+/* A forward pass of a Llama-architecture decoder over GGUF block-quantized weights, all layers in one call:
+   a decode step of a batch (one token per row) or a prefill window (several tokens of one row).
 
    Why in C: at one token per row a 135M model's matmuls take a few milliseconds, and the per-layer Python of
-   the fused torch step (a dozen operators and frames per layer, 30 layers) cost as much again. Here a step is
-   one call: embedding lookup, per layer RMSNorm, q/k/v, rotary, the KV append, attention, the output
+   the fused torch step (a dozen operators and frames per layer, 30 layers) cost as much again. Here a forward
+   is one call: embedding lookup, per layer RMSNorm, q/k/v, rotary, the KV write, attention, the output
    projection, RMSNorm, gate/up, SiLU-gate, down, then the final norm and the LM head.
 
+   Each token t has its own position, KV cache row `kv_row[t]` and column `kv_col[t]` (where its key and value
+   are written). A decode step passes the batch's attention mask [rows, width] (0 = left padding): token t sees
+   the columns its row's mask shows. A prefill window passes no mask: token t sees columns 0 .. kv_col[t].
+
    The KV cache stays transformers' (deltafin/engine/native_step.py hands in the buffers of each layer's
-   `DynamicCache` tensors): keys stored rotated, [rows, kv heads, capacity, head dim], the new position written
-   at column `width - 1`, left-padded rows hidden by the attention mask. A row's result never depends on the
-   other rows: every matmul output is one dot product in one order (ggml_quants.c) and attention is per row.
-   Built into the same library as ggml_quants.c (one translation unit per variant). */
+   `DynamicCache` tensors): keys stored rotated, [rows, kv heads, capacity, head dim].
+
+   A token's result depends only on its own inputs and the cache columns it sees, never on the other tokens
+   of the call: every matmul output is one dot product in one order (ggml_quants.c), activations are quantized
+   per token, and attention runs per token over its visible columns in column order. So a row gets the same
+   bits alone or in a batch, and a prompt the same bits whether it is prefilled at once, in windows, or after a
+   prefix taken from the prefix cache. Built into the same library as ggml_quants.c (one translation unit). */
 #include <math.h>
+#include <omp.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -20,7 +29,6 @@
 typedef struct {
     const float *attn_norm, *ffn_norm;
     qmatrix q, k, v, o, gate, up, down;
-    float *keys, *values; /* [rows, kv heads, capacity, head dim] */
 } llama_layer;
 
 typedef struct {
@@ -69,135 +77,168 @@ static inline void quantize_block(const float *v, qrows *q, int64_t row, int64_t
     quantize_row(v, QK, q->q + row * k + block * QK, q->d + row * (k / QK) + block, q->s + row * (k / QK) + block);
 }
 
-/* tokens, positions: [B]; mask: [B, width] (0 = padding); cos, sin: [positions, head_dim / 2];
-   logits: [B, vocab]. Returns 0, or -1 when out of memory.
+typedef struct {
+    const int64_t *positions, *kv_row, *kv_col, *mask;
+    int64_t width, capacity, qkv_width;
+    float *const *keys, *const *values;
+    const float *cos, *sin;
+} attention_args;
 
-   Seven barriers a layer: norm | q,k,v | rotary + cache write + attention + quantize, per (row, kv head) |
+/* Token t's rotated key and its value into the cache of kv head g. */
+static void write_kv(const llama_model *model, const attention_args *a, int64_t l, float *qkv, int64_t t, int64_t g) {
+    const int64_t D = model->head_dim, A = model->heads * D, Hk = model->kv_heads, half = D / 2;
+    float *row = qkv + t * a->qkv_width;
+    const int64_t at = ((a->kv_row[t] * Hk + g) * a->capacity + a->kv_col[t]) * D;
+    rotate(row + A + g * D, D, a->cos + a->positions[t] * half, a->sin + a->positions[t] * half);
+    memcpy(a->keys[l] + at, row + A + g * D, sizeof(float) * D);
+    memcpy(a->values[l] + at, row + A + (Hk + g) * D, sizeof(float) * D);
+}
+
+/* Attention of token t's query heads of kv group g over the columns it sees; outputs quantized per block. */
+static void attend(const llama_model *model, const attention_args *a, int64_t l, float *qkv, float *attended,
+                   qrows *q, float *scores, int64_t t, int64_t g) {
+    const int64_t D = model->head_dim, Hq = model->heads, Hk = model->kv_heads, A = Hq * D, half = D / 2;
+    const int64_t group = Hq / Hk;
+    const int64_t *visible = a->mask ? a->mask + a->kv_row[t] * a->width : NULL;
+    const int64_t columns = a->mask ? a->width : a->kv_col[t] + 1;
+    const float *keys = a->keys[l] + (a->kv_row[t] * Hk + g) * a->capacity * D;
+    const float *values = a->values[l] + (a->kv_row[t] * Hk + g) * a->capacity * D;
+    for (int64_t head = g * group; head < (g + 1) * group; head++) {
+        float *query = qkv + t * a->qkv_width + head * D;
+        rotate(query, D, a->cos + a->positions[t] * half, a->sin + a->positions[t] * half);
+        float top = -INFINITY;
+        for (int64_t c = 0; c < columns; c++) {
+            if (visible && !visible[c]) continue;
+            float dot = 0.0f;
+            for (int64_t i = 0; i < D; i++) dot += query[i] * keys[c * D + i];
+            scores[c] = dot * model->scale;
+            top = scores[c] > top ? scores[c] : top;
+        }
+        float total = 0.0f;
+        for (int64_t c = 0; c < columns; c++) {
+            if (visible && !visible[c]) continue;
+            scores[c] = expf(scores[c] - top);
+            total += scores[c];
+        }
+        float *out = attended + t * A + head * D;
+        for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
+        for (int64_t c = 0; c < columns; c++) {
+            if (visible && !visible[c]) continue;
+            const float weight = scores[c] / total;
+            for (int64_t i = 0; i < D; i++) out[i] += weight * values[c * D + i];
+        }
+        for (int64_t blk = 0; blk < D / QK; blk++) quantize_block(out + blk * QK, q, t, A, head * (D / QK) + blk);
+    }
+}
+
+/* tokens, positions, kv_row, kv_col: [T]; mask: [rows, width] or NULL (see above); keys, values: per layer,
+   [rows, kv heads, capacity, head dim]; cos, sin: [positions, head_dim / 2]; logits: [T - first_logit, vocab]
+   for tokens first_logit .. T-1. Returns 0; -1 when out of memory, -2 for widths not in blocks of 32.
+
+   Seven barriers a layer (eight for a prefill window, whose keys must all be written before any token
+   attends): norm | q,k,v | rotary + cache write + attention + quantize, per (token, kv head) |
    o (+ residual) | norm | gate and up by blocks of 32 columns, SiLU-gate and quantize | down (+ residual). */
-int deltafin_llama_step(const llama_model *model, const int64_t *tokens, const int64_t *positions,
-                        const int64_t *mask, int64_t rows, int64_t width, int64_t capacity,
-                        const float *cos, const float *sin, float *logits, int threads) {
+int deltafin_llama_forward(const llama_model *model, const int64_t *tokens, const int64_t *positions,
+                           const int64_t *kv_row, const int64_t *kv_col, const int64_t *mask, int64_t count,
+                           int64_t width, int64_t capacity, float *const *keys, float *const *values,
+                           const float *cos, const float *sin, float *logits, int64_t first_logit, int threads) {
     const int64_t H = model->hidden, D = model->head_dim, Hq = model->heads, Hk = model->kv_heads;
-    const int64_t I = model->intermediate, group = Hq / Hk, half = D / 2, col = width - 1, A = Hq * D;
+    const int64_t I = model->intermediate, A = Hq * D, T = count;
     const int64_t qkv_width = (Hq + 2 * Hk) * D;
     const int64_t widest = I > H ? (I > A ? I : A) : (H > A ? H : A);
+    int64_t columns = width;
+    for (int64_t t = 0; !mask && t < T; t++) columns = kv_col[t] + 1 > columns ? kv_col[t] + 1 : columns;
     if (H % QK || I % QK || D % QK) return -2;
-    float *x = malloc(sizeof(float) * rows * H);
-    float *h = malloc(sizeof(float) * rows * widest);
-    float *qkv = malloc(sizeof(float) * rows * qkv_width);
-    float *attended = malloc(sizeof(float) * rows * A);
-    float *gate_up = malloc(sizeof(float) * rows * 2 * I);
-    float *scores = malloc(sizeof(float) * rows * Hq * width);
+    float *x = malloc(sizeof(float) * T * H);
+    float *h = malloc(sizeof(float) * T * widest);
+    float *qkv = malloc(sizeof(float) * T * qkv_width);
+    float *attended = malloc(sizeof(float) * T * A);
+    float *gate_up = malloc(sizeof(float) * T * 2 * I);
+    float *scores = malloc(sizeof(float) * threads * columns);
     qrows q, gated;  /* a layer's quantized inputs; the gated MLP activations (written while q is read) */
-    const int ok = qrows_alloc(&q, rows, widest) & qrows_alloc(&gated, rows, I) && x && h && qkv && attended
-                   && gate_up && scores;
+    const int ok = qrows_alloc(&q, T, widest) & qrows_alloc(&gated, T, I) && x && h && qkv && attended && gate_up
+                   && scores;
     if (!ok) {
         free(x); free(h); free(qkv); free(attended); free(gate_up); free(scores); qrows_free(&q); qrows_free(&gated);
         return -1;
     }
+    const attention_args args = {positions, kv_row, kv_col, mask, width, capacity, qkv_width, keys, values, cos, sin};
     #pragma omp parallel num_threads(threads)
     {
+        float *own_scores = scores + omp_get_thread_num() * columns;
         #pragma omp for schedule(static)
-        for (int64_t b = 0; b < rows; b++)
+        for (int64_t t = 0; t < T; t++)
             deltafin_ggml_dequantize(model->embed.data, (int)model->embed.type, H, model->embed.row_bytes,
-                                     tokens + b, 1, x + b * H);
+                                     tokens + t, 1, x + t * H);
         for (int64_t l = 0; l < model->layers; l++) {
             const llama_layer *L = model->layer + l;
             #pragma omp for schedule(static)
-            for (int64_t b = 0; b < rows; b++) {
-                rms_norm(x + b * H, L->attn_norm, H, model->eps, h + b * H);
-                quantize_row(h + b * H, H, q.q + b * H, q.d + b * (H / QK), q.s + b * (H / QK));
+            for (int64_t t = 0; t < T; t++) {
+                rms_norm(x + t * H, L->attn_norm, H, model->eps, h + t * H);
+                quantize_row(h + t * H, H, q.q + t * H, q.d + t * (H / QK), q.s + t * (H / QK));
             }
             {
                 const qmatrix *mats[3] = {&L->q, &L->k, &L->v};
                 float *outs[3] = {qkv, qkv + A, qkv + A + Hk * D};
-                matrices_for(mats, outs, qkv_width, 3, &q, rows, NULL);
+                matrices_for(mats, outs, qkv_width, 3, &q, T, NULL);
             }
-            /* per (row, kv head): its key and value into the cache, then its query heads' attention */
-            #pragma omp for schedule(static)
-            for (int64_t task = 0; task < rows * Hk; task++) {
-                const int64_t b = task / Hk, g = task % Hk;
-                float *row = qkv + b * qkv_width;
-                const float *c = cos + positions[b] * half, *s = sin + positions[b] * half;
-                const int64_t at = ((b * Hk + g) * capacity + col) * D;
-                rotate(row + A + g * D, D, c, s);
-                memcpy(L->keys + at, row + A + g * D, sizeof(float) * D);
-                memcpy(L->values + at, row + A + (Hk + g) * D, sizeof(float) * D);
-                const float *keys = L->keys + (b * Hk + g) * capacity * D;
-                const float *values = L->values + (b * Hk + g) * capacity * D;
-                const int64_t *visible = mask + b * width;
-                for (int64_t head = g * group; head < (g + 1) * group; head++) {
-                    float *query = row + head * D;
-                    rotate(query, D, c, s);
-                    float *p = scores + (b * Hq + head) * width;
-                    float top = -INFINITY;
-                    for (int64_t t = 0; t < width; t++) {
-                        if (!visible[t]) continue;
-                        float dot = 0.0f;
-                        for (int64_t i = 0; i < D; i++) dot += query[i] * keys[t * D + i];
-                        p[t] = dot * model->scale;
-                        top = p[t] > top ? p[t] : top;
-                    }
-                    float total = 0.0f;
-                    for (int64_t t = 0; t < width; t++) {
-                        if (!visible[t]) continue;
-                        p[t] = expf(p[t] - top);
-                        total += p[t];
-                    }
-                    float *out = attended + b * A + head * D;
-                    for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
-                    for (int64_t t = 0; t < width; t++) {
-                        if (!visible[t]) continue;
-                        const float weight = p[t] / total;
-                        for (int64_t i = 0; i < D; i++) out[i] += weight * values[t * D + i];
-                    }
-                    for (int64_t blk = 0; blk < D / QK; blk++)
-                        quantize_block(out + blk * QK, &q, b, A, head * (D / QK) + blk);
+            if (mask) {  /* a decode step: each token sees only its own row's columns, its own key included */
+                #pragma omp for schedule(static)
+                for (int64_t task = 0; task < T * Hk; task++) {
+                    write_kv(model, &args, l, qkv, task / Hk, task % Hk);
+                    attend(model, &args, l, qkv, attended, &q, own_scores, task / Hk, task % Hk);
                 }
+            } else {
+                #pragma omp for schedule(static)
+                for (int64_t task = 0; task < T * Hk; task++) write_kv(model, &args, l, qkv, task / Hk, task % Hk);
+                #pragma omp for schedule(static)
+                for (int64_t task = 0; task < T * Hk; task++)
+                    attend(model, &args, l, qkv, attended, &q, own_scores, task / Hk, task % Hk);
             }
             {
                 const qmatrix *mats[1] = {&L->o};
                 float *outs[1] = {h};
-                matrices_for(mats, outs, H, 1, &q, rows, x);
+                matrices_for(mats, outs, H, 1, &q, T, x);
             }
             #pragma omp for schedule(static)
-            for (int64_t b = 0; b < rows; b++) {
-                rms_norm(x + b * H, L->ffn_norm, H, model->eps, h + b * H);
-                quantize_row(h + b * H, H, q.q + b * H, q.d + b * (H / QK), q.s + b * (H / QK));
+            for (int64_t t = 0; t < T; t++) {
+                rms_norm(x + t * H, L->ffn_norm, H, model->eps, h + t * H);
+                quantize_row(h + t * H, H, q.q + t * H, q.d + t * (H / QK), q.s + t * (H / QK));
             }
             /* gate and up by blocks of 32 columns: the thread that computed a block gates and quantizes it */
             #pragma omp for schedule(static)
             for (int64_t blk = 0; blk < I / QK; blk++) {
                 const int64_t i0 = blk * QK;
                 for (int64_t r = i0; r < i0 + QK; r++) {
-                    matrix_rows(&L->gate, r, r + 1, &q, rows, gate_up, 2 * I);
-                    matrix_rows(&L->up, r, r + 1, &q, rows, gate_up + I, 2 * I);
+                    matrix_rows(&L->gate, r, r + 1, &q, T, gate_up, 2 * I);
+                    matrix_rows(&L->up, r, r + 1, &q, T, gate_up + I, 2 * I);
                 }
-                for (int64_t b = 0; b < rows; b++) {
-                    const float *gu = gate_up + b * 2 * I;
+                for (int64_t t = 0; t < T; t++) {
+                    const float *gu = gate_up + t * 2 * I;
                     float act[QK];
                     for (int64_t i = 0; i < QK; i++) {
                         const float g = gu[i0 + i];
                         act[i] = (g / (1.0f + expf(-g))) * gu[I + i0 + i];
                     }
-                    quantize_block(act, &gated, b, I, blk);
+                    quantize_block(act, &gated, t, I, blk);
                 }
             }
             {
                 const qmatrix *mats[1] = {&L->down};
                 float *outs[1] = {h};
-                matrices_for(mats, outs, H, 1, &gated, rows, x);
+                matrices_for(mats, outs, H, 1, &gated, T, x);
             }
         }
         #pragma omp for schedule(static)
-        for (int64_t b = 0; b < rows; b++) {
-            rms_norm(x + b * H, model->norm, H, model->eps, h + b * H);
-            quantize_row(h + b * H, H, q.q + b * H, q.d + b * (H / QK), q.s + b * (H / QK));
+        for (int64_t t = first_logit; t < T; t++) {
+            rms_norm(x + t * H, model->norm, H, model->eps, h + t * H);
+            quantize_row(h + t * H, H, q.q + t * H, q.d + t * (H / QK), q.s + t * (H / QK));
         }
         {
+            const qrows wanted = {q.q + first_logit * H, q.d + first_logit * (H / QK), q.s + first_logit * (H / QK), H};
             const qmatrix *mats[1] = {&model->head};
             float *outs[1] = {logits};
-            matrices_for(mats, outs, model->vocab, 1, &q, rows, NULL);
+            matrices_for(mats, outs, model->vocab, 1, &wanted, T - first_logit, NULL);
         }
     }
     free(x); free(h); free(qkv); free(attended); free(gate_up); free(scores); qrows_free(&q); qrows_free(&gated);
