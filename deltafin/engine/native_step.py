@@ -3,7 +3,7 @@
 
 `NativeLlamaStep` is callable like `generator.decode_step`: (model, tokens [B, 1], mask [B, L+1], positions
 [B, 1], cache) -> logits [B, V]. `install_native_forward` makes the model's own forward run prefill windows
-(one row, a `DynamicCache`, no padding) through the same C code, so `generator.prefill`, chunked prefill and
+(one row, a `DynamicCache` or none, no padding) through the same C code, so `generator.prefill`, chunked prefill and
 the prefix cache need nothing special, and a prompt's bits do not depend on how it was windowed or how much
 of it came from the prefix cache. Any other call (padded batches, `generate`, no cache) keeps transformers'
 module tree, whose projections run the same GGML kernels.
@@ -24,6 +24,7 @@ import weakref
 from typing import Any
 
 import torch
+from transformers import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from deltafin.engine.kernels import ggml
@@ -180,13 +181,13 @@ def _native_window(input_ids, attention_mask, position_ids, cache, kwargs) -> bo
     attention layers, no padding, positions following the cache."""
     if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
         return False
-    if cache is None or not all(type(layer).__name__ == "DynamicLayer" for layer in getattr(cache, "layers", [None])):
+    if cache is not None and not all(type(layer).__name__ == "DynamicLayer" for layer in getattr(cache, "layers", [None])):
         return False
     if kwargs.get("inputs_embeds") is not None or kwargs.get("labels") is not None:
         return False
     if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
         return False
-    length = cache.get_seq_length()
+    length = cache.get_seq_length() if cache is not None else 0
     if attention_mask is not None and (attention_mask.shape[-1] != length + input_ids.shape[1] or not bool(attention_mask.all())):
         return False
     if position_ids is not None and not torch.equal(
@@ -206,8 +207,9 @@ def install_native_forward(model: Any, step: NativeLlamaStep) -> None:
             return original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                             cache=cache, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
         keep = logits_to_keep if isinstance(logits_to_keep, int) else 0
-        logits = step.prefill(input_ids[0], cache, keep)
-        return CausalLMOutputWithPast(logits=logits.unsqueeze(0), cache=cache)
+        own = cache if cache is not None else DynamicCache(config=self.config)  # a whole-prompt call: same bits
+        logits = step.prefill(input_ids[0], own, keep)
+        return CausalLMOutputWithPast(logits=logits.unsqueeze(0), cache=own if cache is not None or use_cache else None)
 
     model.forward = types.MethodType(forward, model)
     model.__dict__["_deltafin_native_step"] = step
