@@ -20,11 +20,43 @@
    prefix taken from the prefix cache. Built into the same library as ggml_quants.c (one translation unit). */
 #include <math.h>
 #include <omp.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
 #include "ggml_quants.c"
+
+/* The barrier between phases. OpenMP's own barrier spins for a long while (libgomp: ~300k iterations by
+   default) before it sleeps; on a 2-core machine where the event loop, the tokenizer or another process takes
+   a core, the spinning thread holds the very core its preempted teammate needs, and a step of ~200 barriers
+   went from ~20 ms to ~500 ms (measured under load). This one spins briefly, then yields the core. */
+typedef struct {
+    atomic_int arrived;
+    atomic_int phase;
+    int threads;
+} team_barrier;
+
+static inline void relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+}
+
+static void team_wait(team_barrier *b, int *phase) {
+    const int next = *phase + 1;
+    *phase = next;
+    if (atomic_fetch_add_explicit(&b->arrived, 1, memory_order_acq_rel) == b->threads - 1) {
+        atomic_store_explicit(&b->arrived, 0, memory_order_relaxed);
+        atomic_store_explicit(&b->phase, next, memory_order_release);
+        return;
+    }
+    for (int spins = 0; atomic_load_explicit(&b->phase, memory_order_acquire) != next; spins++) {
+        if (spins < 64) relax();
+        else sched_yield();
+    }
+}
 
 typedef struct {
     const float *attn_norm, *ffn_norm;
@@ -62,7 +94,7 @@ static void matrices_for(const qmatrix *const *mats, float *const *outs, int64_t
                          int64_t m_rows, float *residual) {
     int64_t total = 0;
     for (int i = 0; i < count; i++) total += mats[i]->rows;
-    #pragma omp for schedule(static)
+    #pragma omp for schedule(static) nowait
     for (int64_t n = 0; n < total; n++) {
         int64_t r = n;
         int i = 0;
@@ -163,50 +195,62 @@ int deltafin_llama_forward(const llama_model *model, const int64_t *tokens, cons
         return -1;
     }
     const attention_args args = {positions, kv_row, kv_col, mask, width, capacity, qkv_width, keys, values, cos, sin};
+    team_barrier bar = {0, 0, threads};
     #pragma omp parallel num_threads(threads)
     {
+        #pragma omp single
+        bar.threads = omp_get_num_threads();  /* the team may be smaller than asked; single's barrier publishes it */
+        int phase = 0;
+#define SYNC() team_wait(&bar, &phase)
         float *own_scores = scores + omp_get_thread_num() * columns;
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < T; t++)
             deltafin_ggml_dequantize(model->embed.data, (int)model->embed.type, H, model->embed.row_bytes,
                                      tokens + t, 1, x + t * H);
+        SYNC();
         for (int64_t l = 0; l < model->layers; l++) {
             const llama_layer *L = model->layer + l;
-            #pragma omp for schedule(static)
+            #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < T; t++) {
                 rms_norm(x + t * H, L->attn_norm, H, model->eps, h + t * H);
                 quantize_row(h + t * H, H, q.q + t * H, q.d + t * (H / QK), q.s + t * (H / QK));
             }
+            SYNC();
             {
                 const qmatrix *mats[3] = {&L->q, &L->k, &L->v};
                 float *outs[3] = {qkv, qkv + A, qkv + A + Hk * D};
                 matrices_for(mats, outs, qkv_width, 3, &q, T, NULL);
             }
+            SYNC();
             if (mask) {  /* a decode step: each token sees only its own row's columns, its own key included */
-                #pragma omp for schedule(static)
+                #pragma omp for schedule(static) nowait
                 for (int64_t task = 0; task < T * Hk; task++) {
                     write_kv(model, &args, l, qkv, task / Hk, task % Hk);
                     attend(model, &args, l, qkv, attended, &q, own_scores, task / Hk, task % Hk);
                 }
             } else {
-                #pragma omp for schedule(static)
+                #pragma omp for schedule(static) nowait
                 for (int64_t task = 0; task < T * Hk; task++) write_kv(model, &args, l, qkv, task / Hk, task % Hk);
-                #pragma omp for schedule(static)
+                SYNC();
+                #pragma omp for schedule(static) nowait
                 for (int64_t task = 0; task < T * Hk; task++)
                     attend(model, &args, l, qkv, attended, &q, own_scores, task / Hk, task % Hk);
             }
+            SYNC();
             {
                 const qmatrix *mats[1] = {&L->o};
                 float *outs[1] = {h};
                 matrices_for(mats, outs, H, 1, &q, T, x);
             }
-            #pragma omp for schedule(static)
+            SYNC();
+            #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < T; t++) {
                 rms_norm(x + t * H, L->ffn_norm, H, model->eps, h + t * H);
                 quantize_row(h + t * H, H, q.q + t * H, q.d + t * (H / QK), q.s + t * (H / QK));
             }
+            SYNC();
             /* gate and up by blocks of 32 columns: the thread that computed a block gates and quantizes it */
-            #pragma omp for schedule(static)
+            #pragma omp for schedule(static) nowait
             for (int64_t blk = 0; blk < I / QK; blk++) {
                 const int64_t i0 = blk * QK;
                 for (int64_t r = i0; r < i0 + QK; r++) {
@@ -223,23 +267,27 @@ int deltafin_llama_forward(const llama_model *model, const int64_t *tokens, cons
                     quantize_block(act, &gated, t, I, blk);
                 }
             }
+            SYNC();
             {
                 const qmatrix *mats[1] = {&L->down};
                 float *outs[1] = {h};
                 matrices_for(mats, outs, H, 1, &gated, T, x);
             }
+            SYNC();
         }
-        #pragma omp for schedule(static)
+        #pragma omp for schedule(static) nowait
         for (int64_t t = first_logit; t < T; t++) {
             rms_norm(x + t * H, model->norm, H, model->eps, h + t * H);
             quantize_row(h + t * H, H, q.q + t * H, q.d + t * (H / QK), q.s + t * (H / QK));
         }
+        SYNC();
         {
             const qrows wanted = {q.q + first_logit * H, q.d + first_logit * (H / QK), q.s + first_logit * (H / QK), H};
             const qmatrix *mats[1] = {&model->head};
             float *outs[1] = {logits};
             matrices_for(mats, outs, model->vocab, 1, &wanted, T - first_logit, NULL);
         }
+#undef SYNC
     }
     free(x); free(h); free(qkv); free(attended); free(gate_up); free(scores); qrows_free(&q); qrows_free(&gated);
     return 0;
