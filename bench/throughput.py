@@ -70,11 +70,12 @@ def ttft(base_url: str, content: str, reps: int = 5) -> tuple[float, int]:
         started = time.perf_counter()
         with httpx.stream("POST", f"{base_url}/v1/chat/completions", json={**body, "stream": True},
                           timeout=600) as response:
-            for line in response.iter_lines():
+            lines = response.iter_lines()
+            for line in lines:
                 if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
                     times.append(time.perf_counter() - started)
                     break
-            for _ in response.iter_lines():
+            for _ in lines:
                 pass
     return statistics.median(times), warm.json()["usage"]["prompt_tokens"]
 
