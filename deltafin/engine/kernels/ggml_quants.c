@@ -225,16 +225,30 @@ static inline __attribute__((always_inline)) void group_portable(const int type,
 }
 
 #ifdef DELTAFIN_SIMD
+/* The scales (and minimums) of blocks g .. g + 8 of a row in two vectors: one gather of each block's first
+   four bytes (d, and m where the format has one, as halves), no trip through memory. Lanes past `lanes`
+   (a mask) read nothing and are 0. The same floats as block_scales: half to float is exact. */
+static inline void group_scales_simd(const uint8_t *first, int64_t bytes, __m256i lanes, __m256 *d, __m256 *m) {
+    const __m256i offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)bytes));
+    const __m256i words = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)first, offsets, lanes, 1);
+    const __m256i low = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i high = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_shuffle_epi8(words, low), 0x08)));
+    *m = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_shuffle_epi8(words, high), 0x08)));
+}
+
 /* A group of `count` (<= 8) blocks against `mcount` activation rows: vpdpbusd / vpmaddubsw, then the same
    float operations as block_term, lane by lane; lanes past `count` are left as they are. */
 static inline __attribute__((always_inline)) void group_simd(const int type, const format_info *f,
         const uint8_t *row, int64_t k, const qrows *x, int64_t m_first, int64_t mcount, int64_t g, int count,
         float (*acc)[LANES]) {
     const int64_t nb = k / QK;
-    float dw[LANES] = {0}, mw[LANES] = {0};
-    group_scales(type, row, f->bytes, g, count, dw, mw);
-    const __m256 vdw = _mm256_loadu_ps(dw), vmw = _mm256_loadu_ps(mw);
     const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256 vdw, vmw;
+    group_scales_simd(row + g * f->bytes, f->bytes, lanes, &vdw, &vmw);
+    if (!f->has_min) vmw = _mm256_setzero_ps();
     __m256i codes[LANES];
     for (int j = 0; j < LANES; j++)
         codes[j] = j < count ? block_codes(type, row + (g + j) * f->bytes) : _mm256_setzero_si256();
