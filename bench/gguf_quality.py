@@ -108,7 +108,7 @@ def native_figures(loaded, refs, tokens: int) -> dict[str, float]:
 
 
 def llama_figures(gguf: Path, refs, threads: int) -> dict[str, float]:
-    process, base = start_llama_server(gguf, parallel=1, context=2048, threads=threads)
+    process, base = start_llama_server(gguf, parallel=1, context=2048, threads=threads, ready_s=600)
     deltas, agree, missing = [], [], 0
     try:
         with httpx.Client(base_url=base, timeout=120) as client:

@@ -202,7 +202,7 @@ def main() -> None:
     print("measured:", rows, flush=True)
     if LLAMA_SERVER.exists():
         process, base = start_llama_server(resolve_model_path(config.model.path), parallel=args.streams,
-                                           context=16384, threads=threads)
+                                           context=16384, threads=threads, ready_s=600)
         try:
             rows["llama-server -np 8"] = side(base, args, streams)
         finally:
