@@ -44,7 +44,7 @@ TOPICS = ["the sea", "a lighthouse", "mountains", "a city at night", "autumn", "
 #: ~1.1k tokens of SmolLM2's tokenizer
 LONG_PROMPT = ("Summarize the following notes in one sentence.\n" + " ".join(
     f"Note {i}: the harbour master logged ship number {i * 7} arriving at dawn with {i % 5 + 2} crates of tea, "
-    f"and the weather was {['calm', 'windy', 'foggy', 'rainy'][i % 4]}." for i in range(40)))
+    f"and the weather was {['calm', 'windy', 'foggy', 'rainy'][i % 4]}." for i in range(34)))
 LLAMA_SERVER = llama_server_binary()
 
 
