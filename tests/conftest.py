@@ -41,6 +41,16 @@ def loaded_model(config: DeltafinConfig):
     return load_model(config.model, config.placement)
 
 
+@pytest.fixture(scope="session")
+def float_model():
+    """The default GGUF dequantized to float32 (`model.gguf_weights=dequantize`, the path before native GGUF
+    weights): the torch decode steps and `placement.quantize` run on float weights."""
+    from deltafin.engine.loader import load_model
+
+    config = compose_config(["model.gguf_weights=dequantize"])
+    return load_model(config.model, config.placement)
+
+
 def make_engine(loaded_model, *, max_waiting: int = 4, timeout_s: float = 5.0, memo_entries: int = 32):
     from deltafin.engine import EngineFront
     from deltafin.engine.local import LocalEngine

@@ -93,6 +93,11 @@ class UnsupportedTools(StrEnum):
     reject = "reject"  # a 400 naming the tool
 
 
+class GgufWeights(StrEnum):
+    native = "native"  # the file's own quantized blocks through Deltafin's C kernels
+    dequantize = "dequantize"  # transformers' float32 copy, cached as a standard HF folder
+
+
 class ChatFormatName(StrEnum):
     template = "template"  # the checkpoint's own Jinja chat template
     xtml = "xtml"  # Kimi K3's XTML, rendered by Deltafin
@@ -188,6 +193,9 @@ class ModelConfig:
     trust_remote_code: bool = False  # run the checkpoint's own model and tokenizer code
     dtype: ModelDtype = ModelDtype.auto  # the weights' dtype; auto = placement.dtype
     cache_dir: Optional[str] = None  # where converted GGUF and quantized weights are cached; null = ~/.cache/deltafin
+    # a GGUF file: native = served in its own blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Llama) through C kernels;
+    # dequantize = a float32 copy (also what other files, placement.quantize and non-CPU placements get)
+    gguf_weights: GgufWeights = GgufWeights.native
     # defaults passed to the chat template (enable_thinking, ...); a request's own chat_template_kwargs win
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 

@@ -1,8 +1,11 @@
 """Finds and loads the weights: HF folders (safetensors) and GGUF files, placed as the config says.
 
-GGUF files are dequantized by transformers, which takes tens of seconds; the result is cached as a standard
-Hugging Face folder keyed on the file's identity, so later boots load in seconds and other engines (vLLM,
-SGLang) load the same folder as they load a hub checkpoint.
+GGUF files of the Llama architecture whose matrices are Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 are served in their
+own blocks on the CPU (`model.gguf_weights: native`, the default; `deltafin.engine.gguf_native`). Other GGUF
+files, `model.gguf_weights: dequantize`, `placement.quantize` other than none and non-CPU placements are
+dequantized by transformers, which takes tens of seconds; the result is cached as a standard Hugging Face folder
+keyed on the file's identity, so later boots load in seconds and other engines (vLLM, SGLang) load the same folder
+as they load a hub checkpoint.
 """
 
 from __future__ import annotations
@@ -122,6 +125,9 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig) -> LoadedMode
     path = resolve_model_path(model_cfg.path)
     if path.is_file() and path.suffix == ".gguf":
         cache_dir = Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
+        native = _load_gguf_native(path, cache_dir, model_cfg, placement, started)
+        if native is not None:
+            return native
         folder = convert_gguf(path, cache_dir)
     elif path.is_dir():
         folder = path
@@ -162,6 +168,42 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig) -> LoadedMode
         load_seconds=seconds,
         compile=placement.compile,
     )
+
+
+def _gguf_native_refusal(model_cfg: ModelConfig, placement: PlacementConfig) -> str | None:
+    """Why the config asks for the dequantized path, or None."""
+    if model_cfg.gguf_weights != "native":
+        return "model.gguf_weights is not native"
+    if placement.quantize != "none":
+        return f"placement.quantize={placement.quantize} requantizes float weights"
+    if placement.device != "cpu" or placement.device_map:
+        return "the native kernels run on the CPU only"
+    if (placement.dtype if model_cfg.dtype == "auto" else model_cfg.dtype) != "float32":
+        return "the native kernels take float32 activations"
+    return None
+
+
+def _load_gguf_native(gguf: Path, cache_dir: Path, model_cfg: ModelConfig, placement: PlacementConfig,
+                      started: float) -> LoadedModel | None:
+    """The model with the GGUF's own blocks (`deltafin.engine.gguf_native`), or None to dequantize instead."""
+    from transformers import AutoTokenizer
+
+    from deltafin.engine import gguf_native
+
+    reason = _gguf_native_refusal(model_cfg, placement) or gguf_native.unsupported(gguf)
+    if reason is not None:
+        log.info("gguf_dequantized", gguf=str(gguf), reason=reason)
+        return None
+    folder = gguf_native.skeleton_folder(gguf, cache_dir, _gguf_cache_key(gguf))
+    log.info("model_load_start", path=str(gguf), weights="gguf native", device="cpu")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = gguf_native.load_native(gguf, folder)
+    context_length = model_cfg.context_length or getattr(model.config, "max_position_embeddings", None) or 2048
+    seconds = time.perf_counter() - started
+    log.info("model_load_done", seconds=round(seconds, 2), context_length=context_length)
+    return LoadedModel(model=model, tokenizer=tokenizer, context_length=int(context_length),
+                       stop_token_ids=_stop_token_ids(model, tokenizer), source=folder, load_seconds=seconds,
+                       compile=placement.compile)
 
 
 def _stop_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:
