@@ -11,7 +11,7 @@ CONTEXT = 4096
 
 
 def deepseek_v3(vocab: int) -> Any:
-    """Kimi K2/K3 are DeepseekV3-style (MLA attention + MoE): the same class, scaled down."""
+    """Kimi K2 is DeepseekV3-style (MLA attention + MoE): the same class, scaled down."""
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = DeepseekV3Config(
@@ -44,3 +44,40 @@ def qwen3(vocab: int) -> Any:
         num_key_value_heads=2, head_dim=16, max_position_embeddings=CONTEXT, tie_word_embeddings=True,
     )
     return Qwen3ForCausalLM(config)
+
+
+#: hybrid layer patterns: three linear-attention layers to one full-attention layer, as both families ship,
+#: with a linear layer after the attention one (its state then depends on what attention computed)
+_HYBRID_LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+
+
+def kimi_linear(vocab: int) -> Any:
+    """Kimi K3's language model is a Kimi Linear (KDA linear attention + NoPE MLA full attention + MoE): the
+    layer pattern and MoE shape of the real one (first layer dense), scaled down."""
+    from transformers import KimiLinearConfig, KimiLinearForCausalLM
+
+    config = KimiLinearConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+        num_hidden_layers=len(_HYBRID_LAYERS), layer_types=list(_HYBRID_LAYERS), num_attention_heads=4,
+        num_key_value_heads=4, n_shared_experts=1, num_local_experts=4, num_experts_per_tok=2,
+        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
+        linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4,
+        max_position_embeddings=CONTEXT, tie_word_embeddings=False,
+        pad_token_id=None, bos_token_id=None, eos_token_id=None,  # the defaults are ids of the real vocabulary
+    )
+    return KimiLinearForCausalLM(config)
+
+
+def qwen3_next(vocab: int) -> Any:
+    """Qwen3-Next (gated delta net linear attention + gated full attention + MoE): a second hybrid family,
+    so the engine's hybrid caches are not shaped after one model."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    config = Qwen3NextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=len(_HYBRID_LAYERS),
+        layer_types=list(_HYBRID_LAYERS), num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=32, max_position_embeddings=CONTEXT, tie_word_embeddings=False,
+    )
+    return Qwen3NextForCausalLM(config)

@@ -5,10 +5,16 @@ from __future__ import annotations
 import json
 from importlib import resources
 from pathlib import Path
+from typing import Any, Callable
 
 
-def write_tiny_model(family: str, out: Path, *, variant: str | None = None, seed: int = 0) -> Path:
-    """Write config, safetensors weights, tokenizer (with chat template) and generation config to `out`."""
+def write_tiny_model(
+    family: str, out: Path, *, variant: str | None = None, seed: int = 0,
+    architecture: Callable[[int], Any] | None = None,
+) -> Path:
+    """Write config, safetensors weights, tokenizer (with chat template) and generation config to `out`.
+    `architecture` (vocabulary size -> model) replaces the family's architecture: e.g. a tiny Qwen3-Next with
+    Qwen3's tokens and template, to run another architecture through a family's format."""
     import torch
 
     from deltafin.families import get_family
@@ -27,7 +33,7 @@ def write_tiny_model(family: str, out: Path, *, variant: str | None = None, seed
     if recipe.template:
         text = resources.files("deltafin.tiny").joinpath("templates", recipe.template).read_text()
         tokenizer.chat_template = recipe.template_prefix + text
-    model = recipe.model(len(tokenizer))
+    model = (architecture or recipe.model)(len(tokenizer))
     stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in recipe.stop_tokens]
     model.config.eos_token_id = stop_ids
     model.generation_config.eos_token_id = stop_ids
