@@ -33,8 +33,10 @@ def prompt(n: int, seed: int) -> list[int]:
 def generate(model, ids: list[int], n: int) -> list[int]:
     """transformers' greedy continuation (the oracle)."""
     with torch.inference_mode():
-        out = model.generate(torch.tensor([ids]), max_new_tokens=n, do_sample=False, eos_token_id=None,
-                             pad_token_id=0)
+        # an explicit mask: left to itself, generate takes prompt tokens equal to pad_token_id for padding
+        tensor = torch.tensor([ids])
+        out = model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=n, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
     return out[0, len(ids):].tolist()
 
 
