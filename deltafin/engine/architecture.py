@@ -27,7 +27,6 @@ from typing import Any, Callable, Iterator
 import torch
 from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming, _IdentityOp
 
-from deltafin.engine.cache_layers import unsupported_layers
 
 
 @dataclass(frozen=True)
@@ -96,11 +95,6 @@ def unimplemented(config: dict[str, Any]) -> str | None:
     if not found:
         return None
     return f"it uses {', '.join(found)}, which transformers' class for {config['model_type']} does not implement"
-
-
-def refusal(model_config: Any) -> str | None:
-    """Why the engine cannot run a model of this (transformers) config, or None."""
-    return unsupported_layers(model_config)
 
 
 def key_mapping(layout: Multimodal) -> dict[str, str]:

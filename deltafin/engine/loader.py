@@ -22,6 +22,7 @@ import torch
 
 from deltafin.config import ModelConfig, PlacementConfig
 from deltafin.engine import architecture, quantize
+from deltafin.engine.cache_layers import unsupported_layers
 
 log = structlog.get_logger("deltafin.engine")
 
@@ -184,7 +185,7 @@ def _text_model(folder: Path, trust_remote_code: bool) -> tuple[Any, architectur
             config = AutoConfig.for_model(**text[0])
         else:
             config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-        problem = architecture.refusal(config)
+        problem = unsupported_layers(config)
     if problem is not None:
         raise ModelLoadError(f"model.path: {architecture.name(raw)} cannot run on the local engine: {problem}")
     return (config, text[1]) if text is not None else None

@@ -81,3 +81,16 @@ def qwen3_next(vocab: int) -> Any:
         shared_expert_intermediate_size=32, max_position_embeddings=CONTEXT, tie_word_embeddings=False,
     )
     return Qwen3NextForCausalLM(config)
+
+
+def falcon_h1(vocab: int) -> Any:
+    """Falcon-H1 (attention and a Mamba-2 mixer side by side in every layer): the third kind of hybrid cache
+    layer, KV and recurrent state in one layer object."""
+    from transformers import FalconH1Config, FalconH1ForCausalLM
+
+    config = FalconH1Config(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
+        mamba_n_groups=1, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=16, max_position_embeddings=CONTEXT,
+    )
+    return FalconH1ForCausalLM(config)

@@ -1,7 +1,8 @@
 """Hybrid caches (linear-attention state beside attention KV) at the level of the model steps: prefill in
-windows, the batch's rows joining and leaving, a row's cache leaving the batch. Two families, so the mechanism
-is not shaped after one: tiny Kimi Linear (Kimi K3's language model: KDA + MLA) and tiny Qwen3-Next (gated
-delta net + gated attention), real transformers classes. The oracle is transformers' own `generate`."""
+windows, the batch's rows joining and leaving, a row's cache leaving the batch. Three families, so the mechanism
+is not shaped after one: tiny Kimi Linear (Kimi K3's language model: KDA layers and MLA layers), tiny
+Qwen3-Next (gated delta net layers and gated attention layers) and tiny Falcon-H1 (attention and Mamba-2 in
+one layer), real transformers classes. The oracle is transformers' own `generate`."""
 
 from __future__ import annotations
 
@@ -13,13 +14,21 @@ from transformers.masking_utils import create_recurrent_attention_mask
 from deltafin.engine.batch import BatchKV
 from deltafin.engine.cache_layers import exact_length_only, has_states, unsupported_layers
 from deltafin.engine.generator import decode_step, prefill
-from deltafin.tiny.architectures import kimi_linear, qwen3_next
+from deltafin.tiny.architectures import falcon_h1, kimi_linear, qwen3_next
 
 VOCAB = 300
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(scope="module", params=[kimi_linear, qwen3_next], ids=["kimi_linear", "qwen3_next"])
+#: model class -> the cache layer kinds it has
+KINDS = {
+    "KimiLinearForCausalLM": {"LinearAttentionLayer", "DynamicLayer"},
+    "Qwen3NextForCausalLM": {"LinearAttentionLayer", "DynamicLayer"},
+    "FalconH1ForCausalLM": {"LinearAttentionAndFullAttentionLayer"},
+}
+
+
+@pytest.fixture(scope="module", params=[kimi_linear, qwen3_next, falcon_h1], ids=lambda make: make.__name__)
 def model(request):
     torch.manual_seed(0)
     with torch.device("cpu"):
@@ -57,11 +66,10 @@ def run_batch(model, kv: BatchKV, pending: list[int], steps: int) -> list[list[i
     return out
 
 
-def test_both_families_have_both_layer_kinds_and_run(model):
+def test_each_family_has_its_layer_kinds_and_is_accepted(model):
     cache = DynamicCache(config=model.config)
-    kinds = {type(layer).__name__ for layer in cache.layers}
-    assert kinds == {"LinearAttentionLayer", "DynamicLayer"} and unsupported_layers(model.config) is None
-    assert exact_length_only(cache)
+    assert {type(layer).__name__ for layer in cache.layers} == KINDS[type(model).__name__]
+    assert unsupported_layers(model.config) is None and exact_length_only(cache)
 
 
 @pytest.mark.parametrize("window", [1, 3, 7])
