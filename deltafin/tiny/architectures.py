@@ -46,19 +46,22 @@ def qwen3(vocab: int) -> Any:
     return Qwen3ForCausalLM(config)
 
 
-#: hybrid layer patterns: three linear-attention layers to one full-attention layer, as both families ship,
-#: with a linear layer after the attention one (its state then depends on what attention computed)
+#: Qwen3-Next's pattern, scaled down: three linear-attention layers to one full-attention layer, with a linear
+#: layer after the attention one (its state then depends on what attention computed)
 _HYBRID_LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
+#: Kimi Linear's, in two layers: a KDA layer first, as in the real one, then MLA. Two, not four: training the
+#: tiny K3 (tests/e2e/scripted.py) runs transformers' reference KDA, about 0.1 s of CPU per layer per step
+_KIMI_LAYERS = ["linear_attention", "full_attention"]
 
 
 def kimi_linear(vocab: int) -> Any:
-    """Kimi K3's language model is a Kimi Linear (KDA linear attention + NoPE MLA full attention + MoE): the
-    layer pattern and MoE shape of the real one (first layer dense), scaled down."""
+    """Kimi K3's language model is a Kimi Linear (KDA linear attention + NoPE MLA full attention + MoE): its
+    layer kinds and MoE shape (first layer dense, then routed experts and a shared one), scaled down."""
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
     config = KimiLinearConfig(
         vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=len(_HYBRID_LAYERS), layer_types=list(_HYBRID_LAYERS), num_attention_heads=4,
+        num_hidden_layers=len(_KIMI_LAYERS), layer_types=list(_KIMI_LAYERS), num_attention_heads=4,
         num_key_value_heads=4, n_shared_experts=1, num_local_experts=4, num_experts_per_tok=2,
         kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
         linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4,
