@@ -99,35 +99,24 @@ def join(into: Any, row: Any, *, width: int, copies: int) -> None:
     positions are left-padded to `width` (the new rows' too)."""
     if has_kv(row) and row.is_initialized:
         # [B, H, L, D] + [copies, H, S, D] -> [B + copies, H, width, D]
-        keys, values = _pad_left(row.keys, width - row.keys.shape[2]), _pad_left(row.values, width - row.values.shape[2])
-        keys, values = keys.expand(copies, -1, -1, -1), values.expand(copies, -1, -1, -1)
+        keys = _pad_left(row.keys, width - row.keys.shape[2]).expand(copies, -1, -1, -1)
+        values = _pad_left(row.values, width - row.values.shape[2]).expand(copies, -1, -1, -1)
         if into.is_initialized:
             keys = torch.cat([_pad_left(into.keys, width - into.keys.shape[2]), keys])
             values = torch.cat([_pad_left(into.values, width - into.values.shape[2]), values])
         else:  # a copy, as `DynamicLayer.update` would make: the row's cache goes on to the prefix cache
             into.lazy_initialization(keys, values)
-            keys, values = keys.clone(memory_format=torch.contiguous_format), values.clone(memory_format=torch.contiguous_format)
+            keys, values = keys.clone(memory_format=_DENSE), values.clone(memory_format=_DENSE)
         into.keys, into.values = keys, values
     if has_states(row):
-        _join_states(into, row, copies)
-
-
-def _join_states(into: Any, row: Any, copies: int) -> None:
-    # torch.cat always allocates: the batch never shares a state tensor with the row's cache (both are
-    # updated in place by later forward passes).
-    for i in range(row.number_of_states):
-        for states, ready in (("conv_states", "is_conv_states_initialized"),
-                              ("recurrent_states", "is_recurrent_states_initialized")):
-            if not getattr(row, ready)[i]:
-                continue
-            new = getattr(row, states)[i]
+        # torch.cat always allocates: the batch never shares a state with the row's cache (both are updated in
+        # place by later forward passes)
+        for i, table in _initialized(row):
+            new = getattr(row, table)[i]
+            old = getattr(into, table)[i]
             new = new.expand(copies, *new.shape[1:])
-            old = getattr(into, states)[i]
-            getattr(into, states)[i] = torch.cat([new] if old is None else [old, new])
-            getattr(into, ready)[i] = True
-        into.conv_kernel_size[i] = row.conv_kernel_size[i]
-        into.has_previous_state[i] = row.has_previous_state[i]
-    into.device, into.dtype = row.device, row.dtype
+            getattr(into, table)[i] = torch.cat([new] if old is None else [old, new])
+        _copy_state_facts(into, row)
 
 
 def select(layer: Any, index: torch.Tensor, trim: int) -> None:
@@ -136,10 +125,8 @@ def select(layer: Any, index: torch.Tensor, trim: int) -> None:
         layer.keys = layer.keys.index_select(0, index)[:, :, trim:]
         layer.values = layer.values.index_select(0, index)[:, :, trim:]
     if has_states(layer):
-        for table in (layer.conv_states, layer.recurrent_states):
-            for i, state in table.items():
-                if state is not None:
-                    table[i] = state.index_select(0, index)
+        for i, table in _initialized(layer):
+            getattr(layer, table)[i] = getattr(layer, table)[i].index_select(0, index)
 
 
 def single_row(layer: Any, row: int, pad: int) -> Any:
@@ -151,16 +138,30 @@ def single_row(layer: Any, row: int, pad: int) -> Any:
         out.lazy_initialization(keys, values)
         out.keys, out.values = keys, values
     if has_states(layer):
-        for i in range(layer.number_of_states):
-            for states, ready in (("conv_states", "is_conv_states_initialized"),
-                                  ("recurrent_states", "is_recurrent_states_initialized")):
-                if getattr(layer, ready)[i]:
-                    getattr(out, states)[i] = getattr(layer, states)[i][row : row + 1].clone()
-                    getattr(out, ready)[i] = True
-            out.conv_kernel_size[i] = layer.conv_kernel_size[i]
-            out.has_previous_state[i] = layer.has_previous_state[i]
-        out.device, out.dtype = layer.device, layer.dtype
+        for i, table in _initialized(layer):
+            getattr(out, table)[i] = getattr(layer, table)[i][row : row + 1].clone()
+        _copy_state_facts(out, layer)
     return out
+
+
+_DENSE = torch.contiguous_format
+#: a linear-attention layer's state tables, each with the table of flags saying which entries hold a state
+_STATE_TABLES = (("conv_states", "is_conv_states_initialized"), ("recurrent_states", "is_recurrent_states_initialized"))
+
+
+def _initialized(layer: Any) -> list[tuple[int, str]]:
+    """(state index, table name) of every state `layer` holds."""
+    return [(i, table) for table, flags in _STATE_TABLES for i, ready in getattr(layer, flags).items() if ready]
+
+
+def _copy_state_facts(into: Any, source: Any) -> None:
+    """What transformers keeps beside the states: which are there, their kernel size, whether a forward pass
+    has run (the next one then continues them instead of starting a prompt), device and dtype."""
+    for table, flags in _STATE_TABLES:
+        getattr(into, flags).update(getattr(source, flags))
+    into.conv_kernel_size.update(source.conv_kernel_size)
+    into.has_previous_state.update(source.has_previous_state)
+    into.device, into.dtype = source.device, source.dtype
 
 
 def _ranges(indices: list[int]) -> str:
