@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import time
 from concurrent.futures import ThreadPoolExecutor
+from datetime import datetime
 
 import httpx
 import openai
@@ -81,12 +82,21 @@ def failed_health(server: LiveServer, timeout: float = 240.0) -> httpx.Response:
     raise AssertionError("the load did not fail")
 
 
-def complete(server: LiveServer, ids: list[int], n: int = 10):
-    """Greedy token ids for a token-id prompt, and the response's usage."""
-    response = client(server).completions.create(
+def complete(server: LiveServer, ids: list[int], n: int = 10, *, with_id: bool = False):
+    """Greedy token ids for a token-id prompt, and the response's usage (and its request id)."""
+    raw = client(server).completions.with_raw_response.create(
         model="kimi-k3", prompt=ids, max_tokens=n, temperature=0,
         extra_body={"ignore_eos": True, "return_token_ids": True})
-    return response.choices[0].model_extra["token_ids"], response.usage
+    response = raw.parse()
+    out = response.choices[0].model_extra["token_ids"], response.usage
+    return (*out, raw.headers["x-request-id"]) if with_id else out
+
+
+def overlapping(lines: list[dict]) -> bool:
+    """Some two of these requests were in the server at the same time (from their access-log lines)."""
+    spans = sorted((end - line["total_ms"] / 1000, end) for line in lines
+                   for end in [datetime.fromisoformat(line["timestamp"].replace("Z", "+00:00")).timestamp()])
+    return any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))
 
 
 def test_greedy_tokens_are_transformers_generate(k3, oracle, prompts):
@@ -98,10 +108,11 @@ def test_greedy_tokens_are_transformers_generate(k3, oracle, prompts):
 
 def test_four_concurrent_requests_equal_their_solo_runs(k3, oracle, prompts):
     _, _, server = k3
-    solo = [oracle(ids, 16) for ids in prompts]
+    solo = [oracle(ids, 40) for ids in prompts]
     with ThreadPoolExecutor(4) as pool:
-        together = list(pool.map(lambda ids: complete(server, ids, 16)[0], prompts))
-    assert together == solo
+        together = list(pool.map(lambda ids: complete(server, ids, 40, with_id=True), prompts))
+    assert [tokens for tokens, _, _ in together] == solo
+    assert overlapping([server.request_log(request_id) for _, _, request_id in together])
 
 
 def test_a_conversation_reuses_the_saved_state_exactly(k3, oracle, prompts):

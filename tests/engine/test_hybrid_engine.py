@@ -69,22 +69,25 @@ async def collect(front: EngineFront, jobs) -> tuple[list[int], Finished]:
 
 
 def test_four_concurrent_requests_equal_their_solo_runs_and_generate(loaded, run):
+    """One long request decodes; three more arrive once it has produced text and join its running batch."""
     front = front_for(loaded)
     prompts = [prompt(loaded, n, seed) for n, seed in ((7, 1), (31, 2), (3, 3), (18, 4))]
-    jobs = [job(p, 10) for p in prompts]
+    jobs = [job(prompts[0], 80)] + [job(p, 10) for p in prompts[1:]]
     solo = [run(collect(front, [j]))[0] for j in jobs]
 
     async def together():
-        tasks = []
-        for j in jobs:
-            tasks.append(asyncio.ensure_future(collect(front, [j])))
-            await asyncio.sleep(0.02)  # the later ones join a running batch
-        return await asyncio.gather(*tasks)
+        events = aiter(await front.start([jobs[0]]))
+        first = list(getattr(await anext(events), "token_ids", ()))  # the long row is in the batch, decoding
+        others = [asyncio.ensure_future(collect(front, [j])) for j in jobs[1:]]
+        async for event in events:
+            first.extend(getattr(event, "token_ids", ()))
+        return [first] + [tokens for tokens, _ in await asyncio.gather(*others)]
 
     front.engine.step_sizes.clear()
-    batched = [tokens for tokens, _ in run(together())]
-    assert max(front.engine.step_sizes) >= 3, "the requests did not decode together"
-    assert batched == solo == [generate(loaded, p, 10) for p in prompts]
+    batched = run(together())
+    assert max(front.engine.step_sizes) == 4, "the requests did not decode together"
+    assert batched == solo
+    assert [tokens[:10] for tokens in solo] == [generate(loaded, p, 10) for p in prompts]
     run(front.engine.aclose())
 
 
