@@ -25,8 +25,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator
 
 import torch
-from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming, _IdentityOp
-
+from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
 
 
 @dataclass(frozen=True)
@@ -105,7 +104,8 @@ def key_mapping(layout: Multimodal) -> dict[str, str]:
 class ViewAsParameter(ConversionOps):
     """A weight conversion op: a tensor stored in another view of its parameter's shape (K3's checkpoint keeps a
     KDA layer's `A_log` as [heads], transformers' Kimi Linear as [1, 1, heads, 1]) is viewed as the parameter;
-    one of the parameter's shape passes unchanged. Saving writes the parameter's own shape."""
+    one of the parameter's shape passes unchanged. Registered only while a K3 checkpoint loads (`k3_views`), so
+    saving, which runs the table backwards, never meets it (it has no reverse)."""
 
     @torch.no_grad
     def convert(self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str],
@@ -114,10 +114,6 @@ class ViewAsParameter(ConversionOps):
         tensor = tensors[0] if isinstance(tensors, list) else tensors
         shape = model.get_parameter(full_layer_name).shape
         return {target_patterns[0]: tensor.reshape(shape) if tensor.numel() == shape.numel() else tensor}
-
-    @property
-    def reverse_op(self) -> ConversionOps:
-        return _IdentityOp()
 
 
 @contextmanager

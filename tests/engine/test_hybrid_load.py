@@ -96,6 +96,12 @@ class TestKimiK3Checkpoint:
         for (name, theirs), (_, ours) in zip(direct.model.state_dict().items(), wrapped.model.state_dict().items()):
             assert torch.equal(theirs, ours), name
         assert wrapped.stop_token_ids == direct.stop_token_ids and wrapped.context_length == direct.context_length
+        # K3's A_log layout was accepted during that load only: transformers' own table is back
+        from transformers import conversion_mapping
+
+        table = conversion_mapping.get_checkpoint_conversion_mapping("kimi_linear")
+        assert not any(type(op).__name__ == "ViewAsParameter" for t in table for op in getattr(t, "operations", ()))
+        assert "kimi_linear" not in conversion_mapping.USER_REGISTERED_MAPPINGS
 
     def test_the_layout_is_the_reference_models(self, k3_folder):
         """Every `language_model.` tensor is a parameter of the checkpoint's own Kimi Linear (the reference
