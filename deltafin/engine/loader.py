@@ -24,7 +24,8 @@ import structlog
 import torch
 
 from deltafin.config import ModelConfig, PlacementConfig
-from deltafin.engine import quantize
+from deltafin.engine import architecture, quantize
+from deltafin.engine.cache_layers import unsupported_layers
 
 log = structlog.get_logger("deltafin.engine")
 
@@ -145,8 +146,17 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig) -> LoadedMode
             kwargs["offload_folder"] = placement.offload_folder
     log.info("model_load_start", path=str(folder), dtype=dtype_name, device=placement.device,
              quantize=placement.quantize)
+    text = _text_model(folder, model_cfg.trust_remote_code)  # refuses what the engine cannot run, before weights
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=model_cfg.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    if text is None:
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    else:  # the language model of a multimodal checkpoint: transformers' own class, the other towers left out
+        config, layout = text
+        kwargs["trust_remote_code"] = False
+        with layout.loading():
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, config=config, key_mapping=architecture.key_mapping(layout), **kwargs)
+        log.info("text_model_of_multimodal", model_type=config.model_type, left_out=list(layout.towers))
     if not placement.device_map:
         model.to(placement.device)
     model.eval()
@@ -204,6 +214,29 @@ def _load_gguf_native(gguf: Path, cache_dir: Path, model_cfg: ModelConfig, place
     return LoadedModel(model=model, tokenizer=tokenizer, context_length=int(context_length),
                        stop_token_ids=_stop_token_ids(model, tokenizer), source=folder, load_seconds=seconds,
                        compile=placement.compile)
+
+
+def _text_model(folder: Path, trust_remote_code: bool) -> tuple[Any, architecture.Multimodal] | None:
+    """The language model's config and layout when `folder` is a multimodal checkpoint served for text; None
+    for a plain one. ModelLoadError, one line naming the architecture and why, for a model the engine cannot
+    run (checked from the config alone, before any weight is read)."""
+    from transformers import AutoConfig
+
+    raw = architecture.read_config(folder)
+    try:
+        text = architecture.text_model(raw)
+    except ValueError as exc:
+        raise ModelLoadError(f"model.path: {exc}") from None
+    problem = architecture.unimplemented(text[0] if text else raw)
+    if problem is None:
+        if text is not None:
+            config = AutoConfig.for_model(**text[0])
+        else:
+            config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        problem = unsupported_layers(config)
+    if problem is not None:
+        raise ModelLoadError(f"model.path: {architecture.name(raw)} cannot run on the local engine: {problem}")
+    return (config, text[1]) if text is not None else None
 
 
 def _stop_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:

@@ -34,4 +34,4 @@ class KimiK3(ModelFamily):
         return True  # one parser for reasoning and calls (output_parser), no separate tool parser
 
     def tiny_recipe(self, variant: str | None) -> TinyRecipe:
-        return TinyRecipe("deepseek_v3", TOKENS, ["<|end_of_msg|>"])
+        return TinyRecipe("kimi_linear", TOKENS, ["<|end_of_msg|>"])

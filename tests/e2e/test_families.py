@@ -12,7 +12,7 @@ from deltafin.prompt import build_chat_format
 from deltafin.protocol.chat import ChatMessage, FunctionCall, FunctionDefinition, ToolCall, ToolDefinition
 from deltafin.tiny import write_tiny_model
 from tests.conftest import TINY_FAMILIES, TINY_OVERRIDES, TINY_SPECS, LiveServer, tiny_config
-from tests.e2e.scripted import teach
+from tests.e2e.scripted import taught
 
 pytestmark = pytest.mark.e2e
 
@@ -76,8 +76,8 @@ def family_server(request, tmp_path_factory):
     path = write_tiny_model(name, tmp_path_factory.mktemp(family) / "model", variant=variant)
     turn1, turn2 = SCRIPTS[family]
     call_id = KIMI_ID if family.startswith("kimi") else "call_any"  # GLM and Qwen3 prompts do not carry the id
-    teach(path, [(render(family, path, QUESTION), turn1),
-                 (render(family, path, follow_up(call_id, json.dumps(ARGUMENTS))), turn2)])
+    path = taught(path, [(render(family, path, QUESTION), turn1),
+                         (render(family, path, follow_up(call_id, json.dumps(ARGUMENTS))), turn2)])
     server = LiveServer([*TINY_OVERRIDES[family], f"model.path={path}"])
     try:
         server.wait_ready()
