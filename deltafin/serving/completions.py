@@ -119,7 +119,7 @@ class CompletionService:
         texts: list[list[str]] = [[] for _ in range(n)]
         logprobs: list[list[TokenLogprob]] = [[] for _ in range(n)]
         finished: list[Finished | None] = [None] * n
-        prompts: list[PromptLogprobs | None] = [None] * n
+        prompt_logprobs: list[PromptLogprobs | None] = [None] * n
         async for event in stream:
             if isinstance(event, TextDelta):
                 stats.saw(event)
@@ -129,7 +129,7 @@ class CompletionService:
                 logprobs[event.choice].extend(event.logprobs)
                 ids[event.choice].extend(event.token_ids)
             elif isinstance(event, PromptLogprobs):
-                prompts[event.choice] = event
+                prompt_logprobs[event.choice] = event
             else:
                 finished[event.choice] = event
                 stats.record(event)
@@ -142,7 +142,7 @@ class CompletionService:
             choice = {
                 "index": index,
                 "text": prefix + "".join(texts[index]),
-                "logprobs": completion_logprobs(logprobs[index], token_text, len(prefix), prompts[index])
+                "logprobs": completion_logprobs(logprobs[index], token_text, len(prefix), prompt_logprobs[index])
                 if request.logprobs is not None
                 else None,
                 "finish_reason": end.reason,

@@ -145,7 +145,9 @@ def test_a_chat_turn_is_transformers_answer_and_the_memo_replays_it(k3, oracle):
                  {"role": "user", "content": "And in Berlin?"}]
     second = chat.with_raw_response.create(model="kimi-k3", messages=messages, max_tokens=6, temperature=0)
     ids = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages}).json()["tokens"]
-    text = AutoTokenizer.from_pretrained(folder).decode(oracle(ids, 6))
+    # A stream cut by max_tokens inside a character ends without its partial bytes (vLLM's detokenizer does
+    # the same); a full decode shows them as U+FFFD.
+    text = AutoTokenizer.from_pretrained(folder).decode(oracle(ids, 6)).rstrip("\ufffd")
     expected = httpx.post(f"{server.base_url}/parse", json={"text": text}).json()["message"]
     message = second.parse().choices[0].message
     assert (message.content or "", message.reasoning_content or "") == (
