@@ -86,6 +86,7 @@ class ConnectionsConfig:
     header_timeout_s: float = 10.0
     body_timeout_s: float = 30.0
     keep_alive_s: float = 5.0
+    max_header_bytes: int = 32768  # request line + headers past this: 431 and the connection closed
 
 
 @dataclass

@@ -34,6 +34,7 @@ _RANGES: dict[str, tuple[float, float]] = {
     "server.connections.header_timeout_s": (0.1, 3600),
     "server.connections.body_timeout_s": (0.1, 3600),
     "server.connections.keep_alive_s": (0.1, 3600),
+    "server.connections.max_header_bytes": (1024, 1 << 30),
     "engine.max_batch": (1, 1024),
     "engine.max_inflight": (1, 1 << 16),
     "engine.connect_timeout_s": (0.001, 3600),
