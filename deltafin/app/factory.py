@@ -124,6 +124,8 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
                 # Stop the engine before the interpreter exits: a torch call still running on the engine's
                 # own thread at exit aborts the process (SIGABRT instead of exit 0).
                 await readiness.services.ctx.engine.aclose()
+                if readiness.services.ctx.grammars is not None:
+                    readiness.services.ctx.grammars.close()  # its worker processes
 
     litestar_app = Litestar(
         route_handlers=[*ROUTES, health, metrics],

@@ -90,6 +90,12 @@ class ConnectionsConfig:
 
 
 @dataclass
+class GrammarConfig:
+    workers: int = 2  # processes that check and compile constraints (each compile runs in one)
+    compile_timeout_s: float = 10.0  # a compile past this is killed: 400, the schema is too complex
+
+
+@dataclass
 class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 8000
@@ -107,6 +113,7 @@ class ServerConfig:
     shutdown_grace_s: float = 10.0
     templates: TemplateConfig = field(default_factory=TemplateConfig)
     connections: ConnectionsConfig = field(default_factory=ConnectionsConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)
 
 
 @dataclass
@@ -117,6 +124,7 @@ class EngineConfig:
     _target_: str = "deltafin.app.services.build_local_engine"
     # local engine
     max_batch: int = 8
+    prefill_chunk_tokens: int = 256  # prompt positions prefilled between two decode steps (chunked prefill)
     # upstream engines
     url: Optional[str] = None
     api: str = "auto"
