@@ -1,0 +1,210 @@
+"""Isolation, by hand: how much a long prompt or a hostile schema holds up streams that are already running.
+
+    .venv/bin/python bench/isolation.py chunks [--chunks 64 128 256 512 8192] [--prompt-tokens 6000]
+    .venv/bin/python bench/isolation.py server [--streams 2] [--prompt-tokens 6000] [-- HYDRA OVERRIDES]
+
+`chunks` (in process, the default model, the local engine): for each engine.prefill_chunk_tokens, one greedy
+stream decodes while a prompt of --prompt-tokens arrives; reports the stream's inter-token latency while that
+prompt is in prefill (p50, p99, max), the prompt's own prefill time (its TTFT), and the stream's ITL alone.
+8192 (more than the prompt) is the unchunked prefill: one forward pass.
+
+`server` (a real `python -m deltafin` on loopback): --streams streamed chat requests decode; their inter-token
+latency (p50, p99, max) is measured in three windows side by side: quiet, while a ~--prompt-tokens prompt
+arrives and prefills, and while hostile constraints are sent (a 12000-fold pattern, refused by the limits; a
+schema of 2000 optional properties, killed at the compile budget; each resent). Also /health latency in each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+STORY = ("The lighthouse keeper climbed the stairs every evening, counting the steps and listening to the sea. "
+         "Ships passed far out, their lights small and steady, and the keeper wrote each one in a book. ")
+
+
+def percentiles(gaps: list[float]) -> dict[str, float]:
+    if not gaps:
+        return {"n": 0}
+    ordered = sorted(gaps)
+    pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
+    return {"n": len(gaps), "p50_ms": round(statistics.median(ordered) * 1000, 1),
+            "p99_ms": round(pick(0.99) * 1000, 1), "max_ms": round(ordered[-1] * 1000, 1)}
+
+
+def long_text(tokenizer, tokens: int) -> str:
+    text = STORY
+    while len(tokenizer(text, add_special_tokens=False).input_ids) < tokens:
+        text += STORY
+    return text
+
+
+# -- chunks: in process ---------------------------------------------------------------------------------------
+
+async def chunk_run(loaded, chunk: int, prompt_ids: tuple[int, ...], running_ids: tuple[int, ...]) -> dict:
+    from deltafin.engine import EngineFront, GenerationJob, TextDelta
+    from deltafin.engine.local import LocalEngine
+    from deltafin.protocol.sampling import SamplingParams
+
+    front = EngineFront(LocalEngine(loaded, prefill_chunk=chunk, prefix_cache_min_tokens=None), max_waiting=4,
+                        timeout_s=600, memo_entries=0)
+    arrivals: list[float] = []
+    stream = await front.start([GenerationJob(running_ids, SamplingParams(max_tokens=4000, temperature=0.0,
+                                                                          ignore_eos=True))])
+    events = stream.__aiter__()
+
+    async def read() -> None:
+        async for event in events:
+            if isinstance(event, TextDelta) and event.token_ids:
+                arrivals.append(time.perf_counter())
+
+    reader = asyncio.ensure_future(read())
+    while len(arrivals) < 20:  # the stream is decoding steadily
+        await asyncio.sleep(0.01)
+    alone_from = len(arrivals) - 1
+    await asyncio.sleep(2.0)
+    alone = [b - a for a, b in zip(arrivals[alone_from:], arrivals[alone_from + 1:])]
+    sent = time.perf_counter()
+    long_stream = await front.start([GenerationJob(prompt_ids, SamplingParams(max_tokens=1, temperature=0.0))])
+    async for event in long_stream:
+        if isinstance(event, TextDelta):
+            break
+    first_token = time.perf_counter()
+    during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > sent and a < first_token]
+    stream.close()
+    await asyncio.gather(reader, return_exceptions=True)
+    await front.aclose()
+    return {"chunk": chunk, "prefill_s": round(first_token - sent, 2), "itl_during_prefill": percentiles(during),
+            "itl_alone": percentiles(alone)}
+
+
+def chunks(args: argparse.Namespace) -> dict:
+    from deltafin.engine.loader import load_model
+    from tests.conftest import compose_config
+
+    config = compose_config(args.overrides)
+    loaded = load_model(config.model, config.placement)
+    tokenizer = loaded.tokenizer
+    def chat(text: str) -> tuple[int, ...]:
+        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        return tuple(ids["input_ids"] if hasattr(ids, "keys") else ids)
+
+    prompt_ids = chat("Summarise: " + long_text(tokenizer, args.prompt_tokens))
+    running_ids = chat("Count from one to a thousand.")
+    runs = [asyncio.run(chunk_run(loaded, chunk, prompt_ids, running_ids)) for chunk in args.chunks]
+    return {"model": config.model.name, "prompt_tokens": len(prompt_ids), "runs": runs}
+
+
+# -- server: a real process -----------------------------------------------------------------------------------
+
+class Streams:
+    """`count` streamed chats, each token's arrival time recorded; /health polled every 50 ms."""
+
+    def __init__(self, base_url: str, count: int) -> None:
+        self.base_url = base_url
+        self.arrivals: list[list[float]] = [[] for _ in range(count)]
+        self.health: list[tuple[float, float]] = []  # (sent, latency)
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._stream, args=(i,), daemon=True) for i in range(count)]
+        self.threads.append(threading.Thread(target=self._health, daemon=True))
+
+    def start(self) -> None:
+        for thread in self.threads:
+            thread.start()
+
+    def _stream(self, index: int) -> None:
+        body = {"messages": [{"role": "user", "content": f"Stream {index}: count from one to a thousand."}],
+                "max_tokens": 7000, "temperature": 0, "ignore_eos": True, "stream": True}
+        with httpx.Client(timeout=600) as client:
+            with client.stream("POST", f"{self.base_url}/v1/chat/completions", json=body) as response:
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        self.arrivals[index].append(time.perf_counter())
+                    if self.stop.is_set():
+                        return
+
+    def _health(self) -> None:
+        with httpx.Client(timeout=60) as client:
+            while not self.stop.is_set():
+                sent = time.perf_counter()
+                client.get(f"{self.base_url}/health")
+                self.health.append((sent, time.perf_counter() - sent))
+                time.sleep(0.05)
+
+    def window(self, start: float, end: float) -> dict:
+        gaps = [b - a for arrivals in self.arrivals for a, b in zip(arrivals, arrivals[1:]) if a >= start and b <= end]
+        health = [latency for sent, latency in self.health if start <= sent <= end]
+        return {"itl": percentiles(gaps), "health": percentiles(health)}
+
+
+def hostile_bodies() -> list[dict]:
+    def chat(schema: dict) -> dict:
+        return {"messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 8,
+                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+
+    slow = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}}
+    pattern = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]{12000}$"}}}
+    return [chat(pattern), chat(slow), chat(pattern), chat(slow)]
+
+
+def server(args: argparse.Namespace) -> dict:
+    from tests.conftest import LiveServer
+
+    live = LiveServer(args.overrides)
+    try:
+        live.wait_ready()
+        base = live.base_url
+        text = "Summarise: " + STORY * max(1, args.prompt_tokens // 40)
+        count = httpx.post(f"{base}/tokenize", json={"prompt": text}, timeout=60).json()["count"]
+        streams = Streams(base, args.streams)
+        streams.start()
+        while min(len(a) for a in streams.arrivals) < 20:
+            time.sleep(0.05)
+        t0 = time.perf_counter()
+        time.sleep(args.window_s)
+        t1 = time.perf_counter()
+        long_answer = httpx.post(f"{base}/v1/chat/completions", timeout=600, json={
+            "messages": [{"role": "user", "content": text}], "max_tokens": 1})
+        t2 = time.perf_counter()
+        statuses = []
+        for body in hostile_bodies():
+            statuses.append(httpx.post(f"{base}/v1/chat/completions", json=body, timeout=600).status_code)
+        t3 = time.perf_counter()
+        streams.stop.set()
+        return {
+            "streams": args.streams, "long_prompt_tokens": count, "long_prompt_status": long_answer.status_code,
+            "long_prompt_s": round(t2 - t1, 2), "hostile_statuses": statuses, "hostile_s": round(t3 - t2, 2),
+            "quiet": streams.window(t0, t1), "during_long_prefill": streams.window(t1, t2),
+            "during_hostile_compiles": streams.window(t2, t3),
+        }
+    finally:
+        live.stop()
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="mode", required=True)
+    c = sub.add_parser("chunks")
+    c.add_argument("--chunks", type=int, nargs="+", default=[64, 128, 256, 512, 8192])
+    c.add_argument("--prompt-tokens", type=int, default=6000)
+    c.add_argument("overrides", nargs="*")
+    s = sub.add_parser("server")
+    s.add_argument("--streams", type=int, default=2)
+    s.add_argument("--prompt-tokens", type=int, default=6000)
+    s.add_argument("--window-s", type=float, default=5.0)
+    s.add_argument("overrides", nargs="*")
+    parsed = parser.parse_args()
+    print(json.dumps(chunks(parsed) if parsed.mode == "chunks" else server(parsed), indent=2))

@@ -1,0 +1,262 @@
+"""No request freezes the others (issue 19), on real server processes over loopback: while a stream decodes and
+/health is polled, hostile schemas (response_format, and tool schemas under an enforced tool_choice on a tiny
+Kimi K2) and a ~6k-token prompt leave the stream's largest inter-token gap and /health's latency bounded; each
+attack gets 200 or a clear 400.
+
+Bounds are generous (the test machines are shared and slow); where it can, a test asserts the order of events
+instead: the stream kept receiving tokens while the attack was being worked on.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import threading
+import time
+
+import httpx
+import pytest
+
+from tests.conftest import TINY_OVERRIDES, LiveServer
+
+pytestmark = pytest.mark.e2e
+
+#: largest inter-token gap of the running stream, and largest /health latency, while an attack is served
+GAP_BOUND_S = 2.0
+HEALTH_BOUND_S = 1.0
+COMPILE_TIMEOUT_S = 3.0
+CHUNK = 128
+
+
+class Watch:
+    """One streamed chat decoding (arrival time of each chunk) and /health polled every 50 ms (latencies)."""
+
+    def __init__(self, server: LiveServer, *, max_tokens: int = 3000, body: dict | None = None) -> None:
+        self.url = server.base_url
+        self.body = body or {"messages": [{"role": "user", "content": "Count from one to a thousand."}],
+                             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        self.arrivals: list[float] = []
+        self.health: list[tuple[float, float, int]] = []  # (sent, latency, status)
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._stream, daemon=True),
+                        threading.Thread(target=self._poll, daemon=True)]
+
+    def __enter__(self) -> "Watch":
+        for thread in self.threads:
+            thread.start()
+        deadline = time.monotonic() + 120
+        while len(self.arrivals) < 5:  # decoding steadily before the attack starts
+            assert time.monotonic() < deadline, "the watched stream did not start"
+            time.sleep(0.02)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.stop.set()
+        for thread in self.threads:
+            thread.join(30)
+
+    def _stream(self) -> None:
+        with httpx.Client(timeout=300) as client:
+            with client.stream("POST", f"{self.url}/v1/chat/completions", json=self.body) as response:
+                assert response.status_code == 200
+                for line in response.iter_lines():
+                    if line.startswith("data: {"):
+                        self.arrivals.append(time.monotonic())
+                    if self.stop.is_set():
+                        return
+
+    def _poll(self) -> None:
+        with httpx.Client(timeout=60) as client:
+            while not self.stop.is_set():
+                sent = time.monotonic()
+                status = client.get(f"{self.url}/health").status_code
+                self.health.append((sent, time.monotonic() - sent, status))
+                time.sleep(0.05)
+
+    def largest_gap(self, start: float, end: float) -> float:
+        """The largest gap between two tokens of the stream that touches [start, end] (the stream still ran)."""
+        arrivals = self.arrivals
+        assert arrivals and arrivals[-1] > end, "the stream stopped during the attack"
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if b >= start and a <= end]
+        return max(gaps)
+
+    def tokens_during(self, start: float, end: float) -> int:
+        return sum(1 for t in self.arrivals if start < t < end)
+
+    def slowest_health(self, start: float, end: float) -> float:
+        answers = [(latency, status) for sent, latency, status in self.health if start <= sent <= end]
+        assert answers and all(status == 200 for _, status in answers)
+        return max(latency for latency, _ in answers)
+
+
+def attack(watch: Watch, send) -> tuple[httpx.Response, float, float]:
+    """Send the attack while `watch` runs; wait a moment after it, so a stall it left behind would show."""
+    start = time.monotonic()
+    response = send()
+    end = time.monotonic()
+    time.sleep(0.5)
+    return response, start, end + 0.5
+
+
+def assert_unfrozen(watch: Watch, start: float, end: float) -> None:
+    assert watch.largest_gap(start, end) < GAP_BOUND_S
+    assert watch.slowest_health(start, end) < HEALTH_BOUND_S
+
+
+def chat_with_schema(schema: dict) -> dict:
+    return {"messages": [{"role": "user", "content": "Answer in JSON."}], "max_tokens": 16,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
+
+
+def nested(depth: int, leaf: dict) -> dict:
+    schema = leaf
+    for _ in range(depth):
+        schema = {"type": "object", "properties": {"x": schema}, "required": ["x"]}
+    return schema
+
+
+def assert_too_complex(response: httpx.Response, param: str) -> None:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and "too complex" in error["message"], error
+
+
+PATTERN = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]{12000}$"}}, "required": ["a"]}
+DEEP = nested(400, {"type": "object"})
+MISSING_REF = nested(300, {"$ref": "#/$defs/missing"})
+#: under every structural limit, and minutes to compile (2000 optional properties): the time budget's case
+SLOW = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}}
+
+
+@pytest.fixture(scope="module")
+def server():
+    live = LiveServer([f"server.grammar.compile_timeout_s={COMPILE_TIMEOUT_S}", f"engine.prefill_chunk_tokens={CHUNK}",
+                       "server.queue.timeout_s=300"])
+    try:
+        live.wait_ready()
+        yield live
+    finally:
+        live.stop()
+
+
+def post(server: LiveServer, body: dict, timeout: float = 300) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=timeout)
+
+
+class TestHostileSchemas:
+    """In file order: the first constrained request after boot comes first."""
+
+    def test_the_first_constrained_request_after_boot_stalls_nothing(self, server):
+        with Watch(server) as watch:
+            body = {"messages": [{"role": "user", "content": "A JSON object, please."}], "max_tokens": 24,
+                    "response_format": {"type": "json_object"}}
+            response, start, end = attack(watch, lambda: post(server, body))
+            assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"].startswith("{")
+            assert_unfrozen(watch, start, end)
+
+    def test_a_12000_fold_pattern_is_a_400_and_stalls_nothing(self, server):
+        with Watch(server) as watch:
+            response, start, end = attack(watch, lambda: post(server, chat_with_schema(PATTERN)))
+            assert_too_complex(response, "response_format.json_schema.schema")
+            assert "12000" in response.json()["error"]["message"]
+            assert_unfrozen(watch, start, end)
+
+    def test_400_levels_of_nesting_are_a_400_and_stall_nothing(self, server):
+        with Watch(server) as watch:
+            response, start, end = attack(watch, lambda: post(server, chat_with_schema(DEEP)))
+            assert_too_complex(response, "response_format.json_schema.schema")
+            assert_unfrozen(watch, start, end)
+
+    def test_a_deep_schema_with_a_missing_ref_resent_stalls_nothing(self, server):
+        with Watch(server) as watch:
+            answers = []
+
+            def resend() -> httpx.Response:
+                for _ in range(5):
+                    began = time.monotonic()
+                    answers.append((post(server, chat_with_schema(MISSING_REF)), time.monotonic() - began))
+                return answers[-1][0]
+
+            _, start, end = attack(watch, resend)
+            for response, _ in answers:
+                assert response.status_code == 400 and response.json()["error"]["param"] == "response_format.json_schema.schema"
+            assert max(took for _, took in answers[1:]) < 1.0  # resent: the refusal comes from the cache
+            assert_unfrozen(watch, start, end)
+
+    def test_a_schema_past_the_compile_budget_is_killed_and_stalls_nothing(self, server):
+        with Watch(server) as watch:
+            response, start, end = attack(watch, lambda: post(server, chat_with_schema(SLOW)))
+            assert_too_complex(response, "response_format.json_schema.schema")
+            assert f"longer than {COMPILE_TIMEOUT_S:g} s" in response.json()["error"]["message"]
+            assert end - start >= COMPILE_TIMEOUT_S
+            # Event order: the stream went on decoding while a worker spent the budget on the compile.
+            assert watch.tokens_during(start, start + COMPILE_TIMEOUT_S) >= 5
+            assert_unfrozen(watch, start, end)
+            again, again_start, again_end = attack(watch, lambda: post(server, chat_with_schema(SLOW)))
+            assert_too_complex(again, "response_format.json_schema.schema")
+            assert again_end - again_start < 0.5 + 1.0  # refused again from the cache, without a compile
+
+    def test_a_good_schema_still_compiles_and_decodes_after_the_attacks(self, server):
+        schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                  "required": ["city"]}
+        response = post(server, chat_with_schema(schema))
+        assert response.status_code == 200, response.text
+        assert json.loads(response.json()["choices"][0]["message"]["content"])["city"] in ("Paris", "Rome")
+
+
+class TestLongPrompt:
+    def test_a_6k_token_prompt_arriving_mid_stream_is_prefilled_between_its_tokens(self, server):
+        text = "Summarise this story in one line. " + "The keeper climbed the stairs and counted the ships. " * 600
+        count = httpx.post(f"{server.base_url}/tokenize", json={"prompt": text}).json()["count"]
+        while count > 6200:
+            text = text[: len(text) * 6000 // count]
+            count = httpx.post(f"{server.base_url}/tokenize", json={"prompt": text}).json()["count"]
+        assert 5500 <= count <= 6200
+        body = {"messages": [{"role": "user", "content": text}], "max_tokens": 1, "temperature": 0}
+        with Watch(server, max_tokens=1500) as watch:
+            response, start, end = attack(watch, lambda: post(server, body, timeout=600))
+            assert response.status_code == 200 and response.json()["usage"]["prompt_tokens"] >= count
+            chunks = math.ceil(count / CHUNK)
+            # Event order: a decode step of the stream after each chunk (one pass would give it none).
+            assert watch.tokens_during(start, end - 0.5) >= chunks // 2
+            # One chunk plus one step at most, whatever the machine's speed: measured against this prefill's
+            # own pace, and against the bound the hostile schemas meet.
+            per_chunk = (end - 0.5 - start) / chunks
+            assert watch.largest_gap(start, end) < max(GAP_BOUND_S, 3 * per_chunk)
+            assert watch.slowest_health(start, end) < HEALTH_BOUND_S
+
+
+@pytest.fixture(scope="module")
+def kimi_k2(tiny_models):
+    live = LiveServer([*TINY_OVERRIDES["kimi_k2"], f"model.path={tiny_models['kimi_k2']}",
+                       f"server.grammar.compile_timeout_s={COMPILE_TIMEOUT_S}"])
+    try:
+        live.wait_ready()
+        yield live
+    finally:
+        live.stop()
+
+
+def forced_call(parameters: dict) -> dict:
+    tool = {"type": "function", "function": {"name": "lookup", "parameters": parameters}}
+    return {"messages": [{"role": "user", "content": "Look it up."}], "max_tokens": 200, "tools": [tool],
+            "tool_choice": "required"}
+
+
+class TestHostileToolSchemasOnKimiK2:
+    @pytest.mark.parametrize("parameters", [PATTERN, DEEP, SLOW], ids=["pattern", "deep", "slow"])
+    def test_a_hostile_tool_schema_under_an_enforced_tool_choice_is_a_400_and_stalls_nothing(self, kimi_k2, parameters):
+        body = {"messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 3000,
+                "temperature": 0, "ignore_eos": True, "stream": True}
+        with Watch(kimi_k2, body=body) as watch:
+            response, start, end = attack(watch, lambda: post(kimi_k2, forced_call(parameters)))
+            assert_too_complex(response, "tools")
+            assert_unfrozen(watch, start, end)
+
+    def test_a_plain_tool_schema_is_enforced(self, kimi_k2):
+        parameters = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+                      "required": ["city"]}
+        response = post(kimi_k2, forced_call(parameters))
+        assert response.status_code == 200, response.text
+        calls = response.json()["choices"][0]["message"]["tool_calls"]
+        assert calls and calls[0]["function"]["name"] == "lookup"
