@@ -83,6 +83,8 @@ async def chunk_run(loaded, chunk: int, prompt_ids: tuple[int, ...], running_ids
         if isinstance(event, TextDelta):
             break
     first_token = time.perf_counter()
+    while arrivals[-1] < first_token:  # the stream's first token after the prefill closes the last gap
+        await asyncio.sleep(0.005)
     during = [b - a for a, b in zip(arrivals, arrivals[1:]) if b > sent and a < first_token]
     stream.close()
     await asyncio.gather(reader, return_exceptions=True)

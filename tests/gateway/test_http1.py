@@ -145,6 +145,42 @@ class TestConnectionReuse:
         assert [p for p, _ in fake.requests] == ["/a", "/b", "/c"]
 
 
+class TestUnaskedAnswer:
+    def test_an_idle_connection_answered_408_and_closed_is_not_reused(self):
+        """Deltafin as an upstream answers a connection idle past its header deadline with 408 and closes it:
+        the next request must not read that 408 as its own answer."""
+        opened = []
+
+        async def serve(reader, writer):
+            opened.append(writer)
+            await reader.readuntil(b"\r\n\r\n")
+            writer.write(b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\nok")
+            await writer.drain()
+            if len(opened) == 1:  # idle a while: the server's own 408, then close
+                await asyncio.sleep(0.2)
+                writer.write(b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n")
+                await writer.drain()
+                writer.close()
+                return
+            await reader.read()
+
+        async def scenario():
+            server = await asyncio.start_server(serve, "127.0.0.1", 0)
+            pool = Http1Pool(f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}", max_idle=2,
+                             connect_timeout_s=1, read_timeout_s=2)
+            statuses = []
+            for path in ("/a", "/b"):
+                async with pool.request("GET", path) as response:
+                    await response.read_all()
+                    statuses.append(response.status)
+                await asyncio.sleep(0.5)
+            pool.close()
+            server.close()
+            return statuses
+
+        assert asyncio.run(scenario()) == [200, 200] and len(opened) == 2
+
+
 class Closing(ScriptedBody):
     """llama-server's way: the connection closes after each streamed response."""
 

@@ -13,6 +13,7 @@ gateway's own health check hang); only the very first call, with nothing known y
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import time
 from typing import Awaitable, Callable
 
@@ -66,7 +67,9 @@ class UpstreamHealth:
         asks about, in tests say, sends nothing of its own to the upstream)."""
         loop = asyncio.get_running_loop()
         if self._watcher is None or self._watcher[0] is not loop or self._watcher[1].done():
-            self._watcher = (loop, loop.create_task(self._probe_when_idle()))
+            # A context of its own: it outlives the request that started it, whose log fields it must not carry.
+            task = loop.create_task(self._probe_when_idle(), context=contextvars.Context())
+            self._watcher = (loop, task)
 
     async def _probe_when_idle(self) -> None:
         while True:

@@ -231,8 +231,11 @@ class _Connection:
         self.writer = writer
 
     def usable(self) -> bool:
-        """Not closed by either side while idle (a server's keep-alive timeout, llama-server's close)."""
-        return not self.reader.at_eof() and not self.writer.transport.is_closing()
+        """Not closed by either side while idle (a server's keep-alive timeout, llama-server's close), and
+        nothing unasked for waiting in it: a server that answers an idle connection with its own 408 and closes
+        (Deltafin's header deadline does) leaves bytes that the next request would read as its answer."""
+        # StreamReader has no public count of buffered bytes; at_eof() is False while any are left.
+        return not self.reader.at_eof() and not self.reader._buffer and not self.writer.transport.is_closing()
 
     def close(self) -> None:
         self.writer.transport.abort()  # no graceful close to wait for: the exchange is over or abandoned
