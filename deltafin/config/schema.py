@@ -124,7 +124,7 @@ class EngineConfig:
     _target_: str = "deltafin.app.services.build_local_engine"
     # local engine
     max_batch: int = 8
-    prefill_chunk_tokens: int = 256  # prompt positions prefilled between two decode steps (chunked prefill)
+    prefill_chunk_tokens: int = 128  # prompt positions prefilled between two decode steps (chunked prefill)
     # upstream engines
     url: Optional[str] = None
     api: str = "auto"

@@ -19,7 +19,7 @@ from deltafin.engine.sampler import logprob_entries
 
 #: prompt positions run per forward pass during prefill; bounds the [chunk, V] logits prompt logprobs need,
 #: and (engine.prefill_chunk_tokens) how long a prefill holds up the running rows' next decode step
-PREFILL_CHUNK = 512
+PREFILL_CHUNK = 128
 
 
 def cache_argument(model: Any) -> str:
