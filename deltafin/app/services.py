@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +55,8 @@ class Services:
 
     @classmethod
     def load(cls, config: DeltafinConfig) -> "Services":
+        # The grammar workers' fork server imports xgrammar (seconds): meanwhile the model loads.
+        threading.Thread(target=_start_fork_server, name="deltafin-forkserver-start", daemon=True).start()
         return cls.from_engine(config, front_for(config, build_engine(config)))
 
 
@@ -83,6 +86,15 @@ def build_local_engine(config: DeltafinConfig) -> EngineClient:
         prefill_chunk=config.engine.prefill_chunk_tokens,
         prefix_cache_min_tokens=config.server.prefix_cache.min_tokens if config.server.prefix_cache.enabled else None,
     )
+
+
+def _start_fork_server() -> None:
+    from deltafin.grammar.workers import fork_server
+
+    try:
+        fork_server()
+    except Exception:  # grammars_for starts it again and reports the failure there
+        pass
 
 
 def grammars_for(config: DeltafinConfig, engine: EngineFront) -> Any:

@@ -14,6 +14,7 @@ imports) once; the workers share those pages.
 from __future__ import annotations
 
 import multiprocessing
+import multiprocessing.forkserver
 import queue
 import threading
 import time
@@ -30,6 +31,16 @@ log = structlog.get_logger("deltafin.grammar")
 
 #: how long a new worker may take to import, deserialize the tokenizer info and warm up
 START_TIMEOUT_S = 120.0
+
+
+def fork_server() -> Any:
+    """multiprocessing's fork-server context, its server started (importing xgrammar) if it is not yet: started
+    early, on a thread of its own, this overlaps the model's load instead of following it."""
+    context = multiprocessing.get_context("forkserver")
+    # Effective only when this process starts the fork server (the first caller does).
+    context.set_forkserver_preload([worker_module.__name__])
+    multiprocessing.forkserver.ensure_running()  # locked: concurrent callers wait for the one start
+    return context
 
 
 class CompileTimeout(TooComplex):
@@ -81,9 +92,7 @@ class CompileWorkers:
         """tokenizer_info: `TokenizerInfo.serialize_json()` as bytes, or b"" for check-only workers."""
         self.timeout_s = timeout_s
         self._tokenizer_info = tokenizer_info
-        self._context = multiprocessing.get_context("forkserver")
-        # Effective only when this process starts the fork server (the first pool does).
-        self._context.set_forkserver_preload([worker_module.__name__])
+        self._context = fork_server()
         self._queue: queue.SimpleQueue[_Request | None] = queue.SimpleQueue()
         self.replaced = 0  # workers killed or lost and started again (tests read it)
         self.sent = 0  # requests that reached a worker (tests read it)

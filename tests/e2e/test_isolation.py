@@ -3,8 +3,10 @@
 Kimi K2) and a ~6k-token prompt leave the stream's largest inter-token gap and /health's latency bounded; each
 attack gets 200 or a clear 400.
 
-Bounds are generous (the test machines are shared and slow); where it can, a test asserts the order of events
-instead: the stream kept receiving tokens while the attack was being worked on.
+Bounds are generous (the test machines are shared and slow): a gap must stay under GAP_BOUND_S, or under a few
+times the stream's own largest gap just before the attack when the machine is so loaded that the stream itself
+is slower than that (a frozen server stalls streams for the whole attack: 17 s for one pattern, before). Where it
+can, a test asserts the order of events instead: the stream kept receiving tokens while the attack was worked on.
 """
 
 from __future__ import annotations
@@ -21,9 +23,11 @@ from tests.conftest import TINY_OVERRIDES, LiveServer
 
 pytestmark = pytest.mark.e2e
 
-#: largest inter-token gap of the running stream, and largest /health latency, while an attack is served
+#: largest inter-token gap of the running stream, and largest /health latency, while an attack is served ...
 GAP_BOUND_S = 2.0
 HEALTH_BOUND_S = 1.0
+#: ... or this many times the largest seen in the moments before it, on a machine loaded past those bounds
+LOAD_FACTOR = 3
 COMPILE_TIMEOUT_S = 3.0
 CHUNK = 128
 
@@ -44,8 +48,8 @@ class Watch:
     def __enter__(self) -> "Watch":
         for thread in self.threads:
             thread.start()
-        deadline = time.monotonic() + 120
-        while len(self.arrivals) < 5:  # decoding steadily before the attack starts
+        deadline = time.monotonic() + 300
+        while len(self.arrivals) < 8:  # decoding steadily before the attack starts
             assert time.monotonic() < deadline, "the watched stream did not start"
             time.sleep(0.02)
         return self
@@ -73,10 +77,16 @@ class Watch:
                 self.health.append((sent, time.monotonic() - sent, status))
                 time.sleep(0.05)
 
+    def baseline(self, before: float) -> tuple[float, float]:
+        """(largest gap among the stream's last 6 tokens, slowest /health of the last 2 s) before `before`."""
+        arrivals = [t for t in self.arrivals if t < before][-6:]
+        gaps = [b - a for a, b in zip(arrivals, arrivals[1:])] or [0.0]
+        health = [latency for sent, latency, _ in self.health if before - 2 <= sent < before] or [0.0]
+        return max(gaps), max(health)
+
     def largest_gap(self, start: float, end: float) -> float:
         """The largest gap between two tokens of the stream that touches [start, end] (the stream still ran)."""
         arrivals = self.arrivals
-        assert arrivals and arrivals[-1] > end, "the stream stopped during the attack"
         gaps = [b - a for a, b in zip(arrivals, arrivals[1:]) if b >= start and a <= end]
         return max(gaps)
 
@@ -90,21 +100,26 @@ class Watch:
 
 
 def attack(watch: Watch, send) -> tuple[httpx.Response, float, float]:
-    """Send the attack while `watch` runs; wait a moment after it, so a stall it left behind would show."""
+    """Send the attack while `watch` runs; then wait for the stream's first token half a second past its answer,
+    so that a stall it left behind shows as a gap."""
     start = time.monotonic()
     response = send()
-    end = time.monotonic()
-    time.sleep(0.5)
-    return response, start, end + 0.5
+    end = time.monotonic() + 0.5
+    deadline = end + 300
+    while not (watch.arrivals and watch.arrivals[-1] > end):
+        assert time.monotonic() < deadline, "the stream stopped during the attack"
+        time.sleep(0.02)
+    return response, start, end
 
 
 def assert_unfrozen(watch: Watch, start: float, end: float) -> None:
-    assert watch.largest_gap(start, end) < GAP_BOUND_S
-    assert watch.slowest_health(start, end) < HEALTH_BOUND_S
+    gap_before, health_before = watch.baseline(start)
+    assert watch.largest_gap(start, end) < max(GAP_BOUND_S, LOAD_FACTOR * gap_before), (gap_before, watch.arrivals)
+    assert watch.slowest_health(start, end) < max(HEALTH_BOUND_S, LOAD_FACTOR * health_before), health_before
 
 
 def chat_with_schema(schema: dict) -> dict:
-    return {"messages": [{"role": "user", "content": "Answer in JSON."}], "max_tokens": 16,
+    return {"messages": [{"role": "user", "content": "Answer in JSON."}], "max_tokens": 12,
             "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
 
 
@@ -148,10 +163,10 @@ class TestHostileSchemas:
 
     def test_the_first_constrained_request_after_boot_stalls_nothing(self, server):
         with Watch(server) as watch:
-            body = {"messages": [{"role": "user", "content": "A JSON object, please."}], "max_tokens": 24,
+            body = {"messages": [{"role": "user", "content": "A JSON object, please."}], "max_tokens": 8,
                     "response_format": {"type": "json_object"}}
             response, start, end = attack(watch, lambda: post(server, body))
-            assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"].startswith("{")
+            assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"].lstrip().startswith("{")
             assert_unfrozen(watch, start, end)
 
     def test_a_12000_fold_pattern_is_a_400_and_stalls_nothing(self, server):
@@ -189,8 +204,11 @@ class TestHostileSchemas:
             assert_too_complex(response, "response_format.json_schema.schema")
             assert f"longer than {COMPILE_TIMEOUT_S:g} s" in response.json()["error"]["message"]
             assert end - start >= COMPILE_TIMEOUT_S
-            # Event order: the stream went on decoding while a worker spent the budget on the compile.
-            assert watch.tokens_during(start, start + COMPILE_TIMEOUT_S) >= 5
+            # Event order: the stream went on decoding while a worker spent the budget on the compile (as many
+            # tokens as its pace before allows, on a machine loaded so much that it only makes a few).
+            pace = watch.baseline(start)[0]
+            expected = min(5, int(COMPILE_TIMEOUT_S / max(pace, 0.05) / LOAD_FACTOR))
+            assert watch.tokens_during(start, start + COMPILE_TIMEOUT_S) >= expected
             assert_unfrozen(watch, start, end)
             again, again_start, again_end = attack(watch, lambda: post(server, chat_with_schema(SLOW)))
             assert_too_complex(again, "response_format.json_schema.schema")
@@ -223,7 +241,7 @@ class TestLongPrompt:
             # own pace, and against the bound the hostile schemas meet.
             per_chunk = (end - 0.5 - start) / chunks
             assert watch.largest_gap(start, end) < max(GAP_BOUND_S, 3 * per_chunk)
-            assert watch.slowest_health(start, end) < HEALTH_BOUND_S
+            assert watch.slowest_health(start, end) < max(HEALTH_BOUND_S, LOAD_FACTOR * watch.baseline(start)[1])
 
 
 @pytest.fixture(scope="module")
