@@ -2,6 +2,7 @@
 
     .venv/bin/python bench/isolation.py chunks [--chunks 64 128 256 512 8192] [--prompt-tokens 6000]
     .venv/bin/python bench/isolation.py server [--streams 2] [--prompt-tokens 6000] [-- HYDRA OVERRIDES]
+    .venv/bin/python bench/isolation.py gil
 
 `chunks` (in process, the default model, the local engine): for each engine.prefill_chunk_tokens, one greedy
 stream decodes while a prompt of --prompt-tokens arrives; reports the stream's inter-token latency while that
@@ -11,7 +12,11 @@ prompt is in prefill (p50, p99, max), the prompt's own prefill time (its TTFT), 
 `server` (a real `python -m deltafin` on loopback): --streams streamed chat requests decode; their inter-token
 latency (p50, p99, max) is measured in three windows side by side: quiet, while a ~--prompt-tokens prompt
 arrives and prefills, and while hostile constraints are sent (a 12000-fold pattern, refused by the limits; a
-schema of 2000 optional properties, killed at the compile budget; each resent). Also /health latency in each.
+schema of 10000 optional properties, killed at the compile budget; each resent). Also /health latency in each.
+
+`gil`: whether xgrammar holds the GIL. Each step of grammar work (building the tokenizer info, reading a
+hostile schema, compiling, serializing, deserializing) runs on a thread while this thread ticks every 5 ms;
+reports the work's time and the largest tick gap (a gap as long as the work: the GIL was held throughout).
 """
 
 from __future__ import annotations
@@ -110,6 +115,68 @@ def chunks(args: argparse.Namespace) -> dict:
     return {"model": config.model.name, "prompt_tokens": len(prompt_ids), "runs": runs}
 
 
+# -- gil: does xgrammar release the GIL? ----------------------------------------------------------------------
+
+def on_a_thread(fn) -> tuple[float, float]:
+    """(seconds `fn` took on a thread, largest gap between 5 ms ticks of this thread meanwhile)."""
+    done = threading.Event()
+    took: list[float] = []
+
+    def work() -> None:
+        started = time.perf_counter()
+        try:
+            fn()
+        finally:
+            took.append(time.perf_counter() - started)
+            done.set()
+
+    thread = threading.Thread(target=work)
+    gaps, last = [0.0], time.perf_counter()
+    thread.start()
+    while not done.is_set():
+        time.sleep(0.005)
+        now = time.perf_counter()
+        gaps.append(now - last)
+        last = now
+    thread.join()
+    return took[0], max(gaps)
+
+
+def gil(args: argparse.Namespace) -> dict:
+    import xgrammar as xgr
+
+    from deltafin.engine.tokenizer_only import load_tokenizer_only
+    from tests.conftest import compose_config
+
+    bundle = load_tokenizer_only(compose_config(args.overrides).model)
+    info_of = lambda: xgr.TokenizerInfo.from_huggingface(  # noqa: E731
+        bundle.tokenizer, vocab_size=bundle.vocab_size, stop_token_ids=sorted(bundle.stop_token_ids))
+    info = info_of()
+    compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
+    pattern = json.dumps({"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]{3000}$"}}})
+    deep: dict = {"type": "object"}
+    for _ in range(200):
+        deep = {"type": "object", "properties": {"x": deep}, "required": ["x"]}
+    optional = json.dumps({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(1000)}})
+    out: dict[str, dict] = {}
+
+    def step(name: str, fn) -> None:
+        took, gap = on_a_thread(fn)
+        out[name] = {"work_s": round(took, 3), "largest_tick_gap_s": round(gap, 3)}
+        print(name, out[name], file=sys.stderr, flush=True)
+
+    step("tokenizer_info", info_of)
+    kept: dict = {}
+    step("schema_pattern_3000", lambda: kept.setdefault("p", xgr.Grammar.from_json_schema(pattern)))
+    step("schema_depth_200", lambda: xgr.Grammar.from_json_schema(json.dumps(deep)))
+    step("schema_1000_optional", lambda: kept.setdefault("o", xgr.Grammar.from_json_schema(optional)))
+    step("compile_1000_optional", lambda: kept.setdefault("c", compiler.compile_grammar(kept["o"])))
+    step("serialize_compiled", lambda: kept.setdefault("s", kept["c"].serialize_json()))
+    step("deserialize_compiled", lambda: xgr.CompiledGrammar.deserialize_json(kept["s"], info))
+    out["serialized_mb"] = {"size": round(len(kept["s"]) / 1e6, 2)}
+    return out
+
+
 # -- server: a real process -----------------------------------------------------------------------------------
 
 class Streams:
@@ -139,10 +206,13 @@ class Streams:
                         return
 
     def _health(self) -> None:
-        with httpx.Client(timeout=60) as client:
+        with httpx.Client(timeout=600) as client:
             while not self.stop.is_set():
                 sent = time.perf_counter()
-                client.get(f"{self.base_url}/health")
+                try:
+                    client.get(f"{self.base_url}/health")
+                except httpx.HTTPError:  # counted as the time it took to fail
+                    pass
                 self.health.append((sent, time.perf_counter() - sent))
                 time.sleep(0.05)
 
@@ -157,7 +227,7 @@ def hostile_bodies() -> list[dict]:
         return {"messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 8,
                 "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
 
-    slow = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}}
+    slow = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(10000)}}
     pattern = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]{12000}$"}}}
     return [chat(pattern), chat(slow), chat(pattern), chat(slow)]
 
@@ -178,12 +248,12 @@ def server(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         time.sleep(args.window_s)
         t1 = time.perf_counter()
-        long_answer = httpx.post(f"{base}/v1/chat/completions", timeout=600, json={
+        long_answer = httpx.post(f"{base}/v1/chat/completions", timeout=3600, json={
             "messages": [{"role": "user", "content": text}], "max_tokens": 1})
         t2 = time.perf_counter()
         statuses = []
         for body in hostile_bodies():
-            statuses.append(httpx.post(f"{base}/v1/chat/completions", json=body, timeout=600).status_code)
+            statuses.append(httpx.post(f"{base}/v1/chat/completions", json=body, timeout=3600).status_code)
         t3 = time.perf_counter()
         streams.stop.set()
         return {
@@ -208,5 +278,7 @@ if __name__ == "__main__":
     s.add_argument("--prompt-tokens", type=int, default=6000)
     s.add_argument("--window-s", type=float, default=5.0)
     s.add_argument("overrides", nargs="*")
+    g = sub.add_parser("gil")
+    g.add_argument("overrides", nargs="*")
     parsed = parser.parse_args()
-    print(json.dumps(chunks(parsed) if parsed.mode == "chunks" else server(parsed), indent=2))
+    print(json.dumps({"chunks": chunks, "server": server, "gil": gil}[parsed.mode](parsed), indent=2))

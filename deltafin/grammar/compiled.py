@@ -13,7 +13,7 @@ from typing import Any, Iterable
 import xgrammar as xgr
 
 from deltafin.grammar.row import XGrammarRow
-from deltafin.grammar.worker import build, make_compiler
+from deltafin.grammar.worker import build, compile_grammar, make_compiler
 from deltafin.protocol.sampling import Constraint
 
 
@@ -41,6 +41,5 @@ class ReadyGrammar:
 
 def compile_now(constraint: Constraint, info: xgr.TokenizerInfo, vocab_size: int) -> ReadyGrammar:
     """Compile in this thread, unbounded: for tests and benchmarks, never for a request."""
-    compiled = build(constraint, make_compiler(info))
-    assert compiled is not None
-    return ReadyGrammar(compiled, vocab_size)
+    compiler = make_compiler(info)
+    return ReadyGrammar(compile_grammar(compiler, build(constraint, None)), vocab_size)

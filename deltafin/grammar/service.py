@@ -1,11 +1,14 @@
 """Constraint -> a grammar ready for the engine, prepared off the event loop and the engine's owner thread.
 
-`Grammars.prepare(constraint)` answers from a cache of outcomes, or has a worker process check and compile it
-(`deltafin.grammar.workers`) while the request waits in its own lane, before it asks the engine for room: rows
-already decoding never wait for a grammar, and the engine receives it compiled (`GenerationJob.grammar`).
+`Grammars.prepare(constraint)` answers from a cache of outcomes, or has a worker process prove it (limits,
+xgrammar's reading of it and a trial compile, all within the time budget: `deltafin.grammar.worker`) and then
+compiles the proven grammar on the lane's thread, while the request waits in its own lane, before it asks the
+engine for room: rows already decoding never wait for a grammar, and the engine receives it compiled
+(`GenerationJob.grammar`).
 
-- Outcomes are cached both ways: a compiled grammar (LRU of `entries`) and a refusal (LRU of `failures`), so a
-  schema that failed, or ran past the time budget, is answered again in microseconds however often it is sent.
+- Outcomes are cached both ways: a compiled grammar (LRU of `entries`, at most `cache_bytes` together) and a
+  refusal (LRU of `failures`), so a schema that failed, or ran past the time budget, is answered again in
+  microseconds however often it is sent.
 - Requests for a constraint being compiled share that compile.
 - A request that cannot get a worker by its deadline is refused (429) and its queued compile dropped if nobody
   else waits for it; a compile that started runs to its end or its budget, and its outcome is cached.
@@ -42,9 +45,14 @@ class _Pending:
 
 class Grammars:
     def __init__(self, info: xgr.TokenizerInfo | None, vocab_size: int, *, workers: int = 1, timeout_s: float = 10.0,
-                 entries: int = 64, failures: int = 1024, retry_after_s: float = 30.0) -> None:
+                 entries: int = 64, cache_bytes: int = 512 * 2**20, failures: int = 1024,
+                 retry_after_s: float = 30.0) -> None:
         """info: the engine's tokenizer info (compile for it), or None (check only)."""
         self._info = info
+        # Each lane thread compiles with a compiler of its own (made on its first proven grammar).
+        self._compilers = threading.local()
+        self._cache_bytes = cache_bytes
+        self._held_bytes = 0
         self._vocab_size = vocab_size
         self._entries = entries
         self._failures = failures
@@ -111,13 +119,19 @@ class Grammars:
     # On a lane thread.
 
     def _decode(self, answer: bytes) -> ReadyGrammar | None:
+        """The worker's answer -> the grammar compiled here (the same compile the worker just finished within
+        the budget and the size limit), or the refusal."""
         status, payload = answer[:1], answer[1:]
-        if status == worker_module.OK:
-            if self._info is None:
-                return None
-            return ReadyGrammar(xgr.CompiledGrammar.deserialize_json(payload.decode("utf-8"), self._info), self._vocab_size)
-        reason = payload.decode("utf-8", "replace")
-        raise TooComplex(reason) if status == worker_module.TOO_COMPLEX else ValueError(reason)
+        if status != worker_module.OK:
+            reason = payload.decode("utf-8", "replace")
+            raise TooComplex(reason) if status == worker_module.TOO_COMPLEX else ValueError(reason)
+        if self._info is None:
+            return None
+        compiler = getattr(self._compilers, "compiler", None)
+        if compiler is None:
+            compiler = self._compilers.compiler = worker_module.make_compiler(self._info)
+        grammar = xgr.Grammar.deserialize_json(payload.decode("utf-8"))
+        return ReadyGrammar(worker_module.compile_grammar(compiler, grammar), self._vocab_size)
 
     def _settle(self, constraint: Constraint, pending: _Pending, done: Future) -> None:
         with self._lock:
@@ -127,11 +141,17 @@ class Grammars:
                 return
             error = done.exception()
             if error is None:
-                self._ready[constraint] = done.result()
-                while len(self._ready) > self._entries:
-                    self._ready.popitem(last=False)
+                ready = done.result()
+                self._ready[constraint] = ready
+                self._held_bytes += _size(ready)
+                while len(self._ready) > self._entries or (self._held_bytes > self._cache_bytes and len(self._ready) > 1):
+                    self._held_bytes -= _size(self._ready.popitem(last=False)[1])
             elif isinstance(error, ValueError) and not isinstance(error, WorkerFailed):
                 # A crash is not cached: it may have been the worker's (out of memory), not the constraint's.
                 self._refused[constraint] = error
                 while len(self._refused) > self._failures:
                     self._refused.popitem(last=False)
+
+
+def _size(ready: ReadyGrammar | None) -> int:
+    return ready.compiled.memory_size_bytes if ready is not None else 0

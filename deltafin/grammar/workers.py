@@ -2,9 +2,9 @@
 
 Work is queued FIFO; each lane takes the next request, sends it to its worker and waits for the answer at
 most `timeout_s`. A worker that overruns is killed and replaced (never left burning a core); one that dies
-is replaced. The lane thread also turns the answer into what the caller wants (`decode`, e.g. deserializing
-a compiled grammar: xgrammar releases the GIL there), so neither the event loop nor the engine's owner
-thread ever runs grammar work. A request whose future was cancelled while queued (nobody waits for it any
+is replaced. The lane thread also turns the answer into what the caller wants (`decode`: compiling the grammar
+the worker proved; xgrammar releases the GIL there), so neither the event loop nor the engine's owner thread
+ever runs grammar work. A request whose future was cancelled while queued (nobody waits for it any
 more) is skipped.
 
 Workers are forked from multiprocessing's fork server, which imports xgrammar (and torch, which xgrammar

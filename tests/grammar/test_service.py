@@ -29,9 +29,9 @@ def nested(depth: int, leaf: dict | None = None) -> dict:
     return schema
 
 
-#: small, under every structural limit, and far too slow to compile: xgrammar builds states for the
-#: combinations of optional properties (1000 take 0.3 s, 2000 more than 100 s)
-SLOW = json_schema({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(2000)}})
+#: under every structural limit (260 KB), and far too slow to compile: xgrammar's cost grows about
+#: quadratically with optional properties (5000 took 5 s, 10000 more than 20 s)
+SLOW = json_schema({"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(10000)}})
 
 
 @pytest.fixture(scope="module")
@@ -140,6 +140,14 @@ class TestPrepare:
         assert isinstance(again, TooComplex) and took < 0.05  # the refusal is cached like a success
         ready, _ = run(grammars.prepare(json_schema(prop({"type": "boolean"}))))  # the new worker serves
         assert isinstance(ready, ReadyGrammar)
+
+    def test_a_compiled_grammar_over_the_size_limit_is_too_complex(self, info, monkeypatch):
+        # A 500 KB enum of 40000 values compiles to 114 MiB; here the limit comes down to a usual grammar's size.
+        from deltafin.grammar import worker
+
+        monkeypatch.setattr(worker, "MAX_COMPILED_BYTES", 1 << 20)
+        with pytest.raises(TooComplex, match="compiled grammar would take 2 MiB"):
+            worker.build(json_object(), worker.make_compiler(info[0]))
 
     def test_a_request_that_gets_no_worker_by_its_deadline_is_429_and_its_compile_dropped(self, info):
         service = Grammars(*info, workers=1, timeout_s=2.0)
