@@ -59,13 +59,14 @@ def long_text(tokenizer, tokens: int) -> str:
 
 # -- chunks: in process ---------------------------------------------------------------------------------------
 
-async def chunk_run(loaded, chunk: int, prompt_ids: tuple[int, ...], running_ids: tuple[int, ...]) -> dict:
+async def chunk_run(loaded, chunk: int, prompt_ids: tuple[int, ...], running_ids: tuple[int, ...],
+                    threads: int) -> dict:
     from deltafin.engine import EngineFront, GenerationJob, TextDelta
     from deltafin.engine.local import LocalEngine
     from deltafin.protocol.sampling import SamplingParams
 
-    front = EngineFront(LocalEngine(loaded, prefill_chunk=chunk, prefix_cache_min_tokens=None), max_waiting=4,
-                        timeout_s=600, memo_entries=0)
+    front = EngineFront(LocalEngine(loaded, prefill_chunk=chunk, prefix_cache_min_tokens=None, threads=threads),
+                        max_waiting=4, timeout_s=600, memo_entries=0)
     arrivals: list[float] = []
     stream = await front.start([GenerationJob(running_ids, SamplingParams(max_tokens=4000, temperature=0.0,
                                                                           ignore_eos=True))])
@@ -102,7 +103,12 @@ def chunks(args: argparse.Namespace) -> dict:
     from deltafin.engine.loader import load_model
     from tests.conftest import compose_config
 
+    import torch
+
     config = compose_config(args.overrides)
+    # As the server does (build_local_engine): load with one thread, run the engine's own with the configured number.
+    threads = config.placement.num_threads or torch.get_num_threads()
+    torch.set_num_threads(1)
     loaded = load_model(config.model, config.placement)
     tokenizer = loaded.tokenizer
     def chat(text: str) -> tuple[int, ...]:
@@ -111,8 +117,8 @@ def chunks(args: argparse.Namespace) -> dict:
 
     prompt_ids = chat("Summarise: " + long_text(tokenizer, args.prompt_tokens))
     running_ids = chat("Count from one to a thousand.")
-    runs = [asyncio.run(chunk_run(loaded, chunk, prompt_ids, running_ids)) for chunk in args.chunks]
-    return {"model": config.model.name, "prompt_tokens": len(prompt_ids), "runs": runs}
+    runs = [asyncio.run(chunk_run(loaded, chunk, prompt_ids, running_ids, threads)) for chunk in args.chunks]
+    return {"model": config.model.name, "prompt_tokens": len(prompt_ids), "torch_threads": threads, "runs": runs}
 
 
 # -- gil: does xgrammar release the GIL? ----------------------------------------------------------------------

@@ -144,10 +144,14 @@ MISSING_REF = nested(300, {"$ref": "#/$defs/missing"})
 SLOW = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(10000)}}
 
 
+#: One torch thread: on a shared machine two threads of every torch process wait on each other at every small
+#: operation (a 128-token chunk then took 3-5x as long as its share of one pass; with one thread, 1.2x).
+SERVER = [f"server.grammar.compile_timeout_s={COMPILE_TIMEOUT_S}", "placement.num_threads=1"]
+
+
 @pytest.fixture(scope="module")
 def server():
-    live = LiveServer([f"server.grammar.compile_timeout_s={COMPILE_TIMEOUT_S}", f"engine.prefill_chunk_tokens={CHUNK}",
-                       "server.queue.timeout_s=300"])
+    live = LiveServer([*SERVER, f"engine.prefill_chunk_tokens={CHUNK}", "server.queue.timeout_s=300"])
     try:
         live.wait_ready()
         yield live
@@ -247,8 +251,7 @@ class TestLongPrompt:
 
 @pytest.fixture(scope="module")
 def kimi_k2(tiny_models):
-    live = LiveServer([*TINY_OVERRIDES["kimi_k2"], f"model.path={tiny_models['kimi_k2']}",
-                       f"server.grammar.compile_timeout_s={COMPILE_TIMEOUT_S}"])
+    live = LiveServer([*TINY_OVERRIDES["kimi_k2"], f"model.path={tiny_models['kimi_k2']}", *SERVER])
     try:
         live.wait_ready()
         yield live
