@@ -222,8 +222,14 @@ class Streams:
                 self.health.append((sent, time.perf_counter() - sent))
                 time.sleep(0.05)
 
+    def wait_past(self, moment: float) -> None:
+        """Until every stream has a token after `moment` (so the gap across it is known)."""
+        while not all(arrivals and arrivals[-1] > moment for arrivals in self.arrivals):
+            time.sleep(0.01)
+
     def window(self, start: float, end: float) -> dict:
-        gaps = [b - a for arrivals in self.arrivals for a, b in zip(arrivals, arrivals[1:]) if a >= start and b <= end]
+        """Every gap between two tokens that overlaps [start, end] (the one spanning a stall included)."""
+        gaps = [b - a for arrivals in self.arrivals for a, b in zip(arrivals, arrivals[1:]) if a < end and b > start]
         health = [latency for sent, latency in self.health if start <= sent <= end]
         return {"itl": percentiles(gaps), "health": percentiles(health)}
 
@@ -256,10 +262,12 @@ def server(args: argparse.Namespace) -> dict:
         t1 = time.perf_counter()
         long_answer = httpx.post(f"{base}/v1/chat/completions", timeout=3600, json={
             "messages": [{"role": "user", "content": text}], "max_tokens": 1})
+        streams.wait_past(time.perf_counter())
         t2 = time.perf_counter()
         statuses = []
         for body in hostile_bodies():
             statuses.append(httpx.post(f"{base}/v1/chat/completions", json=body, timeout=3600).status_code)
+        streams.wait_past(time.perf_counter())
         t3 = time.perf_counter()
         streams.stop.set()
         return {
