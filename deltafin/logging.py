@@ -46,3 +46,14 @@ def configure_logging(level: str = "info", *, json: bool = True) -> None:
         uvicorn_logger.propagate = True
         uvicorn_logger.setLevel(numeric)
     logging.captureWarnings(True)
+    _no_progress_bars()
+
+
+def _no_progress_bars() -> None:
+    """Progress bars (transformers' "Loading weights", GGUF conversion, huggingface_hub's downloads) are
+    neither log lines nor JSON."""
+    from huggingface_hub.utils import disable_progress_bars
+    from transformers.utils import logging as transformers_logging
+
+    disable_progress_bars()
+    transformers_logging.disable_progress_bar()

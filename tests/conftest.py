@@ -14,18 +14,18 @@ from typing import Iterator
 
 import httpx
 import pytest
-from hydra import compose, initialize_config_dir
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from deltafin.config import CONF_DIR, DeltafinConfig, validate_config  # noqa: E402
+from deltafin.cli import checked_config  # noqa: E402
+from deltafin.config import DeltafinConfig  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def compose_config(overrides: list[str] | None = None) -> DeltafinConfig:
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base=None):
-        return validate_config(compose("config", overrides=overrides or []))
+    """The config `python -m deltafin` would serve for these overrides (every check but the model path's)."""
+    return checked_config(overrides or [])
 
 
 @pytest.fixture(scope="session")
@@ -38,6 +38,16 @@ def loaded_model(config: DeltafinConfig):
     """The real embedded model, loaded once for the session (weights shared by every engine below)."""
     from deltafin.engine.loader import load_model
 
+    return load_model(config.model, config.placement)
+
+
+@pytest.fixture(scope="session")
+def float_model():
+    """The default GGUF dequantized to float32 (`model.gguf_weights=dequantize`, the path before native GGUF
+    weights): the torch decode steps and `placement.quantize` run on float weights."""
+    from deltafin.engine.loader import load_model
+
+    config = compose_config(["model.gguf_weights=dequantize"])
     return load_model(config.model, config.placement)
 
 

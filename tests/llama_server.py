@@ -23,7 +23,7 @@ def llama_server_binary() -> Path:
 
 
 def start_llama_server(gguf: Path, *, parallel: int, context: int, threads: int = 2,
-                       log: IO[str] | int = subprocess.DEVNULL) -> tuple[subprocess.Popen, str]:
+                       log: IO[str] | int = subprocess.DEVNULL, ready_s: float = 120) -> tuple[subprocess.Popen, str]:
     """`llama-server -m GGUF -np PARALLEL -c CONTEXT` on 127.0.0.1; returns (process, base URL) once healthy."""
     port = free_port()
     process = subprocess.Popen(
@@ -32,7 +32,7 @@ def start_llama_server(gguf: Path, *, parallel: int, context: int, threads: int 
         stdout=log, stderr=subprocess.STDOUT if log is not subprocess.DEVNULL else subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + ready_s
     while time.monotonic() < deadline and process.poll() is None:
         try:
             if httpx.get(url + "/health", timeout=1).status_code == 200:

@@ -9,7 +9,7 @@ from transformers import AutoConfig, AutoTokenizer
 
 from tests.conftest import REPO, TINY_FAMILIES
 
-ARCHITECTURE = {"kimi_k3": "DeepseekV3ForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
+ARCHITECTURE = {"kimi_k3": "KimiLinearForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
                 "glm45": "Glm4MoeForCausalLM", "glm47": "Glm4MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 MARKERS = {"kimi_k3": "<|open|>", "kimi_k2": "<|tool_call_begin|>", "glm45": "<arg_value>", "glm47": "<|observation|>",
            "qwen3": "<tool_call>"}

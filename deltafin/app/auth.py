@@ -3,11 +3,12 @@ request without a valid key. Routes in `server.open_routes` are served without o
 
 from __future__ import annotations
 
+import hashlib
 import hmac
 from typing import Any, Sequence
 
 from deltafin.app.errors import send_error
-from deltafin.app.request_context import ROUTE_KEY
+from deltafin.app.request_context import ROUTE_KEY, STATS_KEY
 from deltafin.errors import AuthenticationError
 from deltafin.metrics import UNAUTHENTICATED
 
@@ -17,6 +18,11 @@ _BEARER = b"bearer "
 def is_open(path: str, open_routes: Sequence[str]) -> bool:
     """`/schema` in open_routes opens /schema and everything under it; other entries open exactly that path."""
     return any(path == route or path.startswith(route.rstrip("/") + "/") for route in open_routes)
+
+
+def owner_of(authorization: bytes) -> str:
+    """Who a request with this (valid) key is, for what it stores (responses): a digest, never the key."""
+    return hashlib.sha256(authorization[len(_BEARER):].strip()).hexdigest()[:32]
 
 
 def key_matches(authorization: bytes, keys: Sequence[bytes]) -> bool:
@@ -46,6 +52,9 @@ class ApiKeyGate:
             return
         authorization = next((v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"), b"")
         if key_matches(authorization, self.keys):
+            stats = scope.get("state", {}).get(STATS_KEY)
+            if stats is not None:
+                stats.owner = owner_of(authorization)
             await self.app(scope, receive, send)
             return
         scope[ROUTE_KEY] = UNAUTHENTICATED

@@ -51,9 +51,9 @@ def _validation_error(exc: ValidationException) -> InvalidRequestError:
 
 #: what a client that reached an unserved route (embeddings, responses, audio, ...) is told instead
 SERVED = (
-    "Deltafin serves the OpenAI chat completions API: POST /v1/chat/completions, POST /v1/completions, "
-    "GET /v1/models (plus /tokenize, /detokenize, /parse, /health, /metrics). openai-agents: use "
-    'OpenAIChatCompletionsModel or set_default_openai_api("chat_completions").'
+    "Deltafin serves the OpenAI chat completions and Responses APIs: POST /v1/chat/completions, "
+    "POST /v1/completions, POST /v1/responses (GET and DELETE /v1/responses/{id}, GET "
+    "/v1/responses/{id}/input_items), GET /v1/models (plus /tokenize, /detokenize, /parse, /health, /metrics)."
 )
 
 

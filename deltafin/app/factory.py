@@ -127,8 +127,9 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
                 if readiness.services.ctx.grammars is not None:
                     readiness.services.ctx.grammars.close()  # its worker processes
 
+    generation = GenerationEndpoints(services=readiness.require, drain=drain, max_body_bytes=config.server.max_body_bytes)
     litestar_app = Litestar(
-        route_handlers=[*ROUTES, health, metrics],
+        route_handlers=[*ROUTES, *generation.route_handlers(), health, metrics],
         dependencies={"services": Provide(_provide_services, sync_to_thread=False)},
         exception_handlers={Exception: handle_exception},
         lifespan=[load_in_background],
@@ -141,11 +142,8 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
     publish_body_schemas(litestar_app, BODY_TYPES)
     document_generation_routes(litestar_app)
     # Outermost first: request id + log line + metrics; refuse new work while draining; the API key,
-    # checked before routing so a request without one never has its body read; the body's deadline; the
-    # generation routes, then Litestar for the rest.
-    inner = GenerationEndpoints(litestar_app, services=readiness.require, drain=drain,
-                                max_body_bytes=config.server.max_body_bytes)
-    inner = BodyDeadline(inner, config.server.connections.body_timeout_s)
+    # checked before routing so a request without one never has its body read; the body's deadline; Litestar.
+    inner = BodyDeadline(litestar_app, config.server.connections.body_timeout_s)
     inner = ApiKeyGate(inner, config.server.api_keys, config.server.open_routes)
     app = RequestContext(DrainGate(inner, drain), app_metrics, engine=engine_name(config))
     app.drain = drain  # the server starts draining it on SIGTERM/SIGINT (deltafin.app.server)

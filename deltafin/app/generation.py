@@ -1,15 +1,16 @@
-"""POST /v1/chat/completions and /v1/completions (and their unversioned aliases) as a plain ASGI layer in
-front of Litestar.
+"""POST /v1/chat/completions, /v1/completions and /v1/responses (and their unversioned aliases) as Litestar
+`@asgi` route handlers.
 
-Why not Litestar routes: these two carry every generation, and Litestar's per-request machinery (routing, a
-`Request`, dependency injection, a response object, a task group for a stream) cost ~0.5 ms of the ~1.9 ms a
-gateway spent on a request that arrived alone before its upstream saw it (bench/gateway.py --stagger-ms;
-docs/benchmarks.md). Here a request is: read the body, decode it strictly, call the serving layer, send JSON or
-SSE. Nothing else about the routes changes: the layers outside this one (request context, drain gate, API key,
-body deadline) still run; every error leaves through the same mapping as Litestar's (`to_deltafin_error`,
-`send_error`) with the same bodies and headers; paths are matched after the same normalisation (a trailing or
-doubled slash); OPTIONS and other methods are answered as Litestar did; /schema still documents them
-(`document_generation_routes`).
+Litestar routes them (path normalisation, the route template the metrics label by, guards, the exception
+handlers) and hands over the raw ASGI call: no `Request`, no dependency injection, no response object and no
+task group for a stream, which together cost ~0.5 ms of the ~1.9 ms a gateway spent on a request that arrived
+alone (bench/gateway.py --stagger-ms; docs/benchmarks.md). The routing itself costs ~15-25 us more than a dict
+lookup in front of Litestar (bench/edge.py), so it is Litestar's. A request is: read the body, decode it
+strictly, call the serving layer, send JSON or SSE. What Litestar leaves to an `@asgi` handler is done here:
+OPTIONS and other methods are answered as Litestar answers an HTTP route, the body has its own limit
+(`server.max_body_bytes`; Litestar's applies to its `Request`), and /schema documents the routes
+(`document_generation_routes`). Errors leave through Litestar's exception handler, as on every route. A new
+generation route is one `GenerationRoute` and its paths in `GENERATION_ROUTES`.
 """
 
 from __future__ import annotations
@@ -19,12 +20,11 @@ from dataclasses import dataclass
 from typing import Any, Awaitable, Callable
 
 import msgspec
-from litestar import Litestar
+from litestar import Litestar, asgi
 from litestar.openapi.spec import OpenAPIMediaType, OpenAPIResponse, Operation, PathItem, Schema
 
 from deltafin.app.body import json_request_body
 from deltafin.app.disconnect import cancel_when, on_disconnect
-from deltafin.app.errors import send_error, to_deltafin_error
 from deltafin.app.request_context import STATS_KEY
 from deltafin.app.services import Services
 from deltafin.app.shutdown import Drain
@@ -32,6 +32,7 @@ from deltafin.errors import ClientClosedRequest, InvalidRequestError, MethodNotA
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.completions import CompletionRequest
 from deltafin.protocol.decode import decode_request
+from deltafin.protocol.responses import ResponsesRequest
 from deltafin.serving.context import RequestStats
 from deltafin.serving.sse import StreamingResponse
 
@@ -56,65 +57,54 @@ _CHAT = GenerationRoute(ChatCompletionRequest, "Create a chat completion", "Chat
 _COMPLETION = GenerationRoute(CompletionRequest, "Create a text completion", "Completions",
                               lambda services, request, stats: services.completions.create(request, stats))
 
+_RESPONSE = GenerationRoute(ResponsesRequest, "Create a model response (Responses API)", "Responses",
+                            lambda services, request, stats: services.responses.create(request, stats))
+
 #: path -> route, the versioned path first (both are served and documented)
 GENERATION_ROUTES: dict[str, GenerationRoute] = {
     "/v1/chat/completions": _CHAT,
     "/chat/completions": _CHAT,
     "/v1/completions": _COMPLETION,
     "/completions": _COMPLETION,
+    "/v1/responses": _RESPONSE,
+    "/responses": _RESPONSE,
 }
 
 
-def _normalised(path: str) -> str:
-    """The path as Litestar routes it: repeated slashes collapsed, no trailing slash."""
-    while "//" in path:
-        path = path.replace("//", "/")
-    return path.rstrip("/") or "/"
-
-
 class GenerationEndpoints:
-    """ASGI layer: serves the generation routes; every other request goes on to `app` (Litestar)."""
+    """Serves the generation routes for the route handlers it makes (`route_handlers`)."""
 
-    def __init__(self, app: Any, *, services: Callable[[], Services], drain: Drain, max_body_bytes: int) -> None:
-        self.app = app
+    def __init__(self, *, services: Callable[[], Services], drain: Drain, max_body_bytes: int) -> None:
         self._services = services
         self._drain = drain
         self._max_body_bytes = max_body_bytes
 
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        route = None
-        if scope["type"] == "http":
-            path = scope["path"]
-            route = GENERATION_ROUTES.get(path)
-            if route is None:
-                path = _normalised(path)
-                route = GENERATION_ROUTES.get(path)
-        if route is None:
-            await self.app(scope, receive, send)
-            return
-        scope["path_template"] = path  # the metrics label, as Litestar's router sets it
+    def route_handlers(self) -> list[Any]:
+        """One `@asgi` handler per route, at every path `GENERATION_ROUTES` gives it."""
+        handlers = []
+        for route in dict.fromkeys(GENERATION_ROUTES.values()):
+            paths = [path for path, each in GENERATION_ROUTES.items() if each is route]
+            handlers.append(asgi(path=paths, copy_scope=False, name=route.operation_id)(self._handler(route)))
+        return handlers
+
+    def _handler(self, route: GenerationRoute) -> Callable[..., Awaitable[None]]:
+        async def generation(scope: Any, receive: Any, send: Any) -> None:
+            await self._handle(route, scope, receive, send)
+
+        return generation
+
+    async def _handle(self, route: GenerationRoute, scope: dict[str, Any], receive: Any, send: Any) -> None:
+        """OPTIONS and other methods as Litestar answers them on an HTTP route, then the request. An error
+        raised before the response starts is answered by Litestar's exception handler (deltafin.app.errors), as
+        on every route; one raised later reaches uvicorn, which logs it and closes the connection."""
         method = scope["method"]
         if method == "OPTIONS":
             await send({"type": "http.response.start", "status": 204, "headers": [(b"allow", _ALLOW)]})
             await send({"type": "http.response.body", "body": b""})
             return
-        started = False
-
-        def tracked_send(message: dict[str, Any]) -> Awaitable[None]:
-            nonlocal started
-            started = True
-            return send(message)
-
-        try:
-            if method != "POST":
-                raise MethodNotAllowedError("Method Not Allowed", headers={"Allow": _ALLOW.decode()})
-            await self._serve(route, scope, receive, tracked_send)
-        except asyncio.CancelledError:
-            raise
-        except Exception as exc:
-            if started:
-                raise  # too late for a status; uvicorn logs it and closes the connection
-            await send_error(send, to_deltafin_error(exc))
+        if method != "POST":
+            raise MethodNotAllowedError("Method Not Allowed", headers={"Allow": _ALLOW.decode()})
+        await self._serve(route, scope, receive, send)
 
     async def _serve(self, route: GenerationRoute, scope: dict[str, Any], receive: Any, send: Any) -> None:
         stats = scope.get("state", {}).get(STATS_KEY)

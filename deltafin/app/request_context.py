@@ -64,6 +64,7 @@ class RequestContext:
                 headers.append((b"x-request-id", request_id.encode("ascii")))
                 if stats.rules:
                     headers.append((b"x-deltafin-rules", ",".join(stats.rules).encode("latin-1")))
+                headers += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in stats.headers]
                 message = {**message, "headers": headers}
             elif message["type"] == "http.response.body" and not message.get("more_body", False):
                 done = True

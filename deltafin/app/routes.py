@@ -5,16 +5,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from litestar import Request, get, post
+from litestar import Request, delete, get, post
 from litestar.di import NamedDependency
-from litestar.params import FromPath
+from litestar.params import FromPath, FromQuery
 
 from deltafin.app.body import documented_body, strict_body
 from deltafin.app.request_context import STATS_KEY
 from deltafin.app.services import Services
+from deltafin.errors import InvalidRequestError
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.completions import CompletionRequest
 from deltafin.protocol.parse import ParseRequest
+from deltafin.protocol.responses import InputItemsQuery, ResponsesRequest
 from deltafin.protocol.tokenize import DetokenizeRequest, TokenizeRequest
 from deltafin.serving.chat import brings_template
 from deltafin.serving.context import RequestStats
@@ -23,7 +25,7 @@ from deltafin.serving.models import get_model, list_models
 
 #: The request types whose schemas /schema publishes (deltafin.app.body.publish_body_schemas), the generation
 #: routes' included.
-BODY_TYPES = [ChatCompletionRequest, CompletionRequest, TokenizeRequest, DetokenizeRequest, ParseRequest]
+BODY_TYPES = [ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest, ParseRequest]
 
 
 def _body(request_type: type) -> dict[str, Any]:
@@ -65,4 +67,27 @@ async def parse(payload: NamedDependency[ParseRequest], services: NamedDependenc
     return await services.ctx.off_loop(services.parse.parse, payload)
 
 
-ROUTES = [models, model, tokenize, detokenize, parse]
+# The Responses API's stored responses (POST /v1/responses is a generation route: deltafin.app.generation).
+@get(["/v1/responses/{response_id:str}", "/responses/{response_id:str}"], summary="Retrieve a stored response")
+async def retrieve_response(request: Request, response_id: FromPath[str], services: NamedDependency[Services]) -> dict[str, Any]:
+    return await services.responses.retrieve(_stats(request).owner, response_id)
+
+
+@delete(["/v1/responses/{response_id:str}", "/responses/{response_id:str}"], status_code=200, summary="Delete a stored response")
+async def delete_response(request: Request, response_id: FromPath[str], services: NamedDependency[Services]) -> dict[str, Any]:
+    return await services.responses.delete(_stats(request).owner, response_id)
+
+
+@get(["/v1/responses/{response_id:str}/input_items", "/responses/{response_id:str}/input_items"],
+     summary="List a stored response's input items")
+async def response_input_items(
+    request: Request, response_id: FromPath[str], services: NamedDependency[Services],
+    limit: FromQuery[int] = 20, order: FromQuery[str] = "desc", after: FromQuery[str | None] = None,
+) -> dict[str, Any]:
+    if not 1 <= limit <= 100:
+        raise InvalidRequestError("limit must be between 1 and 100", param="limit")
+    query = InputItemsQuery(limit=limit, order=order, after=after)
+    return await services.responses.input_items(_stats(request).owner, response_id, query)
+
+
+ROUTES = [models, model, tokenize, detokenize, parse, retrieve_response, delete_response, response_input_items]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 from types import FrameType
 from typing import Any, Callable
 
@@ -23,6 +24,12 @@ class GracefulServer(uvicorn.Server):
         super().__init__(config)
         self._on_signal = on_signal
 
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        await super().startup(sockets=sockets)
+        if sockets and not self.should_exit:
+            # uvicorn names the address only for sockets it bound itself; this one was bound before loading
+            self._log_started_message(sockets)
+
     def handle_exit(self, sig: int, frame: FrameType | None) -> None:
         first = not self.should_exit
         super().handle_exit(sig, frame)
@@ -33,7 +40,21 @@ class GracefulServer(uvicorn.Server):
             self._on_signal()
 
 
-def serve(app: Any, config: DeltafinConfig) -> None:
+def bind(host: str, port: int) -> socket.socket:
+    """The listening socket, bound as uvicorn binds one (SO_REUSEADDR; IPv6 for an address with a colon);
+    OSError when this machine cannot listen there."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+    except BaseException:
+        sock.close()
+        raise
+    return sock
+
+
+def serve(app: Any, config: DeltafinConfig, listener: socket.socket) -> None:
+    """Serve `app` on `listener` (bound by `bind` before anything loaded) until SIGTERM/SIGINT."""
     server = config.server
     uvicorn_config = uvicorn.Config(
         app,
@@ -46,4 +67,4 @@ def serve(app: Any, config: DeltafinConfig) -> None:
         timeout_keep_alive=server.connections.keep_alive_s,
         timeout_graceful_shutdown=server.shutdown_grace_s + _UVICORN_MARGIN_S,
     )
-    GracefulServer(uvicorn_config, on_signal=app.drain.begin_from_signal).run()
+    GracefulServer(uvicorn_config, on_signal=app.drain.begin_from_signal).run(sockets=[listener])

@@ -15,6 +15,8 @@ from deltafin.serving.completions import CompletionService
 from deltafin.serving.context import ServingContext, prompt_work_for
 from deltafin.serving.prompt_work import PerThreadChatFormat
 from deltafin.serving.parse import ParseService
+from deltafin.serving.responses import ResponsesService, open_store
+from deltafin.serving.responses.conversation import speaks_developer
 from deltafin.serving.tokenize import TokenizeService
 
 
@@ -25,6 +27,7 @@ class Services:
     completions: CompletionService
     tokenize: TokenizeService
     parse: ParseService
+    responses: ResponsesService
 
     @classmethod
     def from_engine(cls, config: DeltafinConfig, engine: EngineFront) -> "Services":
@@ -51,6 +54,10 @@ class Services:
             completions=CompletionService(ctx),
             tokenize=TokenizeService(ctx, chat),
             parse=ParseService(chat),
+            responses=ResponsesService(
+                ctx, chat, open_store(config.server.responses),
+                developer_role=speaks_developer(config.model.chat_format, getattr(engine.tokenizer, "chat_template", None)),
+            ),
         )
 
     @classmethod

@@ -1,5 +1,6 @@
-"""Typed configuration: the schema and its validation after Hydra composes the YAML."""
+"""Typed configuration: the schema, Hydra composition into it, and the checks after."""
 
+from deltafin.config.compose import compose_config, compose_raw, conf_dir
 from deltafin.config.schema import (
     CompatConfig,
     DeltafinConfig,
@@ -10,7 +11,10 @@ from deltafin.config.schema import (
     QueueConfig,
     ServerConfig,
 )
-from deltafin.config.validate import ConfigError, CONF_DIR, plain_config, validate_config
+from deltafin.config.validate import ConfigError, plain_config, validate_config
+
+#: Where conf/ is found (a checkout's top-level folder, or the copy inside an installed wheel).
+CONF_DIR = conf_dir()
 
 __all__ = [
     "CONF_DIR",
@@ -23,6 +27,9 @@ __all__ = [
     "PlacementConfig",
     "QueueConfig",
     "ServerConfig",
+    "compose_config",
+    "compose_raw",
+    "conf_dir",
     "plain_config",
     "validate_config",
 ]

@@ -1,140 +1,333 @@
-"""The typed schema every composed config is validated against (keys documented in conf/*.yaml)."""
+"""The typed schema of Deltafin's config: every key, its type, its default, its check and what it means.
+
+The schema is registered in Hydra's ConfigStore and is the first entry of conf/config.yaml's defaults, so
+composition itself refuses an unknown key, a wrong type or a value outside an Enum; the checks in field
+metadata (ranges and the like) run right after, in `deltafin.config.validate.check_fields`. A conf/ option
+file sets only what that option changes from these defaults. The comment on each field is the key's
+documentation: docs/config.md is generated from it (`python -m deltafin.config.reference`).
+
+Adding a key: one field in the right dataclass, with a type, a default and a one-line comment (a comment
+right of the field, or lines of comments right above it); a number that has bounds takes
+`ranged(default, low, high)`, a closed set of strings an Enum, any other rule `checked(check, default=...)`
+with a check that returns None or the reason the value is wrong. Then regenerate docs/config.md.
+"""
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from enum import StrEnum
+from typing import Any, Callable, Optional
 
 from omegaconf import MISSING
 
-from deltafin.families import FAMILIES
+#: A check in a field's metadata: the value -> None when it is acceptable, else why not (one line).
+Check = Callable[[Any], Optional[str]]
 
-#: Model families Deltafin knows (the registry in deltafin/families/); `model.family` and a rule's
-#: `families` must name one of these. `generic` is any chat model served with plain OpenAI semantics.
-KNOWN_FAMILIES = frozenset(FAMILIES)
+
+@dataclass(frozen=True)
+class Range:
+    """A number in [low, high]; None passes when the field's default is None (the key is optional)."""
+
+    low: float
+    high: float
+    nullable: bool = False
+
+    def __call__(self, value: Any) -> str | None:
+        if value is None and self.nullable:
+            return None
+        if value is None or not self.low <= value <= self.high:
+            allowed = f"[{self.low}, {self.high}]" + (" or null" if self.nullable else "")
+            return f"{value} is outside {allowed}"
+        return None
+
+
+def ranged(default: Any, low: float, high: float) -> Any:
+    """A numeric field whose value must lie in [low, high] (or be null, when the default is null)."""
+    return field(default=default, metadata={"check": Range(low, high, nullable=default is None)})
+
+
+def checked(check: Check, *, default: Any = MISSING, default_factory: Any = None) -> Any:
+    """A field whose value `check` accepts (checked after composition, like ranges)."""
+    if default_factory is not None:
+        return field(default_factory=default_factory, metadata={"check": check})
+    return field(default=default, metadata={"check": check})
+
+
+# --- closed choices: a value outside these fails composition itself ---
+
+
+class Device(StrEnum):
+    cpu = "cpu"
+    cuda = "cuda"  # one CUDA device (choose it with CUDA_VISIBLE_DEVICES)
+    auto = "auto"  # accelerate's device map decides (placement.device_map)
+
+
+class Dtype(StrEnum):
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class ModelDtype(StrEnum):
+    auto = "auto"  # the placement's dtype
+    float32 = "float32"
+    bfloat16 = "bfloat16"
+    float16 = "float16"
+
+
+class Quantize(StrEnum):
+    none = "none"
+    int8 = "int8"
+    int4 = "int4"
+
+
+class ResponseStoreKind(StrEnum):
+    memory = "memory"  # gone at restart
+    sqlite = "sqlite"  # kept in server.responses.path (the standard library's sqlite3, write-ahead log)
+
+
+class UnsupportedTools(StrEnum):
+    drop = "drop"  # left out of the prompt, named in a response header and the log
+    reject = "reject"  # a 400 naming the tool
+
+
+class GgufWeights(StrEnum):
+    native = "native"  # the file's own quantized blocks through Deltafin's C kernels
+    dequantize = "dequantize"  # transformers' float32 copy, cached as a standard HF folder
+
+
+class ChatFormatName(StrEnum):
+    template = "template"  # the checkpoint's own Jinja chat template
+    xtml = "xtml"  # Kimi K3's XTML, rendered by Deltafin
+
+
+class ContentFormat(StrEnum):
+    string = "string"  # message content handed to the template as one string (text parts joined by "\n")
+    openai = "openai"  # content handed over as OpenAI's list of parts
+
+
+class LogLevel(StrEnum):
+    debug = "debug"
+    info = "info"
+    warning = "warning"
+    error = "error"
+
+
+class UpstreamApi(StrEnum):
+    auto = "auto"  # vLLM's /inference/v1/generate, falling back to /v1/completions once on a 403/404/405
+    generate = "generate"
+    completions = "completions"
+
+
+#: Routes `server.open_routes` may exempt from the API key (`/schema` covers everything under it).
+OPENABLE_ROUTES = ("/health", "/metrics", "/schema")
+
+
+def _open_routes(routes: Any) -> str | None:
+    """a subset of `/health`, `/metrics`, `/schema`"""
+    for route in routes:
+        if route not in OPENABLE_ROUTES:
+            return f"{route!r} is not one of {', '.join(OPENABLE_ROUTES)}"
+    return None
+
+
+def _no_blank_keys(keys: Any) -> str | None:
+    """no blank entry"""
+    for index, key in enumerate(keys):
+        if not str(key).strip():
+            return f"entry {index} is blank: a key needs a non-space character (an empty list turns keys off)"
+    return None
+
+
+def _http_url(url: Any) -> str | None:
+    """`http://` or `https://` URL"""
+    if url is not None and not str(url).startswith(("http://", "https://")):
+        return f"an upstream engine needs http(s)://HOST:PORT (got {url!r})"
+    return None
+
+
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")  # `_` too: container names resolve with one
+
+
+def _bindable_host(host: Any) -> str | None:
+    """an IP address or a host name this machine can listen on
+
+    A host name as RFC 1123 spells one: a dotted string of digits that is not an IPv4 address (999.1.1.1) is
+    neither. Whether this machine can listen there is found out by binding the socket before anything loads
+    (deltafin.cli)."""
+    text = str(host)
+    try:
+        ipaddress.ip_address(text)
+        return None
+    except ValueError:
+        pass
+    labels = text.rstrip(".").split(".")
+    if len(text) > 253 or not all(_HOST_LABEL.fullmatch(label) for label in labels) or labels[-1].isdigit():
+        return f"{text!r} is neither an IP address nor a host name"
+    return None
+
+
+# --- the groups ---
 
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING
-    family: str = MISSING
+    name: str = MISSING  # the id served by /v1/models and accepted in a request's `model`
+    family: str = MISSING  # the model family (deltafin/families/): its parsers and family-scoped rules; never guessed
+    # the checkpoint: a local HF folder, a .gguf file, or `pkg:PACKAGE/FILE` (a file inside an installed Python
+    # package); in gateway mode only the tokenizer files are read
     path: str = MISSING
-    aliases: list[str] = field(default_factory=list)
+    aliases: list[str] = field(default_factory=list)  # other names clients may send for this model
     variant: Optional[str] = None  # a variant of the family (GLM: glm45 | glm47); null = the family's default
-    # Parser names as vLLM / SGLang deployments spell them (`model.tool_parser=glm47`): accepted for
-    # familiarity, they only select the family's variant; the family owns its parsers.
+    # vLLM / SGLang parser names (`model.tool_parser=glm47`), accepted for familiarity: a family or variant name,
+    # which only selects the variant; the family owns its parsers
     tool_parser: Optional[str] = None
-    reasoning_parser: Optional[str] = None
-    context_length: Optional[int] = None
-    chat_format: str = "template"
-    content_format: str = "string"
-    thinking_kwarg: Optional[str] = None
-    trust_remote_code: bool = False
-    dtype: str = "auto"
-    cache_dir: Optional[str] = None
+    reasoning_parser: Optional[str] = None  # the same, for the reasoning parser's name
+    # prompt + completion tokens; null = the checkpoint's max_position_embeddings
+    context_length: Optional[int] = ranged(None, 1, 1 << 30)
+    chat_format: ChatFormatName = ChatFormatName.template  # who renders the prompt
+    content_format: ContentFormat = ContentFormat.string  # how the template reads message content (a string, or OpenAI's parts)
+    thinking_kwarg: Optional[str] = None  # the chat_template_kwargs key that turns thinking on/off (/parse reads it)
+    trust_remote_code: bool = False  # run the checkpoint's own model and tokenizer code
+    dtype: ModelDtype = ModelDtype.auto  # the weights' dtype; auto = placement.dtype
+    cache_dir: Optional[str] = None  # where converted GGUF and quantized weights are cached; null = ~/.cache/deltafin
+    # a GGUF file: native = served in its own blocks (Q4_0/Q4_1/Q5_0/Q5_1/Q8_0, Llama) through C kernels;
+    # dequantize = a float32 copy (also what other files, placement.quantize and non-CPU placements get)
+    gguf_weights: GgufWeights = GgufWeights.native
+    # defaults passed to the chat template (enable_thinking, ...); a request's own chat_template_kwargs win
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class PlacementConfig:
-    device: str = "cpu"
-    dtype: str = "float32"
-    device_map: Optional[str] = None
-    max_memory: Optional[dict[str, str]] = None
-    offload_folder: Optional[str] = None
-    num_threads: Optional[int] = None
-    compile: bool = False
-    quantize: str = "none"
+    device: Device = Device.cpu  # where the weights live (auto: accelerate's device_map decides)
+    dtype: Dtype = Dtype.float32  # the compute dtype (CPU bf16 matmuls are slower than float32)
+    device_map: Optional[str] = None  # accelerate device map (auto, balanced, ...); null = the whole model on `device`
+    max_memory: Optional[dict[str, str]] = None  # per-device limits for a device map, e.g. {0: 20GiB, cpu: 64GiB}
+    offload_folder: Optional[str] = None  # where accelerate offloads weights that fit nowhere else
+    num_threads: Optional[int] = ranged(None, 1, 4096)  # torch threads of the engine; null = torch's default
+    compile: bool = False  # torch.compile the batched decode step (static shapes per batch bucket)
+    quantize: Quantize = Quantize.none  # weight-only quantized linear layers at load (CPU kernels; cached)
 
 
 @dataclass
 class CompatConfig:
-    # Keyed by rule name so `~compat.rules.NAME` and `compat.rules.NAME.value=...` work on the command line.
+    # the rewrite rules, keyed by rule name so `~compat.rules.NAME` and `compat.rules.NAME.value=...` work on the
+    # command line; each is `_target_` (the rule's class), its arguments and optionally `families: [...]`
     rules: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class QueueConfig:
-    max_waiting: int = 16
-    timeout_s: float = 30.0
-    large_body_bytes: int = 65536
-    inline_body_bytes: int = 8192
-    max_large_prompts: int = 2
+    max_waiting: int = ranged(16, 0, 1 << 20)  # requests waiting for the engine beyond this get 429 at once
+    # a request that waited this long (for a prompt thread, then the engine) gets 429; 8 rows of 64-token answers
+    # take ~9 s on 2 cores, so 16 waiters fit (docs/benchmarks.md)
+    timeout_s: float = ranged(30.0, 0, 86400)
+    large_body_bytes: int = ranged(65536, 1, 1 << 40)  # bodies this large have their prompt worked on in a lane of their own ...
+    max_large_prompts: int = ranged(2, 1, 1 << 20)  # ... which holds at most this many (queued or running); past that, 429
+    # smaller bodies have their prompt rendered on the event loop itself (~0.1 ms, less than the hop to a prompt
+    # thread and back); 0 sends every prompt to a thread
+    inline_body_bytes: int = ranged(8192, 0, 1 << 40)
 
 
 @dataclass
 class MemoConfig:
-    entries: int = 32
+    entries: int = ranged(32, 0, 1 << 20)  # deterministic-response LRU size; 0 disables it
 
 
 @dataclass
 class PrefixCacheConfig:
-    enabled: bool = True
-    min_tokens: int = 16
+    enabled: bool = True  # reuse the KV cache of an earlier request's shared prefix (multi-turn, agents)
+    min_tokens: int = ranged(16, 1, 1 << 30)  # shorter shared prefixes are recomputed
 
 
 @dataclass
 class TemplateConfig:
-    trust_request_chat_template: bool = False
-    render_timeout_s: float = 2.0
-    max_rendered_chars: int = 8 * 1024 * 1024
+    trust_request_chat_template: bool = False  # true lets a request's chat_template_kwargs.chat_template replace the model's
+    render_timeout_s: float = ranged(2.0, 0.01, 600)  # a chat template render (the model's or a request's) past this is a 400
+    max_rendered_chars: int = ranged(8 * 1024 * 1024, 1, 1 << 34)  # a rendered prompt larger than this is a 400
 
 
 @dataclass
 class ConnectionsConfig:
-    max_open: int = 256
-    header_timeout_s: float = 10.0
-    body_timeout_s: float = 30.0
-    keep_alive_s: float = 5.0
-    max_header_bytes: int = 32768  # request line + headers past this: 431 and the connection closed
+    max_open: int = ranged(256, 1, 1 << 20)  # concurrent connections beyond this get 503 at once
+    header_timeout_s: float = ranged(10.0, 0.1, 3600)  # a client must send its request line and headers within this
+    body_timeout_s: float = ranged(30.0, 0.1, 3600)  # ... and its whole body within this after the headers; else 408
+    keep_alive_s: float = ranged(5.0, 0.1, 3600)  # idle keep-alive connections are closed after this
+    # request line + headers larger than this: 431 and the connection closed, decided while they arrive (nginx's
+    # default allows 32 KiB, Node's 16 KiB)
+    max_header_bytes: int = ranged(32768, 1024, 1 << 30)
 
 
 @dataclass
 class GrammarConfig:
-    workers: int = 2  # processes that check and compile constraints (each compile runs in one)
-    compile_timeout_s: float = 10.0  # a compile past this is killed: 400, the schema is too complex
+    """Constraints (response_format json_schema / json_object, enforced tool_choice) are checked and compiled in
+    worker processes, never on the event loop or the engine's thread."""
+
+    workers: int = ranged(2, 1, 64)  # processes that check and compile constraints (each compile runs in one)
+    # a compile running longer is killed (its worker replaced): 400, the schema is too complex; refusals are cached
+    # like compiled grammars, so a resend costs nothing
+    compile_timeout_s: float = ranged(10.0, 0.1, 3600)
+
+
+@dataclass
+class ResponsesConfig:
+    store: ResponseStoreKind = ResponseStoreKind.memory  # where `store: true` responses live (/v1/responses)
+    path: Optional[str] = None  # the sqlite file (store=sqlite); its folder must exist, a foreign file stops start-up
+    max_entries: int = ranged(1000, 0, 1 << 30)  # stored responses kept at most; the oldest leave first (0: none)
+    max_bytes: int = ranged(64 * 1024 * 1024, 0, 1 << 40)  # bytes of stored responses kept at most
+    # hosted tools (web_search, file_search, ...): drop (named in x-deltafin-dropped-tools) | reject (400)
+    unsupported_tools: UnsupportedTools = UnsupportedTools.drop
 
 
 @dataclass
 class ServerConfig:
-    host: str = "127.0.0.1"
-    port: int = 8000
-    api_keys: list[str] = field(default_factory=list)
-    max_body_bytes: int = 4 * 1024 * 1024
-    completion_default_max_tokens: int = 256
-    max_n: int = 8
-    max_stop_sequences: int = 16
-    max_top_logprobs: int = 20
-    log_level: str = "info"
+    host: str = checked(_bindable_host, default="127.0.0.1")  # the address to listen on (0.0.0.0: every interface)
+    port: int = ranged(8000, 0, 65535)  # the TCP port to listen on (0: any free port)
+    # non-empty: every request needs `Authorization: Bearer <key>` but those to server.open_routes
+    api_keys: list[str] = checked(_no_blank_keys, default_factory=list)
+    max_body_bytes: int = ranged(4 * 1024 * 1024, 1, 1 << 40)  # larger request bodies get 413
+    completion_default_max_tokens: int = ranged(256, 1, 1 << 30)  # /v1/completions without max_tokens
+    max_n: int = ranged(8, 1, 128)  # upper bound for `n`
+    max_stop_sequences: int = ranged(16, 0, 1024)  # upper bound for the number of `stop` strings
+    max_top_logprobs: int = ranged(20, 0, 1000)  # upper bound for `top_logprobs` / completions' `logprobs`
+    log_level: LogLevel = LogLevel.info  # the server's log level (libraries log at warning and above)
     queue: QueueConfig = field(default_factory=QueueConfig)
     memo: MemoConfig = field(default_factory=MemoConfig)
     prefix_cache: PrefixCacheConfig = field(default_factory=PrefixCacheConfig)
-    open_routes: list[str] = field(default_factory=lambda: ["/health", "/metrics", "/schema"])
-    shutdown_grace_s: float = 10.0
+    # routes served without an API key when api_keys is set: a subset of /health, /metrics, /schema (/schema
+    # covers /schema/openapi.json and the UIs); every other route, unknown paths included, needs the key
+    open_routes: list[str] = checked(_open_routes, default_factory=lambda: list(OPENABLE_ROUTES))
+    shutdown_grace_s: float = ranged(10.0, 0, 3600)  # SIGTERM/SIGINT: in-flight generations get this long, then end with an error event
     templates: TemplateConfig = field(default_factory=TemplateConfig)
     connections: ConnectionsConfig = field(default_factory=ConnectionsConfig)
+    responses: ResponsesConfig = field(default_factory=ResponsesConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
 
 
 @dataclass
 class EngineConfig:
-    """One schema for every engine; each conf/engine/*.yaml sets the keys its engine reads (documented there)."""
+    """One schema for every engine: conf/engine/*.yaml chooses the builder; a key marked local or upstream is
+    read by those engines only."""
 
-    # A callable `(config) -> EngineClient`; an upstream's builder also needs `url`.
+    # who generates: a callable `(config) -> EngineClient` (the local torch engine, or an upstream's builder)
     _target_: str = "deltafin.app.services.build_local_engine"
-    # local engine
-    max_batch: int = 8
-    prefill_chunk_tokens: int = 128  # prompt positions prefilled between two decode steps (chunked prefill)
-    # upstream engines
-    url: Optional[str] = None
-    api: str = "auto"
-    model: Optional[str] = None
-    api_key: Optional[str] = None
-    max_inflight: int = 64
-    connect_timeout_s: float = 5.0
-    read_timeout_s: float = 600.0
-    retry_after_s: int = 2
-    spare_connections: int = 1
+    max_batch: int = ranged(8, 1, 1024)  # local: rows (choices of requests) decoded together in one step; more wait in the queue
+    # local: prompt positions prefilled between two decode steps (chunked prefill): a running stream waits about one
+    # chunk plus one step for its next token while a long prompt prefills; smaller chunks make that wait shorter and
+    # a long prefill slower (docs/benchmarks.md)
+    prefill_chunk_tokens: int = ranged(128, 16, 1 << 20)
+    url: Optional[str] = checked(_http_url, default=None)  # upstream: its base URL, e.g. http://gpu-node:8000
+    api: UpstreamApi = UpstreamApi.auto  # vLLM upstream: its route (auto: /inference/v1/generate, else /v1/completions)
+    model: Optional[str] = None  # upstream: the `model` field sent; null leaves it out (the upstream serves one model)
+    api_key: Optional[str] = None  # upstream: sent as `Authorization: Bearer <key>` when set
+    max_inflight: int = ranged(64, 1, 1 << 16)  # upstream: generations (choices) in flight at once; the queue holds the rest
+    connect_timeout_s: float = ranged(5.0, 0.001, 3600)  # upstream: TCP connect (and write) timeout; a failed connect is 503
+    read_timeout_s: float = ranged(600.0, 0.001, 86400)  # upstream: longest silence between two stream events; then 504
+    retry_after_s: int = ranged(2, 0, 3600)  # upstream: Retry-After sent with 503s (and 429s when the upstream names none)
+    spare_connections: int = ranged(1, 0, 64)  # upstream: connections opened ahead of need (0: connect on demand)
 
 
 @dataclass

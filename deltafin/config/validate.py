@@ -2,59 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
+import dataclasses
+import difflib
+import typing
 from typing import Any
 
 from omegaconf import DictConfig, OmegaConf, SCMode
 from omegaconf.errors import OmegaConfBaseException
 
-from deltafin.config.schema import KNOWN_FAMILIES, DeltafinConfig
-
-# conf/ sits beside the package in the repository (the product layout), found from here.
-CONF_DIR = Path(__file__).resolve().parents[2] / "conf"
-
-_RANGES: dict[str, tuple[float, float]] = {
-    "server.port": (0, 65535),
-    "server.max_body_bytes": (1, 1 << 40),
-    "server.completion_default_max_tokens": (1, 1 << 30),
-    "server.max_n": (1, 128),
-    "server.max_stop_sequences": (0, 1024),
-    "server.max_top_logprobs": (0, 1000),
-    "server.queue.max_waiting": (0, 1 << 20),
-    "server.queue.timeout_s": (0, 86400),
-    "server.queue.large_body_bytes": (1, 1 << 40),
-    "server.queue.max_large_prompts": (1, 1 << 20),
-    "server.queue.inline_body_bytes": (0, 1 << 40),
-    "server.memo.entries": (0, 1 << 20),
-    "server.prefix_cache.min_tokens": (1, 1 << 30),
-    "server.shutdown_grace_s": (0, 3600),
-    "server.templates.render_timeout_s": (0.01, 600),
-    "server.templates.max_rendered_chars": (1, 1 << 34),
-    "server.connections.max_open": (1, 1 << 20),
-    "server.connections.header_timeout_s": (0.1, 3600),
-    "server.connections.body_timeout_s": (0.1, 3600),
-    "server.connections.keep_alive_s": (0.1, 3600),
-    "server.connections.max_header_bytes": (1024, 1 << 30),
-    "server.grammar.workers": (1, 64),
-    "server.grammar.compile_timeout_s": (0.1, 3600),
-    "engine.max_batch": (1, 1024),
-    "engine.prefill_chunk_tokens": (16, 1 << 20),
-    "engine.max_inflight": (1, 1 << 16),
-    "engine.connect_timeout_s": (0.001, 3600),
-    "engine.read_timeout_s": (0.001, 86400),
-    "engine.retry_after_s": (0, 3600),
-    "engine.spare_connections": (0, 64),
-}
-_CHOICES: dict[str, tuple[str, ...]] = {
-    "model.chat_format": ("template", "xtml"),
-    "model.content_format": ("string", "openai"),
-    "server.log_level": ("debug", "info", "warning", "error"),
-    "engine.api": ("auto", "generate", "completions"),
-}
-
-
-#: Routes `server.open_routes` may exempt from the API key (`/schema` covers everything under it).
-OPENABLE_ROUTES = ("/health", "/metrics", "/schema")
+from deltafin.config.schema import DeltafinConfig
 
 
 class ConfigError(ValueError):
@@ -62,68 +18,55 @@ class ConfigError(ValueError):
 
 
 def validate_config(cfg: DictConfig | dict[str, Any]) -> DeltafinConfig:
-    """Merge `cfg` into the typed schema and check ranges; returns a typed (structured) config."""
-    schema = OmegaConf.structured(DeltafinConfig)
+    """`cfg` merged into the typed schema, every value present, resolved and within its field's check;
+    returns the typed (structured) config. Checks that need more than the config (the family registry, the
+    rules, the network) are the caller's: deltafin.cli.checked_config."""
     try:
-        merged = OmegaConf.merge(schema, cfg)
+        merged = OmegaConf.merge(OmegaConf.structured(DeltafinConfig), cfg)
         missing = sorted(OmegaConf.missing_keys(merged))
         if missing:
             raise ConfigError(f"{missing[0]}: a value is required (set {missing[0]}=...)")
         OmegaConf.resolve(merged)
     except OmegaConfBaseException as exc:
-        key = getattr(exc, "full_key", None) or "config"
-        reason = str(exc).splitlines()[0]
-        raise ConfigError(f"{key}: {reason}") from None
-    for key, (low, high) in _RANGES.items():
-        value = OmegaConf.select(merged, key)
-        if not low <= value <= high:
-            raise ConfigError(f"{key}: {value} is outside [{low}, {high}]")
-    if merged.model.family not in KNOWN_FAMILIES:
-        known = ", ".join(sorted(KNOWN_FAMILIES))
-        raise ConfigError(f"model.family: {merged.model.family!r} is not a known family ({known})")
-    _parser_names_select_variant(merged.model)
-    for route in merged.server.open_routes:
-        if route not in OPENABLE_ROUTES:
-            raise ConfigError(f"server.open_routes: {route!r} is not one of {', '.join(OPENABLE_ROUTES)}")
-    for key, allowed in _CHOICES.items():
-        value = OmegaConf.select(merged, key)
-        if value not in allowed:
-            raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
-    _check_engine(merged)
+        raise ConfigError(omegaconf_reason(exc)) from None
+    check_fields(plain_config(merged))
     return merged  # type: ignore[return-value]
 
 
-def _parser_names_select_variant(model: Any) -> None:
-    """`model.tool_parser` / `model.reasoning_parser` name the family or one of its variants; a variant
-    named there becomes `model.variant` (two different ones are a contradiction)."""
-    from deltafin.families import get_family
-
-    variants = get_family(model.family).variants
-    for key in ("tool_parser", "reasoning_parser"):
-        name = model[key]
-        if name is None or name == model.family:
-            continue
-        if name not in variants:
-            known = ", ".join((model.family, *variants))
-            raise ConfigError(f"model.{key}: {name!r} is not a parser of family {model.family!r} (known: {known})")
-        if model.variant is not None and model.variant != name:
-            raise ConfigError(f"model.{key}: {name!r} contradicts model.variant={model.variant!r}")
-        model.variant = name
+def omegaconf_reason(exc: OmegaConfBaseException) -> str:
+    """`KEY: reason`, one line, from an OmegaConf error (its message runs over several lines)."""
+    key = getattr(exc, "full_key", None) or "config"
+    return f"{key}: {str(exc).splitlines()[0]}"
 
 
-def _check_engine(merged: Any) -> None:
-    """The engine's builder must import; an upstream needs an http(s) URL."""
-    from hydra.utils import get_method
+def no_such_key(full_key: str) -> str:
+    """The reason for a key the schema does not have, with the nearest key when one is close."""
+    path = full_key.split(".")
+    node: Any = DeltafinConfig
+    for part in path[:-1]:
+        node = typing.get_type_hints(node).get(part) if dataclasses.is_dataclass(node) else None
+    if not dataclasses.is_dataclass(node):
+        return f"{full_key}: no such key (add one to this mapping with +{full_key}=...)"
+    near = difflib.get_close_matches(path[-1], [spec.name for spec in dataclasses.fields(node)], n=1)
+    hint = f" (did you mean {'.'.join([*path[:-1], near[0]])}?)" if near else ""
+    return f"{full_key}: no such key{hint}"
 
-    target = merged.engine._target_
-    try:
-        builder = get_method(target)
-    except Exception:  # hydra wraps import failures in several types
-        raise ConfigError(f"engine._target_: {target!r} cannot be imported") from None
-    if getattr(builder, "needs_url", False):
-        url = merged.engine.url
-        if not url or not str(url).startswith(("http://", "https://")):
-            raise ConfigError(f"engine.url: an upstream engine needs http(s)://HOST:PORT (got {url!r})")
+
+def check_fields(config: Any, prefix: str = "") -> None:
+    """Run every field's check (schema.ranged / schema.checked), nested groups included. A key added with
+    `+server.NAME=...` is refused here: Hydra's `+` adds keys even to a typed group."""
+    names = [spec.name for spec in dataclasses.fields(config)]
+    for extra in sorted(set(vars(config)) - set(names)):
+        raise ConfigError(no_such_key(f"{prefix}{extra}"))
+    hints = typing.get_type_hints(type(config))
+    for spec in dataclasses.fields(config):
+        value = getattr(config, spec.name)
+        check = spec.metadata.get("check")
+        reason = check(value) if check is not None else None
+        if reason is not None:
+            raise ConfigError(f"{prefix}{spec.name}: {reason}")
+        if dataclasses.is_dataclass(hints[spec.name]):
+            check_fields(value, f"{prefix}{spec.name}.")
 
 
 def plain_config(config: Any) -> DeltafinConfig:

@@ -1,9 +1,11 @@
-"""The KV cache of every running row, left-padded to one length, with the attention mask that hides the padding.
+"""The cache of every running row, per layer kind, with the attention mask that hides the padding.
 
-Rows join with their own prefilled cache (a one-row `DynamicCache`) and leave at any step; keys are stored
-already rotated for their own positions, so left padding only moves where they sit, and each row is fed
-its own position ids. Padding columns that no row needs any more are trimmed when a row leaves.
-Only full-attention layers (`DynamicLayer`) are supported: a sliding-window layer would crop real tokens.
+Rows join with their own prefilled cache (a one-row cache of the model's layer kinds) and leave at any step.
+Attention layers are left-padded to one width: keys are stored already rotated for their own positions, so
+padding only moves where they sit, and each row is fed its own position ids; padding columns no row needs
+any more are trimmed when a row leaves. Linear-attention layers (recurrent and convolution state per row) are
+joined along the batch dimension and never padded. `deltafin.engine.cache_layers` holds what each kind does;
+kinds it does not know are refused when the model loads.
 """
 
 from __future__ import annotations
@@ -13,12 +15,7 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
-
-def _pad_left(t: torch.Tensor, n: int) -> torch.Tensor:
-    """t: [B, H, S, D] -> [B, H, n + S, D] with zeros in front."""
-    if n == 0:
-        return t
-    return torch.cat([t.new_zeros(*t.shape[:2], n, t.shape[3]), t], dim=2)
+from deltafin.engine import cache_layers
 
 
 class BatchKV:
@@ -40,18 +37,10 @@ class BatchKV:
     def add(self, row_cache: Any, length: int, copies: int = 1) -> None:
         """Appends `copies` rows that all start from `row_cache` (one row holding `length` tokens)."""
         width = max(self.width, length)
-        new_layers = [(layer.keys, layer.values) for layer in row_cache.layers]
         if self.cache is None:
-            self.cache = DynamicCache(ddp_cache_data=[
-                (k.expand(copies, -1, -1, -1), v.expand(copies, -1, -1, -1)) for k, v in new_layers
-            ])
-        else:
-            for layer, (k, v) in zip(self.cache.layers, new_layers):
-                # [B, H, L, D] + [copies, H, S, D] -> [B + copies, H, width, D]
-                layer.keys = torch.cat([_pad_left(layer.keys, width - self.width),
-                                        _pad_left(k, width - length).expand(copies, -1, -1, -1)])
-                layer.values = torch.cat([_pad_left(layer.values, width - self.width),
-                                          _pad_left(v, width - length).expand(copies, -1, -1, -1)])
+            self.cache = cache_layers.cache_of([cache_layers.empty_like(layer) for layer in row_cache.layers])
+        for layer, row_layer in zip(self.cache.layers, row_cache.layers):
+            cache_layers.join(layer, row_layer, width=width, copies=copies)
         new_mask = torch.zeros(copies, width, dtype=torch.long, device=self.device)
         new_mask[:, width - length :] = 1
         old_mask = torch.cat([self.mask.new_zeros(self.rows, width - self.width), self.mask], dim=1)
@@ -71,12 +60,10 @@ class BatchKV:
         self.lengths = [n + 1 for n in self.lengths]
 
     def row_cache(self, row: int) -> DynamicCache:
-        """A one-row cache holding only `row`'s real tokens (copied: the batch keeps changing)."""
+        """A one-row cache holding only `row`'s real tokens, detached from the batch (which keeps changing)."""
         assert self.cache is not None
         pad = self.width - self.lengths[row]
-        return DynamicCache(ddp_cache_data=[
-            (layer.keys[row : row + 1, :, pad:], layer.values[row : row + 1, :, pad:]) for layer in self.cache.layers
-        ])
+        return cache_layers.cache_of([cache_layers.single_row(layer, row, pad) for layer in self.cache.layers])
 
     def keep(self, rows: Sequence[int]) -> None:
         """Keeps only `rows` (in that order) and trims padding columns no kept row needs."""
@@ -90,8 +77,7 @@ class BatchKV:
         index = torch.tensor(list(rows), device=self.device)
         assert self.cache is not None
         for layer in self.cache.layers:
-            layer.keys = layer.keys.index_select(0, index)[:, :, trim:]
-            layer.values = layer.values.index_select(0, index)[:, :, trim:]
+            cache_layers.select(layer, index, trim)
         self.mask = self.mask.index_select(0, index)[:, trim:]
         self.positions = self.positions.index_select(0, index)
         self.lengths = lengths

@@ -25,6 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from deltafin.engine.native_step import NativeLlamaStep, native_llama_step
 from deltafin.engine.qlinear import Int8Linear
 
 ARCHITECTURES = ("llama",)
@@ -163,9 +164,13 @@ class FusedLlamaStep:
         return kv.keys, kv.values
 
 
-def fused_llama_step(model: Any) -> FusedLlamaStep | None:
+def fused_llama_step(model: Any) -> FusedLlamaStep | NativeLlamaStep | None:
     """The fused step for `model`, or None where it does not apply (another architecture, or options this
-    step does not implement: sliding windows, tensor-parallel slices, another activation)."""
+    step does not implement: sliding windows, tensor-parallel slices, another activation). A model loaded
+    with its GGUF blocks gets the whole step in C (`deltafin.engine.native_step`)."""
+    native = native_llama_step(model)
+    if native is not None:
+        return native
     config = model.config
     if getattr(config, "model_type", None) not in ARCHITECTURES:
         return None

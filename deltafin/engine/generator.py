@@ -128,10 +128,12 @@ def decode_step_for(model: Any, *, compile: bool = False, backend: str = "induct
 
     With `compile`, the fused step runs with static shapes per (row bucket, capacity bucket)
     (`deltafin.engine.fused_static`); transformers' forward keeps `torch.compile(dynamic=True)`."""
-    from deltafin.engine.fused_llama import fused_llama_step
+    from deltafin.engine.fused_llama import FusedLlamaStep, fused_llama_step
     from deltafin.engine.fused_static import StaticFusedStep
 
     fused = fused_llama_step(model)
     if fused is None:
         return compiled_decode_step(backend, decode_step) if compile else decode_step
+    if not isinstance(fused, FusedLlamaStep):  # GGUF blocks: the whole step is one C call, nothing to compile
+        return fused
     return StaticFusedStep(fused, backend=backend) if compile else fused

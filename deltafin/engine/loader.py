@@ -1,14 +1,17 @@
 """Finds and loads the weights: HF folders (safetensors) and GGUF files, placed as the config says.
 
-GGUF files are dequantized by transformers, which takes tens of seconds; the result is cached as a
-safetensors folder keyed on the file's identity, so later boots load in seconds.
+GGUF files of the Llama architecture whose matrices are Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 are served in their
+own blocks on the CPU (`model.gguf_weights: native`, the default; `deltafin.engine.gguf_native`). Other GGUF
+files, `model.gguf_weights: dequantize`, `placement.quantize` other than none and non-CPU placements are
+dequantized by transformers, which takes tens of seconds; the result is cached as a standard Hugging Face folder
+keyed on the file's identity, so later boots load in seconds and other engines (vLLM, SGLang) load the same folder
+as they load a hub checkpoint.
 """
 
 from __future__ import annotations
 
 import hashlib
 import importlib.util
-import json
 import os
 import shutil
 import tempfile
@@ -21,7 +24,8 @@ import structlog
 import torch
 
 from deltafin.config import ModelConfig, PlacementConfig
-from deltafin.engine import quantize
+from deltafin.engine import architecture, quantize
+from deltafin.engine.cache_layers import unsupported_layers
 
 log = structlog.get_logger("deltafin.engine")
 
@@ -65,10 +69,15 @@ def default_cache_dir() -> Path:
     return Path(base) / "deltafin"
 
 
+#: the layout convert_gguf writes, part of the cache key: a folder an older Deltafin wrote (no `architectures`,
+#: the tied embedding stored as `lm_head.weight` only) is never reused
+CONVERTED_LAYOUT = "hf-2"
+
+
 def _gguf_cache_key(gguf: Path, sample: int = 4 << 20) -> str:
     """Keyed on the file's content (size, first and last 4 MiB), not its path: two virtualenvs holding the
     same wheel share one converted copy, and hashing stays cheap for multi-GB files."""
-    digest = hashlib.sha256(str(gguf.stat().st_size).encode())
+    digest = hashlib.sha256(f"{CONVERTED_LAYOUT}:{gguf.stat().st_size}".encode())
     with gguf.open("rb") as handle:
         digest.update(handle.read(sample))
         handle.seek(max(0, gguf.stat().st_size - sample))
@@ -77,8 +86,9 @@ def _gguf_cache_key(gguf: Path, sample: int = 4 << 20) -> str:
 
 
 def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
-    """The safetensors folder for a GGUF file, converting it on first use."""
-    from safetensors.torch import save_model
+    """The Hugging Face folder for a GGUF file, converting it on first use: written by transformers' own
+    `save_pretrained` (config with `architectures`, tied weights stored as transformers stores them, generation
+    config), with the tokenizer and its chat template beside it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = cache_dir / _gguf_cache_key(gguf)
@@ -92,11 +102,11 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     # Write beside the target, then rename: a concurrent boot never sees a half-written folder.
     staging = Path(tempfile.mkdtemp(prefix=".convert-", dir=cache_dir))
     try:
-        config = model.config.to_dict()
-        config.pop("quantization_config", None)  # the weights are plain float now
-        (staging / "config.json").write_text(json.dumps(config, indent=2))
-        model.generation_config.save_pretrained(staging)
-        save_model(model, str(staging / "model.safetensors"))
+        # The tensors are plain float already; without the GGUF quantizer the model saves as any other.
+        quantizer = getattr(model, "hf_quantizer", None)
+        if quantizer is not None:
+            quantizer.remove_quantization_config(model)
+        model.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
         try:
             staging.rename(target)
@@ -116,6 +126,9 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig) -> LoadedMode
     path = resolve_model_path(model_cfg.path)
     if path.is_file() and path.suffix == ".gguf":
         cache_dir = Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
+        native = _load_gguf_native(path, cache_dir, model_cfg, placement, started)
+        if native is not None:
+            return native
         folder = convert_gguf(path, cache_dir)
     elif path.is_dir():
         folder = path
@@ -133,8 +146,17 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig) -> LoadedMode
             kwargs["offload_folder"] = placement.offload_folder
     log.info("model_load_start", path=str(folder), dtype=dtype_name, device=placement.device,
              quantize=placement.quantize)
+    text = _text_model(folder, model_cfg.trust_remote_code)  # refuses what the engine cannot run, before weights
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=model_cfg.trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    if text is None:
+        model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
+    else:  # the language model of a multimodal checkpoint: transformers' own class, the other towers left out
+        config, layout = text
+        kwargs["trust_remote_code"] = False
+        with layout.loading():
+            model = AutoModelForCausalLM.from_pretrained(
+                folder, config=config, key_mapping=architecture.key_mapping(layout), **kwargs)
+        log.info("text_model_of_multimodal", model_type=config.model_type, left_out=list(layout.towers))
     if not placement.device_map:
         model.to(placement.device)
     model.eval()
@@ -156,6 +178,65 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig) -> LoadedMode
         load_seconds=seconds,
         compile=placement.compile,
     )
+
+
+def _gguf_native_refusal(model_cfg: ModelConfig, placement: PlacementConfig) -> str | None:
+    """Why the config asks for the dequantized path, or None."""
+    if model_cfg.gguf_weights != "native":
+        return "model.gguf_weights is not native"
+    if placement.quantize != "none":
+        return f"placement.quantize={placement.quantize} requantizes float weights"
+    if placement.device != "cpu" or placement.device_map:
+        return "the native kernels run on the CPU only"
+    if (placement.dtype if model_cfg.dtype == "auto" else model_cfg.dtype) != "float32":
+        return "the native kernels take float32 activations"
+    return None
+
+
+def _load_gguf_native(gguf: Path, cache_dir: Path, model_cfg: ModelConfig, placement: PlacementConfig,
+                      started: float) -> LoadedModel | None:
+    """The model with the GGUF's own blocks (`deltafin.engine.gguf_native`), or None to dequantize instead."""
+    from transformers import AutoTokenizer
+
+    from deltafin.engine import gguf_native
+
+    reason = _gguf_native_refusal(model_cfg, placement) or gguf_native.unsupported(gguf)
+    if reason is not None:
+        log.info("gguf_dequantized", gguf=str(gguf), reason=reason)
+        return None
+    folder = gguf_native.skeleton_folder(gguf, cache_dir, _gguf_cache_key(gguf))
+    log.info("model_load_start", path=str(gguf), weights="gguf native", device="cpu")
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = gguf_native.load_native(gguf, folder)
+    context_length = model_cfg.context_length or getattr(model.config, "max_position_embeddings", None) or 2048
+    seconds = time.perf_counter() - started
+    log.info("model_load_done", seconds=round(seconds, 2), context_length=context_length)
+    return LoadedModel(model=model, tokenizer=tokenizer, context_length=int(context_length),
+                       stop_token_ids=_stop_token_ids(model, tokenizer), source=folder, load_seconds=seconds,
+                       compile=placement.compile)
+
+
+def _text_model(folder: Path, trust_remote_code: bool) -> tuple[Any, architecture.Multimodal] | None:
+    """The language model's config and layout when `folder` is a multimodal checkpoint served for text; None
+    for a plain one. ModelLoadError, one line naming the architecture and why, for a model the engine cannot
+    run (checked from the config alone, before any weight is read)."""
+    from transformers import AutoConfig
+
+    raw = architecture.read_config(folder)
+    try:
+        text = architecture.text_model(raw)
+    except ValueError as exc:
+        raise ModelLoadError(f"model.path: {exc}") from None
+    problem = architecture.unimplemented(text[0] if text else raw)
+    if problem is None:
+        if text is not None:
+            config = AutoConfig.for_model(**text[0])
+        else:
+            config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+        problem = unsupported_layers(config)
+    if problem is not None:
+        raise ModelLoadError(f"model.path: {architecture.name(raw)} cannot run on the local engine: {problem}")
+    return (config, text[1]) if text is not None else None
 
 
 def _stop_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:

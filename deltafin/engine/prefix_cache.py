@@ -1,12 +1,18 @@
-"""Reuse of earlier generations' KV caches when a new prompt extends one of them (multi-turn chat, agents)."""
+"""Reuse of earlier generations' caches when a new prompt extends one of them (multi-turn chat, agents).
+
+An attention-only cache is a list of positions: any shared prefix of it is reusable, cut back with `crop`.
+A cache holding recurrent state (linear-attention layers, `deltafin.engine.cache_layers`) is a summary of
+exactly the tokens it saw: it is reused only when all of them start the new prompt, never cut back."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
+from deltafin.engine.cache_layers import exact_length_only
+
 
 class PrefixCache:
-    """Holds up to `entries` KV caches (one row each) and the token ids each covers, most recent last.
+    """Holds up to `entries` caches (one row each) and the token ids each covers, most recent last.
 
     Only the engine's owner thread touches it. A cache is taken out while a request uses it, so a request
     that dies mid-way leaves nothing half-written behind; the engine gives caches back when rows leave."""
@@ -22,14 +28,14 @@ class PrefixCache:
 
     def take(self, prompt_ids: Sequence[int]) -> tuple[Any, int]:
         """A cache holding the longest reusable prefix of `prompt_ids`, and that prefix's length."""
-        best, shared = -1, 0
-        for index, (_, ids) in enumerate(self._items):
-            common = _common_prefix(ids, prompt_ids)
-            if common >= shared:  # ties go to the most recent entry
-                best, shared = index, common
         # At least one prompt token must be run to get the next logits.
-        shared = min(shared, max(len(prompt_ids) - 1, 0))
-        if best < 0 or shared < self._min_reuse or not getattr(self._items[best][0], "is_croppable", True):
+        limit = max(len(prompt_ids) - 1, 0)
+        best, shared = -1, 0
+        for index, (cache, ids) in enumerate(self._items):
+            usable = _reusable(cache, ids, prompt_ids, limit)
+            if usable >= shared:  # ties go to the most recent entry
+                best, shared = index, usable
+        if best < 0 or shared < self._min_reuse:
             return self._new_cache(), 0
         cache, ids = self._items.pop(best)
         surplus = len(ids) - shared
@@ -41,13 +47,24 @@ class PrefixCache:
         """Offers `cache` (holding exactly `ids`) to later requests; the oldest entry goes when full."""
         if not ids:
             return
-        # An entry that is a prefix of the new one is never the better match: drop it.
-        self._items = [(c, old) for c, old in self._items if _common_prefix(old, ids) < len(old)]
+        # An attention-only entry that is a prefix of the new one is never the better match: drop it. One
+        # with recurrent state still serves prompts that leave the new entry's path after it (an assistant
+        # turn rendered back otherwise than it was generated): only an identical one goes.
+        self._items = [(c, old) for c, old in self._items
+                       if _common_prefix(old, ids) < len(old) or (exact_length_only(c) and old != ids)]
         self._items.append((cache, list(ids)))
         del self._items[: -self._entries]
 
     def clear(self) -> None:
         self._items = []
+
+
+def _reusable(cache: Any, ids: Sequence[int], prompt_ids: Sequence[int], limit: int) -> int:
+    """How many leading tokens of the prompt `cache` (holding `ids`) can stand for."""
+    common = min(_common_prefix(ids, prompt_ids), limit)
+    if exact_length_only(cache):
+        return len(ids) if common == len(ids) else 0
+    return common
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

@@ -12,6 +12,10 @@ quality test's prompts), worse than int4.
 
 int4: groups of INT4_GROUP input channels with a scale and a zero each, packed for
 `_weight_int4pack_mm_for_cpu` (gpt-fast's recipe), bfloat16 activations.
+
+GGML: a GGUF file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0), never dequantized: `GGMLLinear` and
+`GGMLEmbedding` run Deltafin's C kernels (`deltafin/engine/kernels/ggml_quants.c`) at any row count, so
+prefill and the decode step read the same bytes llama.cpp reads. Loaded by `deltafin.engine.gguf_native`.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltafin.engine.kernels import int8_matvec
+from deltafin.engine.kernels import ggml, int8_matvec
 
 INT4_GROUP = 32
 INT4_INNER_K_TILES = 2
@@ -122,3 +126,54 @@ class Int4Linear(nn.Module):
         if self.bias is not None:
             out = out + self.bias
         return out.reshape(*shape[:-1], self.out_features)
+
+
+class GGMLLinear(nn.Module):
+    """A linear layer over a GGUF tensor's blocks: `blocks` uint8 [N, row bytes] (one weight row per line, in
+    a 64-byte-aligned torch buffer), ggml type id `ggml_type`, float32 activations in and out."""
+
+    def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None = None) -> None:
+        super().__init__()
+        library = ggml()
+        assert library is not None and library.deltafin_ggml_supported(ggml_type), "loader checks this first"
+        self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, blocks.shape[0]
+        self.register_buffer("blocks", blocks.contiguous())
+        self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
+        self._matmul = library.deltafin_ggml_matmul
+
+    @property
+    def row_bytes(self) -> int:
+        return self.blocks.shape[1]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = x.shape
+        rows = x.reshape(-1, self.in_features).float().contiguous()
+        out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
+        bias = None if self.bias is None else self.bias.data_ptr()
+        failed = self._matmul(rows.data_ptr(), rows.shape[0], self.blocks.data_ptr(), self.ggml_type,
+                              self.out_features, self.in_features, self.row_bytes, bias, out.data_ptr(),
+                              torch.get_num_threads())
+        if failed:
+            raise MemoryError("the GGML matmul could not allocate its activation buffer")
+        return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
+
+    def dequantized(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """The float32 weight rows `rows` (all when None): for embedding lookups and tests, never kept."""
+        ids = torch.arange(self.out_features) if rows is None else rows.reshape(-1).to(torch.int64).contiguous()
+        out = torch.empty(ids.shape[0], self.in_features, dtype=torch.float32)
+        ggml().deltafin_ggml_dequantize(self.blocks.data_ptr(), self.ggml_type, self.in_features, self.row_bytes,
+                                        ids.data_ptr(), ids.shape[0], out.data_ptr())
+        return out
+
+
+class GGMLEmbedding(nn.Module):
+    """Token embeddings read from a GGUF tensor's blocks: each looked-up row is dequantized on the fly.
+    Shares its blocks with the LM head of a model with tied embeddings."""
+
+    def __init__(self, table: GGMLLinear) -> None:
+        super().__init__()
+        self.table = table
+        self.num_embeddings, self.embedding_dim = table.out_features, table.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.table.dequantized(ids).reshape(*ids.shape, self.embedding_dim)

@@ -59,6 +59,10 @@ class Sampler:
         if params.presence_penalty or params.frequency_penalty:
             self._counts = torch.zeros(vocab_size, device=device)
         self._seen: torch.Tensor | None = None
+        #: greedy with nothing to apply: the argmax of the raw logits (one operator a row, the common case)
+        self._plain_greedy = (params.greedy and constraint is None and not params.logit_bias
+                              and not (params.presence_penalty or params.frequency_penalty)
+                              and params.repetition_penalty == 1.0)
         if params.repetition_penalty != 1.0:
             self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             if prompt_ids:
@@ -85,6 +89,8 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [V] for the last position; returns the drawn token as a 0-d int64 tensor (no host sync)."""
+        if self._plain_greedy and logits.dtype == torch.float32:
+            return torch.argmax(logits)  # model logits are finite: nothing for the guard below to fix
         p = self.params
         logits = logits.float()
         if self._seen is not None:

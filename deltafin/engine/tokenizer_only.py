@@ -49,9 +49,11 @@ def load_tokenizer_only(model_cfg: ModelConfig) -> TokenizerBundle:
         config = AutoConfig.from_pretrained(**source, trust_remote_code=trust)
     except (OSError, ValueError):  # tokenizer files only: the context length must come from model.context_length
         config = None
-    context = model_cfg.context_length or getattr(config, "max_position_embeddings", None) or DEFAULT_CONTEXT
+    # A multimodal checkpoint (Kimi K3) keeps its language model's numbers in text_config.
+    text = config.get_text_config() if config is not None and hasattr(config, "get_text_config") else config
+    context = model_cfg.context_length or getattr(text, "max_position_embeddings", None) or DEFAULT_CONTEXT
     # The embedding rows, not len(tokenizer): upstream engines accept (and may emit) padded-vocabulary ids.
-    vocab = max(int(getattr(config, "vocab_size", 0) or 0), len(tokenizer))
+    vocab = max(int(getattr(text, "vocab_size", 0) or 0), len(tokenizer))
     stops: set[int] = set()
     _add_ids(stops, getattr(config, "eos_token_id", None))
     if path.is_dir() and (path / "generation_config.json").exists():

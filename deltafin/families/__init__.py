@@ -7,10 +7,21 @@ import importlib
 import pkgutil
 from typing import Any, Sequence, TypeVar
 
+from deltafin.config import ConfigError
 from deltafin.families.base import ModelFamily, TinyRecipe
 from deltafin.prompt.parsers.base import IdFactory, OutputParser, kimi_call_ids, random_call_id
 
-__all__ = ["FAMILIES", "ModelFamily", "TinyRecipe", "build_output_parser", "check_family", "get_family", "register"]
+__all__ = [
+    "FAMILIES",
+    "KNOWN_FAMILIES",
+    "ModelFamily",
+    "TinyRecipe",
+    "build_output_parser",
+    "check_family",
+    "check_model",
+    "get_family",
+    "register",
+]
 
 FAMILIES: dict[str, ModelFamily] = {}
 
@@ -34,12 +45,28 @@ def get_family(name: str) -> ModelFamily:
 
 def check_family(family: str, variant: str | None) -> None:
     """Start-up check of model.family / model.variant: a one-line ConfigError naming the key."""
-    from deltafin.config import ConfigError
-
     try:
         get_family(family).variant(variant)
     except ValueError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def check_model(model: Any) -> None:
+    """Start-up check of the `model` group against the registry. `model.tool_parser` /
+    `model.reasoning_parser` name the family or one of its variants; a variant named there becomes
+    `model.variant` (two different ones are a contradiction)."""
+    check_family(model.family, model.variant)
+    variants = FAMILIES[model.family].variants
+    for key in ("tool_parser", "reasoning_parser"):
+        name = getattr(model, key)
+        if name is None or name == model.family:
+            continue
+        if name not in variants:
+            known = ", ".join((model.family, *variants))
+            raise ConfigError(f"model.{key}: {name!r} is not a parser of family {model.family!r} (known: {known})")
+        if model.variant is not None and model.variant != name:
+            raise ConfigError(f"model.{key}: {name!r} contradicts model.variant={model.variant!r}")
+        model.variant = name
 
 
 def build_output_parser(
@@ -67,3 +94,7 @@ def build_output_parser(
 for _module in pkgutil.iter_modules(__path__):
     if _module.name != "base":
         importlib.import_module(f"{__name__}.{_module.name}")
+
+#: The names `model.family` and a rule's `families` may use. `generic` is any chat model served with plain
+#: OpenAI semantics.
+KNOWN_FAMILIES = frozenset(FAMILIES)

@@ -9,7 +9,7 @@ chosen by `model.variant`.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable, ClassVar, Sequence
+from typing import Any, ClassVar, Sequence
 
 from deltafin.grammar.tool_calls import Syntax, forced_calls
 from deltafin.prompt.parsers.base import IdFactory, OutputParser, PlainOutputParser, random_call_id
@@ -20,7 +20,9 @@ from deltafin.prompt.parsers.chain import BlankContentBesideCalls, ChainedParser
 class TinyRecipe:
     """How `python -m deltafin.tiny` builds a tiny random-weight model of the family."""
 
-    model: Callable[[int], Any]  # vocabulary size -> the family's transformers architecture, scaled down
+    # the family's transformers architecture, scaled down: a builder in deltafin/tiny/architectures.py, by name
+    # (named, not imported: deltafin.tiny stands above the families and imports them)
+    model: str
     special_tokens: list[str]  # the last one named "pad" (if any) is the padding token
     stop_tokens: list[str]  # the first is the tokenizer's eos_token
     template: str | None = None  # file in deltafin/tiny/templates; None: Deltafin renders the prompt itself

@@ -17,7 +17,6 @@ from deltafin.prompt.parsers.base import IdFactory
 from deltafin.prompt.parsers.glm import CALL_BEGIN, GlmToolParser
 from deltafin.prompt.parsers.think import ThinkReasoningParser
 from deltafin.prompt.parsers.values import schema_types
-from deltafin.tiny.architectures import glm4_moe
 
 TOKENS = [
     "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<|endoftext|>",
@@ -46,4 +45,4 @@ class Glm(ModelFamily):
 
     def tiny_recipe(self, variant: str | None) -> TinyRecipe:
         switch = "{%- set glm47 = " + ("true" if variant == "glm47" else "false") + " -%}"
-        return TinyRecipe(glm4_moe, TOKENS, ["<|endoftext|>", "<|user|>", "<|observation|>"], "glm.jinja", switch)
+        return TinyRecipe("glm4_moe", TOKENS, ["<|endoftext|>", "<|user|>", "<|observation|>"], "glm.jinja", switch)

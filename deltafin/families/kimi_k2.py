@@ -12,7 +12,6 @@ from deltafin.prompt.parsers.base import IdFactory
 from deltafin.prompt.parsers.kimi_k2 import CALL_BEGIN, SECTION_BEGIN, KimiK2ToolParser
 from deltafin.prompt.parsers.think import ThinkReasoningParser
 from deltafin.prompt.parsers.values import tool_properties
-from deltafin.tiny.architectures import deepseek_v3
 
 TOKENS = [
     "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>",
@@ -41,4 +40,4 @@ class KimiK2(ModelFamily):
         return KIMI_K2
 
     def tiny_recipe(self, variant: str | None) -> TinyRecipe:
-        return TinyRecipe(deepseek_v3, TOKENS, ["<|im_end|>"], "kimi_k2.jinja")
+        return TinyRecipe("deepseek_v3", TOKENS, ["<|im_end|>"], "kimi_k2.jinja")

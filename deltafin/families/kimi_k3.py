@@ -11,7 +11,6 @@ from deltafin.grammar.tool_calls import XTML, Syntax
 from deltafin.prompt.parsers.base import IdFactory, OutputParser
 from deltafin.prompt.parsers.chain import BlankContentBesideCalls
 from deltafin.prompt.parsers.kimi_k3 import KimiK3Parser, starting_channels
-from deltafin.tiny.architectures import deepseek_v3
 
 TOKENS = ["<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "<|pad|>"]
 
@@ -35,4 +34,4 @@ class KimiK3(ModelFamily):
         return True  # one parser for reasoning and calls (output_parser), no separate tool parser
 
     def tiny_recipe(self, variant: str | None) -> TinyRecipe:
-        return TinyRecipe(deepseek_v3, TOKENS, ["<|end_of_msg|>"])
+        return TinyRecipe("kimi_linear", TOKENS, ["<|end_of_msg|>"])

@@ -11,7 +11,6 @@ from deltafin.grammar.tool_calls import HERMES, Syntax
 from deltafin.prompt.parsers.base import IdFactory
 from deltafin.prompt.parsers.hermes import CALL_BEGIN, HermesToolParser
 from deltafin.prompt.parsers.think import ThinkReasoningParser
-from deltafin.tiny.architectures import qwen3
 
 TOKENS = [
     "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
@@ -36,4 +35,4 @@ class Qwen3(ModelFamily):
         return HERMES
 
     def tiny_recipe(self, variant: str | None) -> TinyRecipe:
-        return TinyRecipe(qwen3, TOKENS, ["<|im_end|>", "<|endoftext|>"], "qwen3.jinja")
+        return TinyRecipe("qwen3", TOKENS, ["<|im_end|>", "<|endoftext|>"], "qwen3.jinja")

@@ -19,7 +19,9 @@ from deltafin.protocol.sampling import Constraint
 
 def logits_width(model: Any) -> int:
     """The width of the model's logits, which the bitmask must cover (often past the tokenizer's own size)."""
-    return int(model.get_output_embeddings().weight.shape[0])
+    head = model.get_output_embeddings()
+    # out_features first: a head of GGUF blocks (deltafin.engine.qlinear.GGMLLinear) has no float weight
+    return int(getattr(head, "out_features", None) or head.weight.shape[0])
 
 
 def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int]) -> xgr.TokenizerInfo:

@@ -10,8 +10,8 @@ template that loops for minutes or builds a gigabyte string. Three bounds close 
 - failures jinja's sandbox raises as plain Python errors (`range(10**8)` is an OverflowError, deep nesting a
   RecursionError) become 400s naming the template, like any template that rejects its input.
 
-Message text never reaches the template (chat_format swaps it for short sentinels), so the budget does not
-grow with the prompt; tokenizing stays outside it.
+The template sees the real messages (deltafin.prompt.template), so its time grows with the prompt: string work
+over a body of `server.max_body_bytes` takes milliseconds, far inside the budget; tokenizing stays outside it.
 """
 
 from __future__ import annotations

@@ -41,15 +41,6 @@ class ToolCall(Struct, kw_only=True):
     type: Literal["function"] = "function"
 
 
-class ChatMessage(Struct, kw_only=True, omit_defaults=True):
-    role: Role
-    content: Union[str, list[ContentPart], None] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[ToolCall]] = None
-    tool_call_id: Optional[str] = None
-    reasoning_content: Optional[str] = None
-
-
 class FunctionDefinition(Struct, kw_only=True):
     name: Annotated[str, Meta(min_length=1)]
     description: Optional[str] = None
@@ -60,6 +51,18 @@ class FunctionDefinition(Struct, kw_only=True):
 class ToolDefinition(Struct, kw_only=True):
     function: FunctionDefinition
     type: Literal["function"] = "function"
+
+
+class ChatMessage(Struct, kw_only=True, omit_defaults=True):
+    role: Role
+    content: Union[str, list[ContentPart], None] = None
+    name: Optional[str] = None
+    tool_calls: Optional[list[ToolCall]] = None
+    tool_call_id: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    reasoning: Optional[str] = None  # the same, under the name newer vLLM returns (clients send it back)
+    # Tools declared mid-conversation by a system message (Kimi K3 renders them as "New Tools Available").
+    tools: Optional[list[ToolDefinition]] = None
 
 
 class JsonSchemaFormat(Struct, kw_only=True):
@@ -114,10 +117,15 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
                 raise InvalidRequestError(f"top_logprobs must be at most {max_top_logprobs}", param="top_logprobs")
             if self.top_logprobs > 0 and not self.logprobs:
                 raise InvalidRequestError("top_logprobs requires logprobs to be true", param="top_logprobs")
+        self.check_request_shape()
+
+    def check_request_shape(self) -> None:
+        """The checks of what shapes the prompt (messages, tool_choice, response_format), shared with /tokenize."""
         for i, message in enumerate(self.messages):
             if message.role == "tool" and message.content is None:
                 raise InvalidRequestError("a tool message needs content", param=f"messages[{i}].content")
-            if message.role in ("system", "developer", "user") and message.content is None:
+            # A system message that declares tools (Kimi K3's mid-conversation declaration) may have no text.
+            if message.role in ("system", "developer", "user") and message.content is None and not message.tools:
                 raise InvalidRequestError(f"a {message.role} message needs content", param=f"messages[{i}].content")
         self.check_response_format()
         if self.tool_choice is not None and isinstance(self.tool_choice, str):

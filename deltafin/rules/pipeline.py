@@ -16,8 +16,8 @@ from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from deltafin.config import ConfigError
-from deltafin.config.schema import KNOWN_FAMILIES
 from deltafin.errors import DeltafinError
+from deltafin.families import KNOWN_FAMILIES
 from deltafin.rules.base import Chunk, Request, Rule, RuleContext
 
 

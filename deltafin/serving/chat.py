@@ -7,17 +7,20 @@ from typing import Any, AsyncIterator
 
 from deltafin.engine import Finished, GenerationJob, GenerationStream, TextDelta, TokenLogprob
 from deltafin.errors import InvalidRequestError
-from deltafin.prompt.chat_format import RenderedPrompt
+from deltafin.prompt import PromptOptions, RenderedPrompt
 from deltafin.families import build_output_parser
 from deltafin.prompt.parsers import OutputParser, ParsedDelta
 from deltafin.prompt.sandbox import TemplateBudget, template_budget
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.rules import RuleContext
-from deltafin.serving.constraints import check_tools, prepared_constraint
+from deltafin.grammar.forced_json import arguments_only
+from deltafin.prompt.parsers.base import random_call_id
+from deltafin.prompt.parsers.forced_json import ForcedJsonCallParser
+from deltafin.serving.constraints import check_tools, forced_without_parser, prepared_constraint
 from deltafin.serving.context import RequestStats, ServingContext, new_id
 from deltafin.serving.logprobs import chat_logprobs
-from deltafin.serving.ruled import serve_with_rules
-from deltafin.serving.sse import ChunkStream, FollowedChunk, StreamingResponse
+from deltafin.serving.ruled import Frame, serve_with_rules
+from deltafin.serving.sse import ChunkStream, FollowedChunk, StreamingResponse, encode_sse
 
 
 @dataclass
@@ -105,9 +108,12 @@ class ChatService:
                 "(server.templates.trust_request_chat_template is off)",
                 param="chat_template_kwargs.chat_template",
             )
+        # What else shapes the prompt: K3 writes tool_choice and response_format as system messages, and every
+        # format reads reasoning_effort (K3 maps it to its thinking effort; templates get it as vLLM passes it).
+        options = PromptOptions(request.tool_choice, request.response_format, request.reasoning_effort)
         with template_budget(TemplateBudget(templates.render_timeout_s, templates.max_rendered_chars)):
             return self.ctx.chat_format.render(
-                request.messages, request.tools, kwargs, add_generation_prompt=add_generation_prompt
+                request.messages, request.tools, kwargs, add_generation_prompt=add_generation_prompt, options=options
             )
 
     def jobs(self, request: ChatCompletionRequest, prompt: RenderedPrompt) -> list[GenerationJob]:
@@ -153,6 +159,9 @@ class ChatService:
         """Tool calls are parsed only when the request declares tools and allows calls."""
         model = self.ctx.config.model
         calls_allowed = bool(request.tools) and request.tool_choice != "none"
+        forced = forced_without_parser(request, model) if calls_allowed else None
+        if forced is not None:  # a family without a tool-call syntax: the call was forced as plain JSON
+            return ForcedJsonCallParser(random_call_id, name=arguments_only(forced))
         return build_output_parser(
             model.family,
             model.variant,
@@ -162,8 +171,11 @@ class ChatService:
             history_calls=sum(len(m.tool_calls or ()) for m in request.messages),
         )
 
-    async def create(self, request: ChatCompletionRequest, stats: RequestStats) -> dict[str, Any] | StreamingResponse:
-        rule_ctx = self.rule_context(request)
+    async def create(self, request: ChatCompletionRequest, stats: RequestStats, *, frame: Frame = encode_sse,
+                     rule_ctx: RuleContext | None = None) -> dict[str, Any] | StreamingResponse:
+        """`frame` turns the streamed chunks into the SSE body (/v1/responses sends its own events); `rule_ctx`
+        is read back by callers that need what serving counted (reasoning tokens)."""
+        rule_ctx = rule_ctx or self.rule_context(request)
 
         async def produce(request: ChatCompletionRequest) -> dict[str, Any] | ChunkStream:
             self.ctx.check_model(request.model)
@@ -181,7 +193,7 @@ class ChatService:
                                    ready=stream.has_events())
             return await self._collect(request, stream, choices, stats, rule_ctx)
 
-        return await serve_with_rules(self.ctx, request, rule_ctx, stats, produce)
+        return await serve_with_rules(self.ctx, request, rule_ctx, stats, produce, frame)
 
     def _finish(self, choice: ChoiceAssembly, event: Finished, stats: RequestStats, rule_ctx: RuleContext) -> ParsedDelta:
         parsed = choice.add(choice.parser.finish(event.reason))

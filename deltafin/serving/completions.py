@@ -20,9 +20,14 @@ class CompletionService:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    def jobs(self, request: CompletionRequest, prompt_ids: list[int]) -> list[GenerationJob]:
+    def jobs(self, request: CompletionRequest, prompts: list["_Prompt"]) -> list[GenerationJob]:
+        """n jobs per prompt, prompt-major (choice index = prompt index * n + i), as vLLM numbers them."""
         limits = self.ctx.config.server
         request.check(max_n=limits.max_n, max_stop=limits.max_stop_sequences, max_top_logprobs=limits.max_top_logprobs)
+        return [job for prompt in prompts for job in self._prompt_jobs(request, prompt.ids)]
+
+    def _prompt_jobs(self, request: CompletionRequest, prompt_ids: list[int]) -> list[GenerationJob]:
+        limits = self.ctx.config.server
         if not prompt_ids:  # the protocol refuses "", this is for a tokenizer that yields nothing for a text
             raise InvalidRequestError("the prompt is empty", param="prompt")
         room = self.ctx.check_context(len(prompt_ids), request.max_tokens, "prompt")
@@ -70,26 +75,27 @@ class CompletionService:
 
         async def produce(request: CompletionRequest) -> dict[str, Any] | ChunkStream:
             self.ctx.check_model(request.model)
-            prompt = await self._prompt(request, stats)
-            prompt_ids = prompt.ids
-            jobs = self.jobs(request, prompt_ids)
-            stats.prompt_tokens = len(prompt_ids)
+            prompts = [await self._prompt(request, prompt, stats) for prompt in request.prompts(self.ctx.engine.vocab_size)]
+            jobs = self.jobs(request, prompts)
+            stats.prompt_tokens = sum(len(prompt.ids) for prompt in prompts)  # each prompt once, as vLLM counts
+            # the prompt of each choice
+            of_choice = [prompt for prompt in prompts for _ in range(request.n)]
             stream = await self.ctx.engine.start(jobs, deadline=self.ctx.deadline(stats))
             stats.queue_wait_s = stream.queue_wait
             if request.stream:
-                return ChunkStream(self._chunks(request, prompt, stream, stats), stream.close, ready=stream.has_events())
-            return await self._collect(request, prompt, stream, stats)
+                return ChunkStream(self._chunks(request, of_choice, stream, stats), stream.close, ready=stream.has_events())
+            return await self._collect(request, of_choice, stream, stats)
 
         return await serve_with_rules(self.ctx, request, rule_ctx, stats, produce)
 
-    async def _prompt(self, request: CompletionRequest, stats: RequestStats) -> "_Prompt":
-        ids = request.prompt_token_ids(self.ctx.engine.vocab_size)
+    async def _prompt(self, request: CompletionRequest, prompt: str | list[int], stats: RequestStats) -> "_Prompt":
         # ctx.tokenizer is the prompt thread's own (deltafin.serving.prompt_work), so it is read on that thread.
         size = stats.body_bytes
-        if ids is None:
+        if isinstance(prompt, str):
             # A raw prompt is the client's whole input: special tokens in it are meant as such.
-            ids = await self.ctx.off_loop(lambda: list(self.ctx.tokenizer(request.prompt).input_ids), size=size, stats=stats)
-            return _Prompt(ids, request.prompt)
+            ids = await self.ctx.off_loop(lambda: list(self.ctx.tokenizer(prompt).input_ids), size=size, stats=stats)
+            return _Prompt(ids, prompt)
+        ids = prompt
         # Token ids in: the echoed text is their decoding, special tokens included.
         if not request.echo:
             return _Prompt(ids, "")
@@ -105,9 +111,9 @@ class CompletionService:
         return {"id": new_id("cmpl"), "object": "text_completion", "created": self.ctx.created_now(), "model": self.ctx.model_name}
 
     async def _collect(
-        self, request: CompletionRequest, prompt: "_Prompt", stream: GenerationStream, stats: RequestStats
+        self, request: CompletionRequest, prompts: list["_Prompt"], stream: GenerationStream, stats: RequestStats
     ) -> dict[str, Any]:
-        n = request.n
+        n = len(prompts)
         token_text = self._token_text(request)
         ids: list[list[int]] = [[] for _ in range(n)]
         texts: list[list[str]] = [[] for _ in range(n)]
@@ -127,9 +133,10 @@ class CompletionService:
             else:
                 finished[event.choice] = event
                 stats.record(event)
-        prefix = prompt.text if request.echo else ""
         choices = []
         for index in range(n):
+            prompt = prompts[index]
+            prefix = prompt.text if request.echo else ""
             end = finished[index]
             assert end is not None
             choice = {
@@ -147,7 +154,7 @@ class CompletionService:
         return {**self._base(), "choices": choices, "usage": usage}
 
     async def _chunks(
-        self, request: CompletionRequest, prompt: "_Prompt", stream: GenerationStream, stats: RequestStats
+        self, request: CompletionRequest, prompts: list["_Prompt"], stream: GenerationStream, stats: RequestStats
     ) -> AsyncIterator[dict[str, Any]]:
         base = self._base()
         include_usage = request.include_usage
@@ -163,7 +170,7 @@ class CompletionService:
                 choice["token_ids"] = pending_ids.pop(index, [])
                 if index not in announced:
                     announced.add(index)
-                    choice["prompt_token_ids"] = prompt.ids
+                    choice["prompt_token_ids"] = prompts[index].ids
             body = {**base, "choices": [choice]}
             if include_usage:
                 body["usage"] = None
@@ -174,6 +181,7 @@ class CompletionService:
             index = event.choice
             if index not in offsets:
                 offsets[index] = 0
+                prompt = prompts[index]
                 if request.echo:
                     offsets[index] = len(prompt.text)
                     prompt_lp = None

@@ -4,8 +4,10 @@
   tool-call syntax (deltafin.grammar.tool_calls), so its own parser reads the output unchanged.
 - Otherwise `response_format` json_object / json_schema: JSON (after the reasoning block, on models that
   reason first); `text` or none: free generation.
-- `tools` to a model without a tool parser (and tool_choice not "none"): 400, as vLLM answers, instead of
-  dropping them silently. A constraint the engine cannot enforce: 400, instead of ignoring it.
+- A forced tool_choice on a model without a tool parser (the default model): the call as plain JSON
+  (deltafin.grammar.forced_json), read back by deltafin.prompt.parsers.forced_json, as vLLM forces calls.
+- `tools` to a model without a tool parser with tool_choice "auto" (or none given): 400, as vLLM answers,
+  instead of dropping them silently. A constraint the engine cannot enforce: 400, instead of ignoring it.
 - The constraint is checked and compiled by `ServingContext.grammars` (worker processes, bounded in time and
   by structural limits, outcomes cached) while the request waits in its own lane, before it asks the engine
   for room: a schema xgrammar refuses is a 400 naming the field; one over a limit or the time budget, a 400
@@ -22,7 +24,9 @@ from deltafin.config import ModelConfig
 from deltafin.errors import InvalidRequestError
 from deltafin.families import get_family
 from deltafin.grammar import constraints
+from deltafin.grammar.forced_json import forced_call_schema
 from deltafin.grammar.limits import TooComplex
+from deltafin.grammar.tool_calls import ForcedCalls, forced_calls
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.sampling import Constraint
 
@@ -35,12 +39,25 @@ def check_tools(request: ChatCompletionRequest, model: ModelConfig, served_name:
         # A call cannot be forced from nothing; silently generating text would break the client's contract.
         raise InvalidRequestError("tool_choice requires tools to choose from", param="tool_choice")
     family = get_family(model.family)
-    if request.tools and request.tool_choice != "none" and not family.parses_tool_calls(family.variant(model.variant)):
+    if (request.tools and request.tool_choice != "none" and not family.parses_tool_calls(family.variant(model.variant))
+            and forced_without_parser(request, model) is None):
         raise InvalidRequestError(
-            f"The model `{served_name}` (family {model.family}) has no tool-call parser, so it cannot call tools. "
-            'Send no tools, or tool_choice "none".',
+            f"The model `{served_name}` (family {model.family}) has no tool-call parser, so it cannot choose to call "
+            'tools. Send tool_choice "required" or a named function (the call is then forced as JSON), tool_choice '
+            '"none", or no tools.',
             param="tools",
         )
+
+
+def forced_without_parser(request: ChatCompletionRequest, model: ModelConfig) -> ForcedCalls | None:
+    """The calls a request forces on a model whose family has no tool-call syntax (None: nothing forced there)."""
+    family = get_family(model.family)
+    if not request.tools or family.parses_tool_calls(family.variant(model.variant)):
+        return None
+    try:
+        return forced_calls(request.tools, request.tool_choice, parallel_tool_calls=request.parallel_tool_calls)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="tool_choice") from None
 
 
 def _content_format(request: ChatCompletionRequest) -> dict[str, Any] | None:
@@ -57,6 +74,9 @@ def request_constraint(
     """The constraint and the request field it comes from (for error messages), or None."""
     family = get_family(model.family)
     variant = family.variant(model.variant)
+    forced = forced_without_parser(request, model)
+    if forced is not None:
+        return constraints.json_schema(forced_call_schema(forced)), "tool_choice"
     if request.tools and request.tool_choice != "none":
         try:
             structure = family.tool_call_structure(

@@ -35,6 +35,10 @@ class RequestStats:
     memo_hit: bool = False
     finish_reasons: list[str] = field(default_factory=list)
     rules: list[str] = field(default_factory=list)
+    #: whose stored responses the request may read: a digest of its API key ("" on a server without keys)
+    owner: str = ""
+    #: response headers serving adds (name, value), sent by the request-context layer
+    headers: list[tuple[str, str]] = field(default_factory=list)
 
     # Tokens of choices still generating, so a request cut short (disconnect, shutdown) logs what it produced.
     _partial: dict[int, int] = field(default_factory=dict, repr=False)

@@ -12,10 +12,13 @@ from deltafin.serving.context import RequestStats, ServingContext
 from deltafin.serving.sse import ChunkStream, StreamingResponse, encode_sse
 
 Produce = Callable[[Any], Awaitable["dict[str, Any] | ChunkStream"]]
+#: (chunks after the rules, the error rules, close) -> the SSE body; /v1/responses frames chat chunks its own way
+Frame = Callable[[AsyncIterator[dict], Callable[[DeltafinError], DeltafinError], Callable[[], None]], AsyncIterator[bytes]]
 
 
 async def serve_with_rules(
-    ctx: ServingContext, request: Request, rule_ctx: RuleContext, stats: RequestStats, produce: Produce
+    ctx: ServingContext, request: Request, rule_ctx: RuleContext, stats: RequestStats, produce: Produce,
+    frame: Frame = encode_sse,
 ) -> dict[str, Any] | StreamingResponse:
     rules = ctx.rules
     try:
@@ -26,7 +29,7 @@ async def serve_with_rules(
         chunks = rules.on_stream(result.chunks, rule_ctx, stats.rules)
         if rules.preflight:
             chunks = await _pull_first(chunks, result.close, stats.rules, rules.preflight)
-        body = encode_sse(chunks, lambda err: rules.on_error(err, rule_ctx, stats.rules), result.close)
+        body = frame(chunks, lambda err: rules.on_error(err, rule_ctx, stats.rules), result.close)
         return StreamingResponse(body, result.close, ready=result.ready or bool(rules.preflight))
     except DeltafinError as err:
         raise rules.on_error(err, rule_ctx, stats.rules) from None

@@ -21,12 +21,17 @@ class TokenizeService:
             raise InvalidRequestError("give either `prompt` or `messages`", param="prompt")
         if not request.messages:
             raise InvalidRequestError("messages must not be empty", param="messages")
-        return ChatCompletionRequest(
+        chat_request = ChatCompletionRequest(
             messages=request.messages,
             tools=request.tools,
+            tool_choice=request.tool_choice,
+            response_format=request.response_format,
+            reasoning_effort=request.reasoning_effort,
             chat_template_kwargs=request.chat_template_kwargs,
             thinking=request.thinking,
         )
+        chat_request.check_request_shape()  # the checks chat makes of these fields, so both answer alike
+        return chat_request
 
     def tokenize(self, request: TokenizeRequest, stats: RequestStats) -> dict[str, Any]:
         """With `messages`, the chat request rules run first, so the prompt is exactly the one chat would see."""

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 from deltafin.families import FAMILIES
+from deltafin.tiny.multimodal import write_k3_checkpoint
 from deltafin.tiny.writer import write_tiny_model
 
 
@@ -16,8 +18,18 @@ def main() -> None:
     parser.add_argument("--variant", default=None, help="model.variant of the family (e.g. glm47); default: its first")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--context", type=int, default=None, help="max_position_embeddings (default: 4096)")
+    parser.add_argument("--multimodal", action="store_true",
+                        help="kimi_k3 only: the real checkpoint's layout (vision tower + language_model.*)")
     args = parser.parse_args()
-    out = write_tiny_model(args.family, args.out, variant=args.variant, seed=args.seed)
+    if args.multimodal and args.family != "kimi_k3":
+        parser.error("--multimodal is the layout of Kimi K3 checkpoints: --family kimi_k3 only")
+    if args.multimodal:
+        with tempfile.TemporaryDirectory() as text:
+            tiny = write_tiny_model(args.family, Path(text), seed=args.seed, context=args.context)
+            out = write_k3_checkpoint(tiny, args.out)
+    else:
+        out = write_tiny_model(args.family, args.out, variant=args.variant, seed=args.seed, context=args.context)
     print(f"wrote a tiny {args.family} model to {out}")
 
 

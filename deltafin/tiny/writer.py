@@ -5,13 +5,21 @@ from __future__ import annotations
 import json
 from importlib import resources
 from pathlib import Path
+from typing import Any, Callable
 
 
-def write_tiny_model(family: str, out: Path, *, variant: str | None = None, seed: int = 0) -> Path:
-    """Write config, safetensors weights, tokenizer (with chat template) and generation config to `out`."""
+def write_tiny_model(
+    family: str, out: Path, *, variant: str | None = None, seed: int = 0, context: int | None = None,
+    architecture: Callable[[int], Any] | None = None,
+) -> Path:
+    """Write config, safetensors weights, tokenizer (with chat template) and generation config to `out`.
+    `context`: the model's max_position_embeddings (its context length), e.g. for prompts as long as an agent's.
+    `architecture` (vocabulary size -> model) replaces the family's architecture: e.g. a tiny Qwen3-Next with
+    Qwen3's tokens and template, to run another architecture through a family's format."""
     import torch
 
     from deltafin.families import get_family
+    from deltafin.tiny.architectures import ARCHITECTURES
     from deltafin.tiny.tokenizer import train_tokenizer
 
     spec = get_family(family)
@@ -27,7 +35,9 @@ def write_tiny_model(family: str, out: Path, *, variant: str | None = None, seed
     if recipe.template:
         text = resources.files("deltafin.tiny").joinpath("templates", recipe.template).read_text()
         tokenizer.chat_template = recipe.template_prefix + text
-    model = recipe.model(len(tokenizer))
+    model = (architecture or ARCHITECTURES[recipe.model])(len(tokenizer))
+    if context is not None:  # rotary positions: a longer context is only this number
+        model.config.max_position_embeddings = context
     stop_ids = [tokenizer.convert_tokens_to_ids(t) for t in recipe.stop_tokens]
     model.config.eos_token_id = stop_ids
     model.generation_config.eos_token_id = stop_ids

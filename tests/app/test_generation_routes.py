@@ -1,5 +1,6 @@
-"""The generation routes' own ASGI layer (deltafin.app.generation): what Litestar did for them before, it must
-still do: method and path handling, body limits, error bodies, metrics labels and /schema."""
+"""The generation routes (deltafin.app.generation: Litestar `@asgi` handlers, which leave methods, the body limit
+and /schema to the handler) answer as Litestar's HTTP routes do: method and path handling, body limits, error
+bodies, metrics labels and /schema."""
 
 import asyncio
 

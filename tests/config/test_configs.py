@@ -1,13 +1,10 @@
 """Every shipped config composes, validates and (for the rules) instantiates; bad ones fail in one line."""
 
-import subprocess
-import sys
-
 import pytest
 
 from deltafin.config import CONF_DIR, ConfigError
 from deltafin.rules import build_pipeline
-from tests.conftest import REPO, compose_config
+from tests.conftest import compose_config
 
 
 def shipped(group: str) -> list[str]:
@@ -72,30 +69,3 @@ class TestParserNames:
     def test_a_contradiction_with_the_variant_is_an_error(self):
         with pytest.raises(ConfigError, match=r"contradicts model\.variant"):
             compose_config(["model=glm", "model.path=/m", "model.variant=glm45", "model.tool_parser=glm47"])
-
-
-class TestCommandLine:
-    def run(self, *args):
-        return subprocess.run(
-            [sys.executable, "-m", "deltafin", *args], cwd=REPO, capture_output=True, text=True, timeout=120
-        )
-
-    def test_bad_override_exits_nonzero_with_one_line_and_no_traceback(self):
-        result = self.run("server.port=notaport")
-        assert result.returncode != 0
-        assert "server.port" in result.stderr and "Traceback" not in result.stderr
-        assert len(result.stderr.strip().splitlines()) == 1
-
-    def test_bad_rule_exits_nonzero_naming_the_rule(self):
-        result = self.run("compat=para", "compat.rules.max_tokens_cap.value=-1")
-        assert result.returncode == 2 and "compat.rules.max_tokens_cap" in result.stderr
-        assert "Traceback" not in result.stderr
-
-    def test_missing_model_path_exits_before_serving(self):
-        result = self.run("model=kimi_k3", "model.path=/nonexistent/k3")
-        assert result.returncode == 2 and "model.path: /nonexistent/k3 does not exist" in result.stderr
-
-    def test_cfg_job_prints_the_resolved_config(self):
-        result = self.run("--cfg", "job", "server.port=9001")
-        assert result.returncode == 0
-        assert "port: 9001" in result.stdout and "SmolLM2-135M-Instruct" in result.stdout

@@ -12,7 +12,7 @@ from deltafin.prompt import build_chat_format
 from deltafin.protocol.chat import ChatMessage, FunctionCall, FunctionDefinition, ToolCall, ToolDefinition
 from deltafin.tiny import write_tiny_model
 from tests.conftest import TINY_FAMILIES, TINY_OVERRIDES, TINY_SPECS, LiveServer, tiny_config
-from tests.e2e.scripted import teach
+from tests.e2e.scripted import taught
 
 pytestmark = pytest.mark.e2e
 
@@ -24,11 +24,12 @@ KIMI_ID = "functions.get_weather:0"
 
 K3_CALL = ('<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
            '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
-           '<|open|>argument key="days" type="integer"<|sep|>3<|close|>argument<|sep|><|close|>call<|sep|>'
+           '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|><|close|>call<|sep|>'
            '<|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>')
 #: family -> (turn 1: raw output with the tool call, turn 2: raw output after the tool result)
 SCRIPTS = {
-    "kimi_k3": ("Weather needed.<|close|>think<|sep|>" + K3_CALL,
+    # K3 writes an empty response channel beside its calls, as its encoder renders such turns.
+    "kimi_k3": ("Weather needed.<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>" + K3_CALL,
                 "Fine.<|close|>think<|sep|><|open|>response<|sep|>Sunny in Paris.<|close|>response<|sep|>"
                 "<|close|>message<|sep|><|end_of_msg|>"),
     "kimi_k2": ("Weather needed.</think><|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0"
@@ -75,8 +76,8 @@ def family_server(request, tmp_path_factory):
     path = write_tiny_model(name, tmp_path_factory.mktemp(family) / "model", variant=variant)
     turn1, turn2 = SCRIPTS[family]
     call_id = KIMI_ID if family.startswith("kimi") else "call_any"  # GLM and Qwen3 prompts do not carry the id
-    teach(path, [(render(family, path, QUESTION), turn1),
-                 (render(family, path, follow_up(call_id, json.dumps(ARGUMENTS))), turn2)])
+    path = taught(path, [(render(family, path, QUESTION), turn1),
+                         (render(family, path, follow_up(call_id, json.dumps(ARGUMENTS))), turn2)])
     server = LiveServer([*TINY_OVERRIDES[family], f"model.path={path}"])
     try:
         server.wait_ready()

@@ -96,13 +96,14 @@ def test_other_architectures_keep_the_transformers_step():
 
 
 @pytest.mark.parametrize("rows", [1, 3])
-def test_the_real_model_decodes_the_same_greedy_tokens(loaded_model, rows):
-    """The default model (SmolLM2, Llama architecture) takes the fused step; 16 greedy tokens equal
-    transformers' own, for one row and for three rows decoding together."""
-    model = loaded_model.model
+def test_the_real_model_decodes_the_same_greedy_tokens(float_model, rows):
+    """The default model (SmolLM2, Llama architecture) dequantized to float32 takes the fused step; 16 greedy
+    tokens equal transformers' own, for one row and for three rows decoding together. (Served with its GGUF
+    blocks it takes the native step instead: tests/engine/test_native_step.py.)"""
+    model = float_model.model
     fused = decode_step_for(model)
     assert isinstance(fused, FusedLlamaStep)
-    ids = loaded_model.tokenizer("The capital of France is").input_ids
+    ids = float_model.tokenizer("The capital of France is").input_ids
 
     def greedy(step):
         kv = BatchKV(torch.device("cpu"))

@@ -21,9 +21,9 @@ BOUNDS = {"int8": (0.15, 0.9), "int4": (0.3, 0.75)}
 
 
 @pytest.fixture(scope="module")
-def reference(loaded_model):
+def reference(float_model):
     """float32 greedy continuations of the prompt set and their logprobs."""
-    tok, model = loaded_model.tokenizer, loaded_model.model
+    tok, model = float_model.tokenizer, float_model.model
     out = []
     with torch.inference_mode():
         for prompt in PROMPTS:
@@ -34,12 +34,12 @@ def reference(loaded_model):
 
 
 @pytest.mark.parametrize("mode", ["int8", "int4"])
-def test_quality_against_float32(loaded_model, reference, tmp_path, mode):
+def test_quality_against_float32(float_model, reference, tmp_path, mode):
     """Teacher-forced on float32's own greedy tokens: the quantized model gives them nearly the same logprobs
     and mostly the same argmax."""
     if supported(mode, torch.device("cpu")):
         pytest.skip(supported(mode, torch.device("cpu")))
-    model = quantize_model(copy.deepcopy(loaded_model.model), mode, source=loaded_model.source, cache_dir=tmp_path)
+    model = quantize_model(copy.deepcopy(float_model.model), mode, source=float_model.source, cache_dir=tmp_path)
     kind = Int8Linear if mode == "int8" else Int4Linear
     assert isinstance(model.lm_head, kind) and isinstance(model.model.layers[0].mlp.up_proj, kind)
     diffs, agree = [], []
@@ -54,11 +54,11 @@ def test_quality_against_float32(loaded_model, reference, tmp_path, mode):
     assert float(torch.stack(agree).mean()) >= min_agree
 
 
-def test_quantized_weights_are_cached(loaded_model, tmp_path):
-    first = quantize_model(copy.deepcopy(loaded_model.model), "int8", source=loaded_model.source, cache_dir=tmp_path)
+def test_quantized_weights_are_cached(float_model, tmp_path):
+    first = quantize_model(copy.deepcopy(float_model.model), "int8", source=float_model.source, cache_dir=tmp_path)
     (cached,) = (tmp_path / "quantized").glob("*-int8-*.safetensors")
     stamp = cached.stat().st_mtime_ns
-    second = quantize_model(copy.deepcopy(loaded_model.model), "int8", source=loaded_model.source, cache_dir=tmp_path)
+    second = quantize_model(copy.deepcopy(float_model.model), "int8", source=float_model.source, cache_dir=tmp_path)
     assert cached.stat().st_mtime_ns == stamp  # read, not rewritten
     assert torch.equal(first.lm_head.weight, second.lm_head.weight) and first.lm_head.weight.dtype == torch.int8
     # Weights read from the file run as well as fresh ones (a 40-token prefill crashed on unaligned ones).

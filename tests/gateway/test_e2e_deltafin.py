@@ -70,6 +70,13 @@ class TestThroughTheGateway:
         # then the token-id completion the vllm adapter falls back to
         assert routes_logged(upstream, via._request_id) == ["/inference/v1/generate", "/v1/completions"]
 
+    def test_responses_match_chat_through_the_gateway(self, pair):
+        gateway, _ = pair
+        chat = client(gateway).chat.completions.create(model="smollm2", messages=HELLO, max_tokens=12, temperature=0)
+        response = client(gateway).responses.create(model="smollm2", input=HELLO, max_output_tokens=12, temperature=0)
+        assert response.output_text == chat.choices[0].message.content
+        assert response.usage.input_tokens == chat.usage.prompt_tokens
+
     def test_streaming_with_usage(self, pair):
         gateway, _ = pair
         chunks = list(client(gateway).chat.completions.create(
@@ -207,3 +214,13 @@ class TestToolsOnATinyFamilyModel:
         assert calls[0].function.name == "get_weather"
         assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == ARGUMENTS
         assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+
+    def test_responses_through_the_gateway_run_the_family_parsers_and_para_rules(self, glm_pair):
+        """/v1/responses is the chat path: in front of an upstream, with the GLM parsers and compat=para."""
+        api = client(glm_pair)
+        tools = [{"type": "function", **TOOLS[0]["function"]}]
+        response = api.responses.create(model=api.models.list().data[0].id, input=QUESTION, tools=tools, temperature=0)
+        reasoning, call = response.output
+        assert reasoning.type == "reasoning" and reasoning.content[0].text == "Weather needed."
+        assert call.type == "function_call" and json.loads(call.arguments) == ARGUMENTS
+        assert response.usage.output_tokens_details.reasoning_tokens > 0

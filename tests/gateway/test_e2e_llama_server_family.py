@@ -12,11 +12,8 @@ is then the model's own output, produced by llama.cpp.
 
 from __future__ import annotations
 
-import hashlib
-import inspect
 import json
 import os
-import shutil
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,10 +22,10 @@ import openai
 import pytest
 
 from deltafin.tiny import write_tiny_model
-from deltafin.tiny.gguf import cache_root, tiny_gguf
+from deltafin.tiny.gguf import tiny_gguf
 from tests.conftest import TINY_OVERRIDES, TINY_SPECS, LiveServer
-from tests.e2e.scripted import teach
-from tests.e2e.test_families import ARGUMENTS, KIMI_ID, QUESTION, SCRIPTS, TOOLS, client_model, render
+from tests.e2e.test_families import ARGUMENTS, KIMI_ID, QUESTION, TOOLS, client_model
+from tests.gateway.taught import taught_model
 from tests.llama_server import llama_server_binary, start_llama_server
 
 pytestmark = pytest.mark.e2e
@@ -49,36 +46,6 @@ OFFSET = {"type": "object", "properties": {"offset": {"type": "integer", "minimu
           "required": ["offset"]}
 LOCAL_TIME = {"type": "function",
               "function": {"name": "local_time", "description": "Time at a UTC offset", "parameters": OFFSET}}
-TEACH_LR = 1e-2  # converges in about 100 steps; teach's default needs 400
-
-
-def taught_model(name: str, root: Path) -> Path:
-    """The tiny model taught the family's scripted tool call, cached by what it is made from.
-
-    Teaching takes a minute on a busy CPU; the cache key is the untaught model's bytes, the taught example and
-    the teaching code, so a new recipe, tokenizer, script or optimizer setting teaches again.
-    """
-    family, variant = TINY_SPECS[name]
-    fresh = write_tiny_model(family, root / "fresh", variant=variant)
-    example = (render(name, fresh, QUESTION), SCRIPTS[name][0])
-    digest = hashlib.sha256((json.dumps(example) + inspect.getsource(teach) + repr(TEACH_LR)).encode())
-    for path in sorted(fresh.iterdir()):
-        digest.update(path.read_bytes())
-    cached = cache_root() / "tiny-taught" / f"{name}-{digest.hexdigest()[:16]}"
-    if not cached.exists():
-        teach(fresh, [example], lr=TEACH_LR)
-        cached.parent.mkdir(parents=True, exist_ok=True)
-        staging = cached.with_name(cached.name + f".{os.getpid()}")
-        shutil.copytree(fresh, staging)
-        try:
-            staging.rename(cached)
-        except OSError:  # another session cached it first: theirs is the same model
-            shutil.rmtree(staging)
-            if not cached.exists():
-                raise
-    return cached
-
-
 class Servers(NamedTuple):
     name: str
     served: str  # the model name both Deltafins answer to

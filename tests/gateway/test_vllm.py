@@ -58,6 +58,15 @@ class TestGenerateEndpoint:
         assert knobs["skip_special_tokens"] is False and "stop" not in knobs and knobs["temperature"] == 0.0
         assert set(bundle.stop_token_ids) <= set(knobs["stop_token_ids"])
 
+    def test_ignore_eos_sends_no_stop_ids(self, bundle):
+        """vLLM's `ignore_eos` does not override an EOS named in `stop_token_ids`: the gateway names none, so the
+        choice runs to max_tokens as on the local engine."""
+        ids = ids_of(bundle, "Hi") + [2, 2]
+        fake = Fake(lambda body, path: ScriptedBody(generate_events(ids, per_chunk=1, finish="length")))
+        out = run(collect(make_front(VllmAdapter, bundle, fake), job(max_tokens=len(ids), ignore_eos=True)))
+        assert fake.requests[0][1]["sampling_params"]["stop_token_ids"] == []
+        assert out.ids == ids and out.finished.reason == "length"
+
     def test_stop_token_ends_the_choice_without_text(self, bundle):
         ids = ids_of(bundle, "Hi") + [2]  # 2 is SmolLM2's EOS
         fake = Fake(lambda body, path: ScriptedBody(generate_events(ids, per_chunk=1)))
@@ -100,6 +109,53 @@ class TestCompletionsFallback:
         assert body["prompt"] == [1, 2, 3] and body["return_token_ids"] is True and body["return_tokens_as_token_ids"]
         assert body["skip_special_tokens"] is False and "stop" not in body
         assert first.finished.cached_tokens == 7 and first.finished.prompt_tokens == 3
+
+    def test_a_disabled_generate_endpoint_falls_back_once_and_says_so(self, bundle, capsys):
+        """A stock `vllm serve` answers /inference/v1/generate with 403 unless started with --enable-scale-out."""
+        ids = ids_of(bundle, "Hi there")
+        disabled = {"error": {"message": "Scale-out endpoints are disabled. Restart vllm serve with "
+                              "--enable-scale-out to enable them.", "type": "PermissionDeniedError", "code": 403}}
+
+        def respond(body, path):
+            return (403, disabled) if path == GENERATE else ScriptedBody(completion_events(ids))
+
+        fake = Fake(respond)
+        front = make_front(VllmAdapter, bundle, fake)
+        outs = [run(collect(front, job(max_tokens=len(ids)))) for _ in range(2)]
+        assert [o.text for o in outs] == ["Hi there", "Hi there"]
+        assert [p for p, _ in fake.requests] == [GENERATE, COMPLETIONS, COMPLETIONS]
+        logged = [line for line in capsys.readouterr().out.splitlines() if "upstream_api_fallback" in line]
+        assert len(logged) == 1 and "403" in logged[0] and "--enable-scale-out" in logged[0]
+
+    def test_requests_in_flight_before_the_switch_are_each_retried(self, bundle):
+        """Several requests reach the generate endpoint before the first refusal comes back: every one is
+        retried on completions (none fails), and the switch happens once."""
+        ids = ids_of(bundle, "Hi")
+
+        def respond(body, path):
+            return (404, {"detail": "Not Found"}) if path == GENERATE else ScriptedBody(completion_events(ids))
+
+        fake = Fake(respond)
+        front = make_front(VllmAdapter, bundle, fake)
+
+        async def together():
+            return await asyncio.gather(*(collect(front, job(max_tokens=len(ids))) for _ in range(3)))
+
+        outs = run(together())
+        assert [o.text for o in outs] == ["Hi"] * 3 and all(o.start_error is None for o in outs)
+        paths = [p for p, _ in fake.requests]
+        assert paths.count(COMPLETIONS) == 3 and paths[:3] == [GENERATE] * 3
+
+    @pytest.mark.parametrize("status", [403, 404])
+    def test_no_fallback_when_the_api_is_pinned_or_from_completions(self, bundle, status):
+        """`engine.api=generate` reports the refusal; so does a 403/404 from completions itself (a wrong
+        `engine.model` is vLLM's 404 there): nothing is retried."""
+        fake = Fake(lambda body, path: (status, {"error": {"message": "no", "code": status}}))
+        pinned = run(collect(make_front(VllmAdapter, bundle, fake, api="generate"), job()))
+        assert pinned.start_error is not None and [p for p, _ in fake.requests] == [GENERATE]
+        fake.requests.clear()
+        settled = run(collect(make_front(VllmAdapter, bundle, fake, api="completions"), job()))
+        assert settled.start_error is not None and [p for p, _ in fake.requests] == [COMPLETIONS]
 
     def test_api_completions_never_tries_generate(self, bundle):
         fake = Fake(lambda body, path: ScriptedBody(completion_events(ids_of(bundle, "Hi"))))

@@ -45,7 +45,7 @@ ARGUMENTS = [
 
 
 def _k3_value(value) -> tuple[str, str]:
-    return ("string", value) if isinstance(value, str) else ("integer", json.dumps(value))
+    return ("string", value) if isinstance(value, str) else ("number", json.dumps(value))
 
 
 def call(family: str, name: str, args: dict, index: int) -> str:
@@ -72,6 +72,8 @@ def wire(family: str, calls: list[str]) -> str:
 
 PREFIXES = {
     "kimi_k3": ["", "<|close|>response<|sep|>", "hm<|close|>think<|sep|>", "<|close|>think<|sep|>",
+                "hm<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>",
+                "<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>",
                 "a<|open|>b<|close|>think<|sep|>", "Sure! <|close|>response<|sep|>"],
     "think": ["", "Sure! ", "hm</think>", "hm</think>\n\n", "hm</think>\n\n\n", "<think>hm</think>\n", "<think></think>",
               "a<think>b</think>", "<think>hm</think>\n</think>"],

@@ -26,7 +26,7 @@ SYNTAXES = {
         lambda forced, reasoning: xtml_structure(forced, reasoning=reasoning),
         '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
         '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
-        '<|open|>argument key="days" type="integer"<|sep|>3<|close|>argument<|sep|>'
+        '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>'
         "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>",
     ),
     "kimi_k2": (
@@ -51,7 +51,8 @@ SYNTAXES = {
 }
 #: what closes the channel the prompt opened (K3 opens a channel; think-style prompts need nothing)
 CLOSE_OPEN_CHANNEL = {"kimi_k3": "<|close|>response<|sep|>"}
-END_OF_THINKING = {"kimi_k3": "<|close|>think<|sep|>"}
+#: K3 writes an empty response channel between its reasoning and its calls (as its encoder renders history)
+END_OF_THINKING = {"kimi_k3": "<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>"}
 
 
 def matcher(family: str, structure: dict, tokenizer) -> xgr.GrammarMatcher:

@@ -6,8 +6,7 @@ from pathlib import Path
 import pytest
 
 from deltafin.config import CONF_DIR, ConfigError
-from deltafin.config.schema import KNOWN_FAMILIES
-from deltafin.families import FAMILIES, ModelFamily, build_output_parser, check_family, get_family, register
+from deltafin.families import FAMILIES, KNOWN_FAMILIES, ModelFamily, build_output_parser, check_family, get_family, register
 from deltafin.prompt.parsers import PlainOutputParser
 from tests.conftest import compose_config
 

@@ -29,27 +29,30 @@ def history():
 
 
 class TestKimiK3Xtml:
+    """The literal K3 prompt of one conversation (tests/prompt/test_k3_golden.py checks many against K3's encoder)."""
+
     def test_conversation_with_tool_call_renders_exactly(self, tiny_models):
         fmt, _ = chat_format("kimi_k3", tiny_models)
-        text = fmt.render(history(), None, {}).text
+        text = fmt.render(history(), None, {"thinking": False}).text
         assert text == (
             '<|open|>message role="system"<|sep|>Be brief.<|close|>message<|sep|><|end_of_msg|>'
             '<|open|>message role="user"<|sep|>Weather?<|close|>message<|sep|><|end_of_msg|>'
-            '<|open|>message role="assistant"<|sep|><|open|>tools<|sep|>'
+            '<|open|>message role="assistant"<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>'
             '<|open|>call tool="get_weather" index="1"<|sep|>'
             '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
-            '<|open|>argument key="days" type="integer"<|sep|>3<|close|>argument<|sep|>'
+            '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>'
             '<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>'
-            '<|open|>message role="tool" call_id="functions.get_weather:0"<|sep|>sunny<|close|>message<|sep|><|end_of_msg|>'
-            '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
+            '<|open|>message role="tool" tool="get_weather" index="1"<|sep|>sunny<|close|>message<|sep|><|end_of_msg|>'
+            '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
         )
 
-    def test_thinking_off_and_effort(self, tiny_models):
+    def test_thinking_on_writes_the_effort_and_keeps_reasoning_in_history(self, tiny_models):
         fmt, _ = chat_format("kimi_k3", tiny_models)
-        user = [ChatMessage(role="user", content="hi")]
-        assert fmt.render(user, None, {"thinking": False}).text.endswith(
-            '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>')
-        assert fmt.render(user, None, {"thinking_effort": "low"}).text.endswith('<|open|>think effort="low"<|sep|>')
+        text = fmt.render(history(), None, {"thinking_effort": "low"}).text
+        assert text.startswith('<|open|>message role="system" type="thinking-effort"<|sep|>')
+        assert "Now the system is invoked with `thinking_effort=low`.<|close|>message<|sep|><|end_of_msg|>" in text
+        assert '<|open|>think<|sep|>dropped<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>' in text
+        assert text.endswith('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
 
     def test_history_arguments_as_object_or_string_render_the_same(self, tiny_models):
         fmt, _ = chat_format("kimi_k3", tiny_models)
@@ -69,7 +72,9 @@ class TestKimiK3Xtml:
         fmt, _ = chat_format("kimi_k3", tiny_models)
         tools = [ToolDefinition(function=FunctionDefinition(name="get_weather"))]
         text = fmt.render([ChatMessage(role="user", content="hi")], tools, {}).text
-        assert text.startswith('<|open|>message role="system" name="tools"<|sep|>[{"type": "function"')
+        assert text.startswith('<|open|>message role="system" type="tool-declare"<|sep|># Tools\n'
+                               'Here are the available tools, described in JSONSchema.\n\n'
+                               '```json\n[{"function":{"name":"get_weather"},"type":"function"}]\n```<|close|>message')
 
 
 class TestTemplates:

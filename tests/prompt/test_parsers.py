@@ -17,7 +17,7 @@ CASES = {
         'Need weather.<|close|>think<|sep|><|open|>response<|sep|>Checking.<|close|>response<|sep|>'
         '<|open|>tools<|sep|>\n  <|open|>call tool="get_weather" index="1"<|sep|>'
         '<|open|>argument key="city" type="string"<|sep|> Paris\n<|close|>argument<|sep|>'
-        '<|open|>argument key="days" type="integer"<|sep|>3<|close|>argument<|sep|><|close|>call<|sep|>'
+        '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|><|close|>call<|sep|>'
         '<|close|>tools<|sep|><|close|>message<|sep|>'),
     "kimi_k3_thinking_off": ("kimi_k3", K3_RESPONSE, "Hello there.<|close|>response<|sep|><|close|>message<|sep|>"),
     "kimi_k2_tool_call": ("kimi_k2", "<|im_assistant|>assistant<|im_middle|><think>",
@@ -71,6 +71,19 @@ class TestKimiK3:
                 '<|open|>argument key="a&quot;b&amp;c" type="string"<|sep|>x<|close|>argument<|sep|><|close|>call<|sep|>')
         call = parse_whole("kimi_k3", K3_RESPONSE, text)["calls"][0]
         assert json.loads(call["arguments"]) == {'a"b&c': "x"}
+
+    def test_what_k3s_encoder_writes_is_read_back(self):
+        """As K3's encoder renders a turn with calls (tests/prompt/test_k3_golden.py): an empty response channel
+        beside the calls, integers and floats typed `number`, arguments that are not JSON as a `json` span."""
+        text = ('<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|><|open|>tools<|sep|>'
+                '<|open|>call tool="get_weather" index="1"<|sep|>'
+                '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>'
+                '<|open|>argument key="ratio" type="number"<|sep|>2.5<|close|>argument<|sep|><|close|>call<|sep|>'
+                '<|open|>call tool="get_weather" index="2"<|sep|><|open|>json type="object"<|sep|>{city: Paris}'
+                '<|close|>json<|sep|><|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>')
+        result = assert_every_split_matches("kimi_k3", K3_THINK, "plan" + text)
+        assert result["reasoning"] == "plan" and result["content"] == ""
+        assert [c["arguments"] for c in result["calls"]] == ['{"days": 3, "ratio": 2.5}', "{city: Paris}"]
 
 
 

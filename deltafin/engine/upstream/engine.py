@@ -101,8 +101,9 @@ class Adapter(ABC):
     def parse(self, payload: Any, state: Any) -> Chunk:
         """One decoded stream event; raise `Garbled` when it is not what the protocol promises."""
 
-    def fallback(self, status: int) -> bool:
-        """After `status` on the primary endpoint, switch to another one and retry (True) or not."""
+    def fallback(self, status: int, path: str, body: bytes) -> bool:
+        """After `status` (and `body`) from a request sent to `path`, retry it on the adapter's current endpoint
+        (True: the adapter has switched, now or for an earlier request) or fail it (False)."""
         return False
 
     def abort(self, request_id: str) -> tuple[str, dict[str, Any]] | None:
@@ -218,6 +219,10 @@ class UpstreamEngine(EngineClient):
         return self.pool.request("POST", path, _encode(body), headers)
 
     def _stop_ids(self, job: GenerationJob) -> frozenset[int]:
+        """The ids the choice stops at, upstream and in Deltafin's decoder alike (`ignore_eos`: none, as the
+        local engine runs it to max_tokens; sent upstream as given, vLLM would stop at an EOS in this list)."""
+        if job.params.ignore_eos:
+            return frozenset()
         return self.stop_token_ids | frozenset(job.params.stop_token_ids)
 
     async def _choice(self, job: GenerationJob, choice: int, rid: str, stream: GenerationStream, gate: "_Gate",
@@ -250,21 +255,35 @@ class UpstreamEngine(EngineClient):
     async def _stream_choice(self, job: GenerationJob, choice: int, rid: str, stream: GenerationStream,
                              gate: "_Gate", started: float, exchange: Exchange) -> None:
         prompt_len = len(job.prompt_ids)
-        for attempt in range(2):
-            async with exchange as response:
-                if response.status in _DOWN_STATUSES:
-                    self.health.unavailable(f"{self.target} answered {response.status} to a generation")
-                elif response.status == 200:
-                    self.health.available()
-                if response.status != 200:
-                    raw = await response.read_all()
-                    if attempt == 0 and self.adapter.fallback(response.status):
-                        exchange = self._send(job, choice, rid, stream)  # the adapter switched endpoints
-                        continue
-                    raise error_for_status(self.target, response.status, raw, response.headers,
-                                           context_length=self.context_length, prompt_tokens=prompt_len)
-                await self._read(response, job, choice, stream, gate, started, self._stop_ids(job))
-                return
+        fell_back = resent = False
+        while True:
+            try:
+                async with exchange as response:
+                    if response.status in _DOWN_STATUSES:
+                        self.health.unavailable(f"{self.target} answered {response.status} to a generation")
+                    elif response.status == 200:
+                        self.health.available()
+                    if response.status != 200:
+                        raw = await response.read_all()
+                        if not fell_back and self.adapter.fallback(response.status, exchange.path, raw):
+                            fell_back = True
+                            exchange = self._send(job, choice, rid, stream)  # the adapter switched endpoints
+                            continue
+                        raise error_for_status(self.target, response.status, raw, response.headers,
+                                               context_length=self.context_length, prompt_tokens=prompt_len)
+                    await self._read(response, job, choice, stream, gate, started, self._stop_ids(job))
+                    return
+            except _Unanswered as exc:
+                if resent:
+                    raise exc.cause from None
+                # The upstream broke the stream before its first event: no token of this choice has reached
+                # anyone, so it is sent once more. Behind a router that is another replica (the router itself
+                # cannot retry a response whose head it has passed on); a dead single upstream refuses the
+                # connect, which is a 503 + Retry-After.
+                resent = True
+                log.warning("upstream_resend", engine=self.name, upstream=self.target.url, choice=choice,
+                            error=str(exc.cause))
+                exchange = self._send(job, choice, rid, stream)
 
     async def _read(self, response: Response, job: GenerationJob, choice: int, stream: GenerationStream,
                     gate: "_Gate", started: float, stop_ids: frozenset[int]) -> None:
@@ -274,38 +293,48 @@ class UpstreamEngine(EngineClient):
         prompt_tokens, cached = len(job.prompt_ids), 0
         first_token_s: float | None = None
         stopped = False
-        async for batch in sse_batches(response):
-            deltas: list[TextDelta] = []
-            for payload in batch:
-                chunk = self.adapter.parse(payload, state)
-                if chunk.error is not None:
-                    _emit(stream, deltas)
-                    raise error_in_stream(self.target, chunk.error, context_length=self.context_length, prompt_tokens=len(job.prompt_ids))
-                gate.arrived()
-                if chunk.prompt_tokens is not None:
-                    prompt_tokens = chunk.prompt_tokens
-                if chunk.cached_tokens is not None:
-                    cached = chunk.cached_tokens
-                if chunk.token_ids and first_token_s is None:
-                    first_token_s = time.perf_counter() - started
-                for token_id, logprob in _aligned(chunk):
-                    delta = decoder.push(token_id, logprob)
-                    if delta is not None:
-                        deltas.append(delta)
-                if chunk.finish_reason is not None:
-                    if chunk.finish_reason not in ("stop", "length"):  # vLLM's "abort" (preempted, shut down ...)
+        received = False  # once anything of the stream came, a failure is never sent again
+        try:
+            async for batch in sse_batches(response):
+                received = True
+                deltas: list[TextDelta] = []
+                for payload in batch:
+                    chunk = self.adapter.parse(payload, state)
+                    if chunk.error is not None:
                         _emit(stream, deltas)
-                        raise UpstreamError(f"The upstream {self.target} ended the generation: {chunk.finish_reason}.")
-                    finish = chunk
-                elif decoder.done:
-                    stopped = True  # Deltafin stopped (a stop string, a stop id the upstream does not know)
-                    break
-            _emit(stream, deltas)  # events that arrived together leave together: one wake-up of the client side
-            if stopped:
-                break  # leaving the `async with` closes the upstream request
-        else:
-            if finish is None and not decoder.done:
-                raise Garbled(f"The upstream {self.target} ended the stream before the generation finished.")
+                        raise error_in_stream(self.target, chunk.error, context_length=self.context_length,
+                                              prompt_tokens=len(job.prompt_ids))
+                    gate.arrived()
+                    if chunk.prompt_tokens is not None:
+                        prompt_tokens = chunk.prompt_tokens
+                    if chunk.cached_tokens is not None:
+                        cached = chunk.cached_tokens
+                    if chunk.token_ids and first_token_s is None:
+                        first_token_s = time.perf_counter() - started
+                    for token_id, logprob in _aligned(chunk):
+                        delta = decoder.push(token_id, logprob)
+                        if delta is not None:
+                            deltas.append(delta)
+                    if chunk.finish_reason is not None:
+                        if chunk.finish_reason not in ("stop", "length"):  # vLLM's "abort" (preempted, shut down ...)
+                            _emit(stream, deltas)
+                            raise UpstreamError(f"The upstream {self.target} ended the generation: {chunk.finish_reason}.")
+                        finish = chunk
+                    elif decoder.done:
+                        stopped = True  # Deltafin stopped (a stop string, a stop id the upstream does not know)
+                        break
+                _emit(stream, deltas)  # events that arrived together leave together: one wake-up of the client side
+                if stopped:
+                    break  # leaving the `async with` closes the upstream request
+        except ReadTimedOut:
+            raise  # a silent upstream may still be working on it
+        except TransportError as exc:
+            if received:
+                raise
+            raise _Unanswered(exc) from None
+        if finish is None and not decoder.done:
+            cut = Garbled(f"The upstream {self.target} ended the stream before the generation finished.")
+            raise cut if received else _Unanswered(cut)
         total = time.perf_counter() - started
         if self.observer is not None:
             self.observer.upstream_latency(self.name, total)
@@ -433,6 +462,14 @@ class _Gate:
     def cancel(self) -> None:
         if not self._future.done():
             self._future.set_result(None)
+
+
+class _Unanswered(Exception):
+    """The upstream request failed before its stream's first event (`cause`: the failure as it came)."""
+
+    def __init__(self, cause: BaseException) -> None:
+        super().__init__(str(cause))
+        self.cause = cause
 
 
 def _emit(stream: GenerationStream, deltas: list[TextDelta]) -> None:

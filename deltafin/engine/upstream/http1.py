@@ -231,11 +231,10 @@ class _Connection:
         self.writer = writer
 
     def usable(self) -> bool:
-        """Not closed by either side while idle (a server's keep-alive timeout, llama-server's close), and
-        nothing unasked for waiting in it: a server that answers an idle connection with its own 408 and closes
-        (Deltafin's header deadline does) leaves bytes that the next request would read as its answer."""
-        # StreamReader has no public count of buffered bytes; at_eof() is False while any are left.
-        return not self.reader.at_eof() and not self.reader._buffer and not self.writer.transport.is_closing()
+        """Not closed by either side while idle (a server's keep-alive timeout, llama-server's close), and silent:
+        an idle connection has nothing to say, so bytes waiting on it are a server's goodbye (a 408 before its
+        close: uvicorn's, Deltafin's own header timeout), never the answer to the next request."""
+        return not self.reader.at_eof() and not self.writer.transport.is_closing() and not self.reader._buffer
 
     def close(self) -> None:
         self.writer.transport.abort()  # no graceful close to wait for: the exchange is over or abandoned
@@ -281,7 +280,7 @@ class Http1Pool:
         When an idle connection is at hand the request is written here and now, before the caller's next await
         (the gateway calls this on the request's own task and reads the answer on another: the upstream gets
         the request a task switch sooner). An exchange that is never entered must be `discard()`ed."""
-        return Exchange(self, self._head(method, path, body, headers), read_timeout_s)
+        return Exchange(self, self._head(method, path, body, headers), read_timeout_s, path)
 
     def _head(self, method: str, path: str, body: bytes | None, headers: Mapping[str, str] | None) -> bytes:
         head = f"{method} {self._prefix}{path} HTTP/1.1\r\n{self._head_fields}"
@@ -385,6 +384,10 @@ class Http1Pool:
                 write = raw
             try:
                 status, fields = await self._send_and_read_head(conn, write, watchdog)
+                if status == 408 and reused:
+                    # The server timed the idle connection out as we reused it (its 408 and close crossed our
+                    # request): the request was never read, as with a close.
+                    raise _StaleConnection()
             except _StaleConnection:
                 watchdog.cancel()
                 conn.close()
@@ -436,7 +439,9 @@ class _StaleConnection(Exception):
 class Exchange:
     """`async with`: opens the exchange, closes (or pools) its connection on the way out, whatever happens."""
 
-    def __init__(self, pool: Http1Pool, raw: bytes, read_timeout_s: float | None) -> None:
+    def __init__(self, pool: Http1Pool, raw: bytes, read_timeout_s: float | None, path: str = "") -> None:
+        #: the request's path (what an adapter that may switch endpoints needs to know of a failed one)
+        self.path = path
         self._pool = pool
         self._raw = raw
         self._read_timeout_s = read_timeout_s

@@ -1,7 +1,9 @@
 """vLLM (and any server speaking vLLM's token-id completions, Deltafin included).
 
-Primary: `POST /inference/v1/generate` (token ids in, token ids out). Fallback, chosen once on a 404 or set with
-`engine.api=completions`: `POST /v1/completions` with `prompt: list[int]` and `return_token_ids: true`.
+Primary: `POST /inference/v1/generate` (token ids in, token ids out; a stock `vllm serve` registers it only with
+`--enable-scale-out` and answers 403 without). Fallback, chosen once when that endpoint is disabled (403) or absent
+(404, 405), or set with `engine.api=completions`: `POST /v1/completions` with `prompt: list[int]` and
+`return_token_ids: true`.
 Either way no stop strings are sent (Deltafin matches them on the returned ids), special tokens are not skipped,
 and logprobs come as "token_id:N" (`return_tokens_as_token_ids`) so they map back to ids exactly.
 """
@@ -11,13 +13,20 @@ from __future__ import annotations
 import json
 from typing import Any
 
+import structlog
+
 from deltafin.engine.events import GenerationJob, TokenLogprob
 from deltafin.engine.upstream.engine import Adapter, UpstreamSettings
 from deltafin.engine.upstream.sampling import common_knobs
 from deltafin.engine.upstream.wire import Chunk, Garbled, error_event, id_from_token_string, token_logprob
 
+log = structlog.get_logger("deltafin.upstream")
+
 GENERATE = "/inference/v1/generate"
 COMPLETIONS = "/v1/completions"
+#: what the token-id endpoint answers where it cannot be used: disabled (403, a stock `vllm serve`: "Scale-out
+#: endpoints are disabled. Restart vllm serve with --enable-scale-out"), absent (404), or another method (405)
+UNUSABLE = frozenset({403, 404, 405})
 
 
 class VllmAdapter(Adapter):
@@ -29,11 +38,17 @@ class VllmAdapter(Adapter):
         self.path = COMPLETIONS if api == "completions" else GENERATE
         self._may_fall_back = api == "auto"
 
-    def fallback(self, status: int) -> bool:
-        if self._may_fall_back and self.path == GENERATE and status in (404, 405):
-            self.path, self._may_fall_back = COMPLETIONS, False
-            return True
-        return False
+    def fallback(self, status: int, path: str, body: bytes) -> bool:
+        if not self._may_fall_back or path != GENERATE or status not in UNUSABLE:
+            return False
+        # Requests sent before the switch come back here too: each is retried once on completions, the switch
+        # and its log line happen once.
+        if self.path == GENERATE:
+            self.path = COMPLETIONS
+            log.warning("upstream_api_fallback", engine=self.engine, status=status, endpoint=COMPLETIONS,
+                        answer=body[:300].decode("utf-8", "replace"),
+                        hint="start vLLM with --enable-scale-out for /inference/v1/generate")
+        return True
 
     def request(self, job: GenerationJob, request_id: str, stop_ids: frozenset[int]) -> tuple[str, dict[str, Any]]:
         params = job.params

@@ -7,10 +7,11 @@
       <|close|>call<|sep|>...
     <|close|>tools<|sep|><|close|>message<|sep|>
 
-T is the value's JSON type (`string`: raw text; anything else: JSON). xgrammar's builtin "kimi_k3" tag is not
-used: its `kimi_k3_xml` style writes `type="number"` for integers where K3 (and our renderer) write
-`type="integer"` and pads values with whitespace, and it always puts a response channel (any text) before the tools, so a model could talk
-its way past a forced call. Arguments are laid out by `xml_args`.
+T is the value's JSON type as K3's encoder names it (`string`: raw text; `number` for integers and floats alike;
+anything else: JSON). With thinking on, an empty response channel stands between the reasoning and the tools, as
+K3's encoder writes every assistant turn with calls (deltafin.prompt.xtml). xgrammar's builtin "kimi_k3" tag is
+not used: it pads values with whitespace, and its response channel before the tools takes any text, so a model
+could talk its way past a forced call. Arguments are laid out by `xml_args`.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ OPEN, CLOSE, SEP = "<|open|>", "<|close|>", "<|sep|>"
 _MARKERS = (OPEN, CLOSE, SEP)
 _ARG_END = f"{CLOSE}argument{SEP}"
 _JSON_TYPES = ("integer", "number", "boolean", "null", "array", "object")
+_TYPE_NAMES = ("number", "boolean", "null", "array", "object")  # K3's names: an integer is a `number`
 
 
 def _attr(value: str) -> str:
@@ -38,11 +40,12 @@ def _value(schema: Mapping[str, Any]) -> Format:
     if kind == "string":
         return tag(f'string"{SEP}', raw_text(schema, _MARKERS), _ARG_END)
     if kind in _JSON_TYPES:
-        return tag(f'{kind}"{SEP}', json_value(schema), _ARG_END)
+        name = "number" if kind == "integer" else kind
+        return tag(f'{name}"{SEP}', json_value(schema), _ARG_END)
     # No single declared type: raw text as a string, or a JSON value under the schema with its type named.
     return one_of(
         tag(f'string"{SEP}', raw_text({}, _MARKERS), _ARG_END),
-        sequence(regex("|".join(_JSON_TYPES)), tag(f'"{SEP}', json_value(schema), _ARG_END)),
+        sequence(regex("|".join(_TYPE_NAMES)), tag(f'"{SEP}', json_value(schema), _ARG_END)),
     )
 
 
@@ -64,7 +67,7 @@ def xtml_structure(forced: ForcedCalls, *, reasoning: str) -> dict[str, Any]:
         for f in forced.functions
     ]
     opened = (
-        think_prefix("enabled", "", f"{CLOSE}think{SEP}", (OPEN, CLOSE))
+        sequence(think_prefix("enabled", "", f"{CLOSE}think{SEP}", (OPEN, CLOSE)), const(f"{OPEN}response{SEP}{CLOSE}response{SEP}"))
         if reasoning == "enabled"
         else const(f"{CLOSE}response{SEP}")
     )

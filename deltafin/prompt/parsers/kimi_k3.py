@@ -8,7 +8,9 @@ that is already open (the model repeating the prompt's opener) is dropped. Reaso
 stays reasoning. The message ends at `<|close|>message<|sep|>`: `<|end_of_msg|>` and whatever follows are
 not content. Without calls allowed (no tools declared, or tool_choice "none") a `tools` channel is dropped
 whole, as SGLang does: XTML markers are control tokens, never content. A call without a tool name is
-dropped. A header cut off by max_tokens is dropped, never leaked into content.
+dropped. A header cut off by max_tokens is dropped, never leaked into content. A call's arguments written as
+a `json` span (K3's encoder renders arguments that are not valid JSON that way) are the call's arguments as
+written. `type="number"` values (K3 names integers so) are JSON, read as written.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ class KimiK3Parser:
         self._args = 0
         self._arg_type = "string"
         self._value = ""
+        self._raw = False  # the call's arguments came as a raw `json` span
 
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
@@ -93,6 +96,9 @@ class KimiK3Parser:
                 out.tool_calls.append(ToolCallDelta(self._index, arguments=json_fragment(text)))
             else:
                 self._value += text
+        elif top == "json":
+            if self._in_call:
+                out.tool_calls.append(ToolCallDelta(self._index, arguments=text))
         elif top in ("tools", "call"):
             return  # layout whitespace between spans
         elif top == "message" and not text.strip():
@@ -108,11 +114,14 @@ class KimiK3Parser:
         self._stack.append(name)
         if name == "call":
             self._args = 0
+            self._raw = False
             tool = attrs.get("tool", "").strip()
             self._in_call = self._calls_allowed and bool(tool)
             if self._in_call:
                 self._index += 1
                 out.tool_calls.append(ToolCallDelta(self._index, self._new_id(self._index, tool), tool, ""))
+        elif name == "json" and self._in_call:
+            self._raw = True
         elif name == "argument" and self._in_call:
             self._arg_type = attrs.get("type", "string")
             self._value = ""
@@ -135,7 +144,7 @@ class KimiK3Parser:
                 value = typed_value(self._value, self._arg_type)
                 out.tool_calls.append(ToolCallDelta(self._index, arguments=json.dumps(value, ensure_ascii=False)))
         elif name == "call" and self._in_call:
-            out.tool_calls.append(ToolCallDelta(self._index, arguments="}" if self._args else "{}"))
+            out.tool_calls.append(ToolCallDelta(self._index, arguments="}" if self._args else "" if self._raw else "{}"))
             self._in_call = False
 
     def finish(self, finish_reason: str) -> ParsedDelta:

@@ -1,0 +1,151 @@
+"""`python -m deltafin [--cfg job] [GROUP=OPTION ...] [KEY=VALUE ...]`: compose the config, check everything that
+can be checked without loading a model, then serve; any config error is one line on stderr and exit 2.
+
+Hydra's Compose API does the composition (conf/ groups, the override grammar, interpolations); Hydra's own
+command-line runner is not used, so that its errors, `--cfg job` included, go through the same checks.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import sys
+from typing import Sequence
+
+from omegaconf import OmegaConf
+
+from deltafin.config import ConfigError, DeltafinConfig, compose_config, conf_dir
+from deltafin.config.schema import Device
+
+USAGE = """\
+usage: python -m deltafin [--cfg job] [GROUP=OPTION ...] [KEY=VALUE ...]
+
+  --cfg job      print the composed, checked config and exit
+  -h, --help     print this and exit
+  GROUP=OPTION   choose a file of conf/GROUP/ (model=glm)
+  KEY=VALUE      set one key (server.port=9000); +KEY=VALUE adds a key to a mapping, ~KEY removes one
+Every key, its default and its range: docs/config.md. Config groups and their options:
+"""
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args = list(sys.argv[1:] if argv is None else argv)
+    try:
+        show_config, overrides = _parse(args)
+        if show_config is None:
+            print(USAGE + _groups())
+            return
+        config = checked_config(overrides)
+        if show_config:
+            print(OmegaConf.to_yaml(config), end="")
+            return
+        _check_model_path(config)
+        _check_response_store(config)
+        listener = _listen(config)
+    except ConfigError as exc:
+        print(f"deltafin: config error: {exc}", file=sys.stderr)
+        sys.exit(2)
+
+    from deltafin.app import build_app
+    from deltafin.app.server import serve
+    from deltafin.logging import configure_logging
+
+    _without_triton(config)
+    configure_logging(config.server.log_level)
+    serve(build_app(config), config, listener)
+
+
+def checked_config(overrides: Sequence[str] = ()) -> DeltafinConfig:
+    """The config for `overrides`, checked as far as it can be without the model or the network: the schema
+    and its field checks, the family and its variant, the rules, the engine's builder."""
+    config = compose_config(overrides)
+
+    from deltafin.families import check_model  # after composition: these import the prompt formats (~1 s)
+    from deltafin.rules import build_pipeline
+
+    check_model(config.model)
+    build_pipeline(config.compat.rules, config.model.family)
+    _check_engine(config)
+    return config
+
+
+def _without_triton(config: DeltafinConfig) -> None:
+    """triton comes with xgrammar (its GPU kernels) and torch._dynamo imports it whenever it is installed (the
+    model code imports torch._dynamo); on the CPU nothing runs it, and its bindings print "nanobind: leaked ..."
+    lines at exit. A None in sys.modules makes `import triton` fail as if it were not installed."""
+    if config.placement.device == Device.cpu:
+        sys.modules.setdefault("triton", None)  # type: ignore[arg-type]
+
+
+def _parse(args: list[str]) -> tuple[bool | None, list[str]]:
+    """(True for --cfg job, False to serve, None for --help; the overrides)."""
+    show_config: bool | None = False
+    overrides: list[str] = []
+    while args:
+        arg = args.pop(0)
+        if arg in ("-h", "--help"):
+            return None, []
+        if arg in ("-c", "--cfg") or arg.startswith("--cfg="):
+            what = arg.partition("=")[2] or (args.pop(0) if args else "")
+            if what != "job":
+                raise ConfigError(f"--cfg: {what!r} is not supported (--cfg job prints the config)")
+            show_config = True
+        elif arg.startswith("-"):
+            raise ConfigError(f"{arg}: not an option of python -m deltafin (--cfg job, --help; the rest are overrides)")
+        else:
+            overrides.append(arg)
+    return show_config, overrides
+
+
+def _groups() -> str:
+    root = conf_dir()
+    lines = []
+    for group in sorted(p for p in root.iterdir() if p.is_dir()):
+        options = ", ".join(sorted(f.stem for f in group.glob("*.yaml")))
+        lines.append(f"  {group.name}: {options}")
+    return "\n".join(lines)
+
+
+def _check_engine(config: DeltafinConfig) -> None:
+    """The engine's builder must import; an upstream's needs a URL."""
+    from hydra.utils import get_method
+
+    target = config.engine._target_
+    try:
+        builder = get_method(target)
+    except Exception:  # hydra wraps import failures in several types
+        raise ConfigError(f"engine._target_: {target!r} cannot be imported") from None
+    if getattr(builder, "needs_url", False) and not config.engine.url:
+        raise ConfigError("engine.url: a value is required by an upstream engine (engine.url=http://HOST:PORT)")
+
+
+def _check_model_path(config: DeltafinConfig) -> None:
+    """`model.path` must exist (a `pkg:` path: its package must be installed); loading comes later."""
+    from deltafin.engine.loader import ModelLoadError, resolve_model_path
+
+    try:
+        resolve_model_path(config.model.path)
+    except ModelLoadError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _check_response_store(config: DeltafinConfig) -> None:
+    """A response store that cannot be opened (a foreign or corrupt sqlite file, a missing folder) stops start-up
+    here, never loses stored responses silently later."""
+    from deltafin.serving.responses.store import open_store
+
+    open_store(config.server.responses).close()
+
+
+def _listen(config: DeltafinConfig) -> socket.socket:
+    """The server's socket, bound now: an address this machine cannot listen on is a config error before
+    anything loads, and `server.port=0` takes a free port."""
+    from deltafin.app.server import bind
+
+    host, port = config.server.host, config.server.port
+    try:
+        return bind(host, port)
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        key = "server.port" if exc.errno in (errno.EADDRINUSE, errno.EACCES) else "server.host"
+        raise ConfigError(f"{key}: cannot listen on {host}:{port}: {reason}") from None

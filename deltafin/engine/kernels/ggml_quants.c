@@ -1,0 +1,427 @@
+/* GGUF's block-quantized weights (ggml's Q4_0, Q4_1, Q5_0, Q5_1, Q8_0) times float activations, in their
+   stored form: no float copy of the weights is ever made.
+
+   As llama.cpp does, the activations are quantized to 8 bits per block of 32 (one float scale per block and
+   row: a row's bits never depend on the other rows), so a weight block times an activation block is an integer
+   dot product (exact), scaled by two floats:
+
+       contribution(block) = (d_w * d_x) * float(sum u*v - offset * sum v)  [+ (m_w * d_x) * float(sum v)]
+
+   where u are the weight block's unsigned codes, v the activation's int8 codes, `offset` the format's zero
+   point (8 for Q4_0, 16 for Q5_0, 0 otherwise) and m_w the block minimum of Q4_1 / Q5_1.
+
+   One summation order per output, whatever the CPU variant and the number of rows: block b's contribution is
+   added to lane b % 8, and the eight lanes are summed as ((0+1)+(2+3))+((4+5)+(6+7)). The integer parts are
+   exact, every float operation is the same IEEE operation in every variant (built with -ffp-contract=off and
+   without reassociation), so the portable build, the AVX2 build and the AVX-512 build give the same bits,
+   and a row gets the same bits alone or in a batch of any size.
+
+   Variants (deltafin/engine/kernels/__init__.py builds each with its own flags and picks one at run time):
+   DELTAFIN_VARIANT_AVX512 (AVX-512 F/BW/VL + VNNI: vpdpbusd), DELTAFIN_VARIANT_AVX2 (AVX2 + FMA + F16C:
+   vpmaddubsw), neither: portable C. */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(DELTAFIN_VARIANT_AVX2) || defined(DELTAFIN_VARIANT_AVX512)
+#include <immintrin.h>
+#define DELTAFIN_SIMD 1
+#endif
+
+enum { GGML_Q4_0 = 2, GGML_Q4_1 = 3, GGML_Q5_0 = 6, GGML_Q5_1 = 7, GGML_Q8_0 = 8 };
+#define QK 32
+#define LANES 8
+
+/* ---- half precision (exact conversion, as ggml's scalar path) ---- */
+
+static inline float fp32_from_bits(uint32_t w) { float f; memcpy(&f, &w, 4); return f; }
+static inline uint32_t fp32_to_bits(float f) { uint32_t w; memcpy(&w, &f, 4); return w; }
+
+static inline float half_to_float(uint16_t h) {
+#ifdef DELTAFIN_SIMD
+    return _cvtsh_ss(h);  /* F16C: exact, as the portable conversion below */
+#endif
+    const uint32_t w = (uint32_t)h << 16;
+    const uint32_t sign = w & 0x80000000u;
+    const uint32_t two_w = w + w;
+    const uint32_t exp_offset = 0xE0u << 23;
+    const float exp_scale = fp32_from_bits(0x7800000u);
+    const float normalized = fp32_from_bits((two_w >> 4) + exp_offset) * exp_scale;
+    const uint32_t magic_mask = 126u << 23;
+    const float magic_bias = 0.5f;
+    const float denormalized = fp32_from_bits((two_w >> 17) | magic_mask) - magic_bias;
+    const uint32_t denormalized_cutoff = 1u << 27;
+    const uint32_t result = sign | (two_w < denormalized_cutoff ? fp32_to_bits(denormalized) : fp32_to_bits(normalized));
+    return fp32_from_bits(result);
+}
+
+static inline uint16_t read_u16(const uint8_t *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+static inline uint32_t read_u32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+/* ---- formats ---- */
+
+typedef struct {
+    int64_t bytes;   /* per block of 32 */
+    int32_t offset;  /* zero point subtracted from the codes (signed formats: 0) */
+    int32_t has_min; /* Q4_1 / Q5_1: w = d * u + m */
+} format_info;
+
+static int format_of(int type, format_info *f) {
+    switch (type) {
+    case GGML_Q4_0: *f = (format_info){18, 8, 0}; return 1;
+    case GGML_Q4_1: *f = (format_info){20, 0, 1}; return 1;
+    case GGML_Q5_0: *f = (format_info){22, 16, 0}; return 1;
+    case GGML_Q5_1: *f = (format_info){24, 0, 1}; return 1;
+    case GGML_Q8_0: *f = (format_info){34, 0, 0}; return 1;
+    default: return 0;
+    }
+}
+
+/* Block scale d and minimum m (0 where the format has none). */
+static inline void block_scales(int type, const uint8_t *b, float *d, float *m) {
+    *d = half_to_float(read_u16(b));
+    *m = (type == GGML_Q4_1 || type == GGML_Q5_1) ? half_to_float(read_u16(b + 2)) : 0.0f;
+}
+
+/* The 32 codes of a block, portable C: unsigned 0..15 / 0..31 for Q4 / Q5, signed for Q8_0. */
+static inline void unpack_codes(int type, const uint8_t *b, int16_t *u) {
+    const uint8_t *qs;
+    uint32_t qh = 0;
+    switch (type) {
+    case GGML_Q8_0:
+        for (int i = 0; i < QK; i++) u[i] = (int8_t)b[2 + i];
+        return;
+    case GGML_Q4_0: qs = b + 2; break;
+    case GGML_Q4_1: qs = b + 4; break;
+    case GGML_Q5_0: qh = read_u32(b + 2); qs = b + 6; break;
+    default /* Q5_1 */: qh = read_u32(b + 4); qs = b + 8; break;
+    }
+    for (int i = 0; i < 16; i++) {
+        u[i] = (int16_t)((qs[i] & 0x0F) | (((qh >> i) & 1u) << 4));
+        u[i + 16] = (int16_t)((qs[i] >> 4) | (((qh >> (i + 16)) & 1u) << 4));
+    }
+}
+
+/* ---- activations: 8 bits per block of 32, per row ---- */
+
+typedef struct {
+    int8_t *q;   /* [M, K] */
+    float *d;    /* [M, K / 32] */
+    int32_t *s;  /* [M, K / 32]: sum of the block's codes */
+    int64_t k;
+} qrows;
+
+/* Rounds half to even (nearbyintf in the default rounding mode): the same in every variant, vectorized or not. */
+static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, int32_t *s) {
+    for (int64_t b = 0; b < k / QK; b++) {
+        const float *xb = x + b * QK;
+        float amax = 0.0f;
+        for (int i = 0; i < QK; i++) {
+            const float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax;
+        }
+        const float scale = amax / 127.0f;
+        const float inverse = scale != 0.0f ? 1.0f / scale : 0.0f;
+        int32_t sum = 0;
+        for (int i = 0; i < QK; i++) {
+            const int32_t v = (int32_t)nearbyintf(xb[i] * inverse);
+            q[b * QK + i] = (int8_t)v;
+            sum += v;
+        }
+        d[b] = scale;
+        s[b] = sum;
+    }
+}
+
+/* ---- one group of up to 8 blocks of one weight row against one activation row: integer dot products ---- */
+
+#ifdef DELTAFIN_SIMD
+static inline __m256i codes_q4(const uint8_t *qs) {
+    const __m128i t = _mm_loadu_si128((const __m128i *)qs);
+    const __m256i both = _mm256_set_m128i(_mm_srli_epi16(t, 4), t);
+    return _mm256_and_si256(both, _mm256_set1_epi8(0x0F));
+}
+
+/* bit i of qh -> 0x10 in byte i */
+static inline __m256i high_bits(uint32_t qh) {
+    const __m256i shuffle = _mm256_set_epi64x(0x0303030303030303LL, 0x0202020202020202LL, 0x0101010101010101LL, 0);
+    __m256i bytes = _mm256_shuffle_epi8(_mm256_set1_epi32((int32_t)qh), shuffle);
+    bytes = _mm256_or_si256(bytes, _mm256_set1_epi64x(0x7fbfdfeff7fbfdfeLL));
+    return _mm256_and_si256(_mm256_cmpeq_epi8(bytes, _mm256_set1_epi64x(-1)), _mm256_set1_epi8(0x10));
+}
+
+/* The block's 32 codes in a register: unsigned for Q4/Q5, signed for Q8_0. */
+static inline __m256i block_codes(int type, const uint8_t *b) {
+    switch (type) {
+    case GGML_Q8_0: return _mm256_loadu_si256((const __m256i *)(b + 2));
+    case GGML_Q4_0: return codes_q4(b + 2);
+    case GGML_Q4_1: return codes_q4(b + 4);
+    case GGML_Q5_0: return _mm256_or_si256(codes_q4(b + 6), high_bits(read_u32(b + 2)));
+    default: return _mm256_or_si256(codes_q4(b + 8), high_bits(read_u32(b + 4)));
+    }
+}
+
+/* unsigned u8 x signed s8, 32 pairs -> 8 int32 partial sums */
+static inline __m256i dot_us(__m256i u, __m256i s) {
+#ifdef DELTAFIN_VARIANT_AVX512
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), u, s);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(u, s), _mm256_set1_epi16(1));  /* |pair| <= 2*128*127: no saturation */
+#endif
+}
+
+static inline __m256i dot_ss(__m256i a, __m256i s) {
+    return dot_us(_mm256_sign_epi8(a, a), _mm256_sign_epi8(s, a));
+}
+
+/* 8 vectors of 8 int32 -> one vector holding each one's total */
+static inline __m256i sum8(const __m256i *p) {
+    const __m256i a = _mm256_hadd_epi32(p[0], p[1]), b = _mm256_hadd_epi32(p[2], p[3]);
+    const __m256i c = _mm256_hadd_epi32(p[4], p[5]), d = _mm256_hadd_epi32(p[6], p[7]);
+    const __m256i ab = _mm256_hadd_epi32(a, b), cd = _mm256_hadd_epi32(c, d);
+    return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
+}
+#endif
+
+/* ---- one weight row against M activation rows ---- */
+
+#define ROW_CHUNK 16
+
+static inline float lanes_total(const float *a) {
+    return ((a[0] + a[1]) + (a[2] + a[3])) + ((a[4] + a[5]) + (a[6] + a[7]));
+}
+
+/* The contribution of one block to lane `acc`: the same IEEE operations in every variant. */
+static inline float block_term(int32_t dot, int32_t s, float dw, float mw, float dx, const format_info *f) {
+    if (f->has_min) return (dw * dx) * (float)dot + (mw * dx) * (float)s;
+    return (dw * dx) * (float)(dot - f->offset * s);
+}
+
+/* Scales of blocks g .. g + count of a row. */
+static inline __attribute__((always_inline)) void group_scales(const int type, const uint8_t *row, int64_t bytes,
+                                                               int64_t g, int count, float *dw, float *mw) {
+    for (int j = 0; j < count; j++) block_scales(type, row + (g + j) * bytes, &dw[j], &mw[j]);
+}
+
+/* The remainder group (fewer than 8 blocks), and every group of the portable build: plain C. */
+static inline __attribute__((always_inline)) void group_portable(const int type, const format_info *f,
+        const uint8_t *row, int64_t k, const qrows *x, int64_t m_first, int64_t mcount, int64_t g, int count,
+        float (*acc)[LANES]) {
+    const int64_t nb = k / QK;
+    float dw[LANES], mw[LANES];
+    int16_t codes[LANES][QK];
+    group_scales(type, row, f->bytes, g, count, dw, mw);
+    for (int j = 0; j < count; j++) unpack_codes(type, row + (g + j) * f->bytes, codes[j]);
+    for (int64_t i = 0; i < mcount; i++) {
+        const int64_t m = m_first + i;
+        const int8_t *xq = x->q + m * k + g * QK;
+        for (int j = 0; j < count; j++) {
+            int32_t dot = 0;
+            for (int t = 0; t < QK; t++) dot += (int32_t)codes[j][t] * xq[j * QK + t];
+            acc[i][j] += block_term(dot, x->s[m * nb + g + j], dw[j], mw[j], x->d[m * nb + g + j], f);
+        }
+    }
+}
+
+#ifdef DELTAFIN_SIMD
+/* The scales (and minimums) of blocks g .. g + 8 of a row in two vectors: one gather of each block's first
+   four bytes (d, and m where the format has one, as halves), no trip through memory. Lanes past `lanes`
+   (a mask) read nothing and are 0. The same floats as block_scales: half to float is exact. */
+static inline void group_scales_simd(const uint8_t *first, int64_t bytes, __m256i lanes, __m256 *d, __m256 *m) {
+    const __m256i offsets = _mm256_mullo_epi32(_mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), _mm256_set1_epi32((int)bytes));
+    const __m256i words = _mm256_mask_i32gather_epi32(_mm256_setzero_si256(), (const int *)first, offsets, lanes, 1);
+    const __m256i low = _mm256_setr_epi8(0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1,
+                                         0, 1, 4, 5, 8, 9, 12, 13, -1, -1, -1, -1, -1, -1, -1, -1);
+    const __m256i high = _mm256_setr_epi8(2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1,
+                                          2, 3, 6, 7, 10, 11, 14, 15, -1, -1, -1, -1, -1, -1, -1, -1);
+    *d = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_shuffle_epi8(words, low), 0x08)));
+    *m = _mm256_cvtph_ps(_mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_shuffle_epi8(words, high), 0x08)));
+}
+
+/* A group of `count` (<= 8) blocks against `mcount` activation rows: vpdpbusd / vpmaddubsw, then the same
+   float operations as block_term, lane by lane; lanes past `count` are left as they are. */
+static inline __attribute__((always_inline)) void group_simd(const int type, const format_info *f,
+        const uint8_t *row, int64_t k, const qrows *x, int64_t m_first, int64_t mcount, int64_t g, int count,
+        float (*acc)[LANES]) {
+    const int64_t nb = k / QK;
+    const __m256i lanes = _mm256_cmpgt_epi32(_mm256_set1_epi32(count), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    __m256 vdw, vmw;
+    group_scales_simd(row + g * f->bytes, f->bytes, lanes, &vdw, &vmw);
+    if (!f->has_min) vmw = _mm256_setzero_ps();
+    __m256i codes[LANES];
+    for (int j = 0; j < LANES; j++)
+        codes[j] = j < count ? block_codes(type, row + (g + j) * f->bytes) : _mm256_setzero_si256();
+    for (int64_t i = 0; i < mcount; i++) {
+        const int64_t m = m_first + i;
+        const int8_t *xq = x->q + m * k + g * QK;
+        __m256i p[LANES];
+        for (int j = 0; j < LANES; j++) {
+            if (j >= count) { p[j] = _mm256_setzero_si256(); continue; }
+            const __m256i v = _mm256_loadu_si256((const __m256i *)(xq + j * QK));
+            p[j] = type == GGML_Q8_0 ? dot_ss(codes[j], v) : dot_us(codes[j], v);
+        }
+        const __m256i dots = sum8(p);
+        __m256 vdx;
+        __m256i s;
+        if (count == LANES) {
+            vdx = _mm256_loadu_ps(x->d + m * nb + g);
+            s = _mm256_loadu_si256((const __m256i *)(x->s + m * nb + g));
+        } else {  /* never read past the row's last block */
+            vdx = _mm256_maskload_ps(x->d + m * nb + g, lanes);
+            s = _mm256_maskload_epi32((const int *)(x->s + m * nb + g), lanes);
+        }
+        __m256 term;
+        if (f->has_min) {
+            term = _mm256_add_ps(_mm256_mul_ps(_mm256_mul_ps(vdw, vdx), _mm256_cvtepi32_ps(dots)),
+                                 _mm256_mul_ps(_mm256_mul_ps(vmw, vdx), _mm256_cvtepi32_ps(s)));
+        } else if (f->offset) {
+            const __m256i centred = _mm256_sub_epi32(dots, _mm256_mullo_epi32(_mm256_set1_epi32(f->offset), s));
+            term = _mm256_mul_ps(_mm256_mul_ps(vdw, vdx), _mm256_cvtepi32_ps(centred));
+        } else {
+            term = _mm256_mul_ps(_mm256_mul_ps(vdw, vdx), _mm256_cvtepi32_ps(dots));
+        }
+        const __m256 old = _mm256_loadu_ps(acc[i]), sum = _mm256_add_ps(old, term);
+        _mm256_storeu_ps(acc[i], count == LANES ? sum : _mm256_blendv_ps(old, sum, _mm256_castsi256_ps(lanes)));
+    }
+}
+#endif
+
+/* y[m * ldy] = row . x[m] for m < rows; `type` a constant in each specialization below. */
+static inline __attribute__((always_inline)) void row_times_body(const int type, const uint8_t *row, int64_t k,
+        const qrows *x, int64_t rows, float *y, int64_t ldy) {
+    format_info f;
+    format_of(type, &f);
+    const int64_t nb = k / QK;
+    for (int64_t mc = 0; mc < rows; mc += ROW_CHUNK) {
+        const int64_t mcount = rows - mc < ROW_CHUNK ? rows - mc : ROW_CHUNK;
+        float acc[ROW_CHUNK][LANES];
+        memset(acc, 0, sizeof(acc[0]) * (size_t)mcount);
+        int64_t g = 0;
+#ifdef DELTAFIN_SIMD
+        for (; g + LANES <= nb; g += LANES) group_simd(type, &f, row, k, x, mc, mcount, g, LANES, acc);
+        if (g < nb) group_simd(type, &f, row, k, x, mc, mcount, g, (int)(nb - g), acc);
+        g = nb;
+#endif
+        for (; g < nb; g += LANES)
+            group_portable(type, &f, row, k, x, mc, mcount, g, nb - g < LANES ? (int)(nb - g) : LANES, acc);
+        for (int64_t i = 0; i < mcount; i++) y[(mc + i) * ldy] = lanes_total(acc[i]);
+    }
+}
+
+#define ROW_TIMES(T) \
+    static void row_times_##T(const uint8_t *row, int64_t k, const qrows *x, int64_t rows, float *y, int64_t ldy) { \
+        row_times_body(GGML_##T, row, k, x, rows, y, ldy); \
+    }
+ROW_TIMES(Q4_0) ROW_TIMES(Q4_1) ROW_TIMES(Q5_0) ROW_TIMES(Q5_1) ROW_TIMES(Q8_0)
+
+typedef void (*row_fn)(const uint8_t *, int64_t, const qrows *, int64_t, float *, int64_t);
+
+static row_fn row_function(int type) {
+    switch (type) {
+    case GGML_Q4_0: return row_times_Q4_0;
+    case GGML_Q4_1: return row_times_Q4_1;
+    case GGML_Q5_0: return row_times_Q5_0;
+    case GGML_Q5_1: return row_times_Q5_1;
+    default: return row_times_Q8_0;
+    }
+}
+
+/* ---- entry points ---- */
+
+typedef struct {
+    const uint8_t *data; /* [N, row_bytes] */
+    int64_t type, rows, cols, row_bytes;
+} qmatrix;
+
+static void matrix_rows(const qmatrix *w, int64_t n0, int64_t n1, const qrows *x, int64_t m_rows, float *y, int64_t ldy) {
+    const row_fn run = row_function((int)w->type);
+    for (int64_t n = n0; n < n1; n++) run(w->data + n * w->row_bytes, w->cols, x, m_rows, y + n, ldy);
+}
+
+static int qrows_alloc(qrows *r, int64_t m_rows, int64_t k) {
+    r->k = k;
+    r->q = malloc((size_t)(m_rows * k) + 64);
+    r->d = malloc(sizeof(float) * (size_t)(m_rows * (k / QK) + 1));
+    r->s = malloc(sizeof(int32_t) * (size_t)(m_rows * (k / QK) + 1));
+    return r->q && r->d && r->s;
+}
+
+static void qrows_free(qrows *r) { free(r->q); free(r->d); free(r->s); }
+
+int deltafin_ggml_supported(int type) { format_info f; return format_of(type, &f); }
+
+int64_t deltafin_ggml_block_bytes(int type) { format_info f; return format_of(type, &f) ? f.bytes : 0; }
+
+/* y [M, N] = x [M, K] . w [N, K]^T (+ bias [N]); returns 0, or -1 for an unknown type or no memory. */
+int deltafin_ggml_matmul(const float *x, int64_t m_rows, const uint8_t *w, int type, int64_t n, int64_t k,
+                         int64_t row_bytes, const float *bias, float *y, int threads) {
+    format_info f;
+    if (!format_of(type, &f) || k % QK) return -1;
+    qrows q;
+    if (!qrows_alloc(&q, m_rows, k)) { qrows_free(&q); return -1; }
+    const qmatrix mat = {w, type, n, k, row_bytes};
+    #pragma omp parallel num_threads(threads)
+    {
+        #pragma omp for schedule(static)
+        for (int64_t m = 0; m < m_rows; m++)
+            quantize_row(x + m * k, k, q.q + m * k, q.d + m * (k / QK), q.s + m * (k / QK));
+        #pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            matrix_rows(&mat, i, i + 1, &q, m_rows, y, n);
+            if (bias)
+                for (int64_t m = 0; m < m_rows; m++) y[m * n + i] += bias[i];
+        }
+    }
+    qrows_free(&q);
+    return 0;
+}
+
+/* rows [ids] of w, as float [len(ids), K] (embedding lookups, tests). */
+int deltafin_ggml_dequantize(const uint8_t *w, int type, int64_t k, int64_t row_bytes, const int64_t *ids,
+                             int64_t count, float *out) {
+    format_info f;
+    if (!format_of(type, &f) || k % QK) return -1;
+    for (int64_t r = 0; r < count; r++) {
+        const uint8_t *row = w + ids[r] * row_bytes;
+        for (int64_t b = 0; b < k / QK; b++) {
+            const uint8_t *block = row + b * f.bytes;
+            float d, m;
+            int16_t u[QK];
+            block_scales(type, block, &d, &m);
+            unpack_codes(type, block, u);
+            for (int i = 0; i < QK; i++)
+                out[r * k + b * QK + i] = f.has_min ? (float)u[i] * d + m : (float)(u[i] - f.offset) * d;
+        }
+    }
+    return 0;
+}
+
+/* The 8-bit activations the matmul uses (tests compare them with an independent reference). */
+void deltafin_ggml_quantize_activations(const float *x, int64_t m_rows, int64_t k, int8_t *q, float *d, int32_t *s) {
+    for (int64_t m = 0; m < m_rows; m++) quantize_row(x + m * k, k, q + m * k, d + m * (k / QK), s + m * (k / QK));
+}
+
+/* Which variant this library was built as: 0 portable, 1 AVX2, 2 AVX-512. */
+int deltafin_kernel_variant(void) {
+#if defined(DELTAFIN_VARIANT_AVX512)
+    return 2;
+#elif defined(DELTAFIN_VARIANT_AVX2)
+    return 1;
+#else
+    return 0;
+#endif
+}
+
+/* What this CPU can run: bit 0 AVX2+FMA+F16C, bit 1 AVX-512 F/BW/VL/VNNI (and bit 0). */
+int deltafin_cpu_features(void) {
+    int bits = 0;
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) bits |= 1;
+    if ((bits & 1) && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
+        bits |= 2;
+#endif
+    return bits;
+}

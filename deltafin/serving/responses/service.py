@@ -1,0 +1,226 @@
+"""/v1/responses on top of the chat path.
+
+A Responses request becomes a chat request (deltafin.serving.responses.conversation, .tools) and is served by
+ChatService itself: the rules (compat=para included), the family's chat format and parsers, constrained decoding,
+the memo, admission, logs and metrics are chat's, on every engine. Its answer (a chat body, or chat chunks) is
+reshaped into a Response object or the Responses event stream (.output, .events), and kept when `store` is on
+(.store). previous_response_id continues a stored conversation; `truncation: "auto"` drops the oldest turns until
+the prompt fits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any, AsyncIterator, Callable
+
+import structlog
+
+from deltafin.errors import DeltafinError, InvalidRequestError, NotFoundError
+from deltafin.protocol.chat import ChatCompletionRequest, JsonSchemaFormat, ResponseFormat
+from deltafin.protocol.common import StreamOptions
+from deltafin.protocol.responses import InputItemsQuery, ResponsesRequest
+from deltafin.rules import RuleContext
+from deltafin.serving.chat import ChatService
+from deltafin.serving.context import RequestStats, ServingContext
+from deltafin.serving.responses.conversation import chat_messages
+from deltafin.serving.responses.events import ResponseEvents, sse
+from deltafin.serving.responses.items import Item, canonical_input
+from deltafin.serving.responses.output import ResponseShape
+from deltafin.serving.responses.store import ResponseStore
+from deltafin.serving.responses.tools import ServedTools, chat_tool_choice, served_tools
+from deltafin.serving.sse import StreamingResponse
+
+log = structlog.get_logger("deltafin.responses")
+
+DROPPED_TOOLS_HEADER = "x-deltafin-dropped-tools"
+
+
+class ResponsesService:
+    def __init__(self, ctx: ServingContext, chat: ChatService, store: ResponseStore, *, developer_role: bool) -> None:
+        self.ctx = ctx
+        self.chat = chat
+        self.store = store
+        self._developer_role = developer_role
+
+    # --- the store, off the loop when it touches disk
+
+    async def _store_call(self, fn: Callable[..., Any], *args: Any) -> Any:
+        if self.store.blocking:
+            return await asyncio.to_thread(fn, *args)
+        return fn(*args)
+
+    async def _record(self, owner: str, response_id: str, param: str | None = None) -> dict[str, Any]:
+        record = await self._store_call(self.store.get, owner, response_id)
+        if record is None:
+            what = "Previous response" if param == "previous_response_id" else "Response"
+            raise NotFoundError(f"{what} with id '{response_id}' not found.", param=param, code="response_not_found")
+        return record
+
+    # --- create
+
+    async def create(self, request: ResponsesRequest, stats: RequestStats) -> dict[str, Any] | StreamingResponse:
+        request.check()
+        self.ctx.check_model(request.model)
+        tools = served_tools(request.tools, unsupported=self.ctx.config.server.responses.unsupported_tools)
+        if tools.dropped:
+            dropped = ",".join(tools.dropped)
+            stats.headers.append((DROPPED_TOOLS_HEADER, dropped))
+            log.warning("responses_tools_dropped", tools=tools.dropped,
+                        reason="hosted tools run on OpenAI's side; left out of the prompt")
+        context: list[Item] = []
+        if request.previous_response_id is not None:
+            record = await self._record(stats.owner, request.previous_response_id, "previous_response_id")
+            context = [*record["context"], *record["input"], *record["response"]["output"]]
+        new_items = canonical_input(request.input)
+        if not new_items and not context:
+            raise InvalidRequestError("input must not be empty", param="input")
+        shape = ResponseShape(request, tools, self.ctx.model_name)
+        items = [*context, *new_items]
+        record = {"input": new_items, "context": context}
+        while True:
+            chat_request = self._chat_request(request, tools, items)
+            rule_ctx = self.chat.rule_context(chat_request)
+            try:
+                if request.stream:
+                    frame = self._framer(shape, rule_ctx, stats.owner, record)
+                    return await self.chat.create(chat_request, stats, frame=frame, rule_ctx=rule_ctx)
+                completion = await self.chat.create(chat_request, stats, rule_ctx=rule_ctx)
+                break
+            except DeltafinError as err:
+                shorter = _without_oldest_turn(items) if request.truncation == "auto" else None
+                if err.code != "context_length_exceeded" or shorter is None:
+                    raise
+                items = shorter
+        body = shape.from_chat(completion, rule_ctx.reasoning_tokens)
+        if request.stores:
+            await self._keep(stats.owner, body, record)
+        return body
+
+    async def _keep(self, owner: str, body: dict[str, Any], record: dict[str, Any]) -> None:
+        await self._store_call(self.store.put, owner, body["id"], {**record, "response": body})
+
+    def _framer(self, shape: ResponseShape, rule_ctx: RuleContext, owner: str, record: dict[str, Any]) -> Any:
+        stores = shape.request.stores
+
+        def frame(chunks: AsyncIterator[dict], map_error: Callable[[DeltafinError], DeltafinError],
+                  close: Callable[[], None]) -> AsyncIterator[bytes]:
+            events = ResponseEvents(shape, lambda: rule_ctx.reasoning_tokens)
+
+            async def body() -> AsyncIterator[bytes]:
+                held = b""  # response.created leaves with response.in_progress: one write
+                try:
+                    async for event in events.events(chunks):
+                        if event["type"] == "response.created":
+                            held = sse(event)
+                            continue
+                        if event["type"] in ("response.completed", "response.incomplete") and stores:
+                            await self._keep(owner, event["response"], record)
+                        yield held + sse(event)
+                        held = b""
+                except DeltafinError as exc:
+                    yield held + b"".join(sse(event) for event in events.failed(map_error(exc)))
+                finally:
+                    close()
+
+            return body()
+
+        return frame
+
+    def _chat_request(self, request: ResponsesRequest, tools: ServedTools, items: list[Item]) -> ChatCompletionRequest:
+        return chat_request(request, tools, items, developer_role=self._developer_role,
+                            thinking_kwarg=self.ctx.config.model.thinking_kwarg, model_name=self.ctx.model_name)
+
+    # --- retrieve, delete, input items
+
+    async def retrieve(self, owner: str, response_id: str) -> dict[str, Any]:
+        return (await self._record(owner, response_id))["response"]
+
+    async def delete(self, owner: str, response_id: str) -> dict[str, Any]:
+        if not await self._store_call(self.store.delete, owner, response_id):
+            raise NotFoundError(f"Response with id '{response_id}' not found.", code="response_not_found")
+        return {"id": response_id, "object": "response", "deleted": True}
+
+    async def input_items(self, owner: str, response_id: str, query: InputItemsQuery) -> dict[str, Any]:
+        if query.order not in ("asc", "desc"):
+            raise InvalidRequestError("order must be 'asc' or 'desc'", param="order")
+        items = list((await self._record(owner, response_id))["input"])
+        if query.order == "desc":
+            items.reverse()
+        if query.after is not None:
+            ids = [item.get("id") for item in items]
+            if query.after not in ids:
+                raise InvalidRequestError(f"after: no input item {query.after!r} in this response", param="after")
+            items = items[ids.index(query.after) + 1:]
+        page = items[: query.limit]
+        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
+                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
+
+
+def chat_request(request: ResponsesRequest, tools: ServedTools, items: list[Item], *, developer_role: bool,
+                 thinking_kwarg: str | None, model_name: str) -> ChatCompletionRequest:
+    """The chat request a Responses request (with its whole conversation, `items`) is served as."""
+    messages = chat_messages(request.instructions, items, developer_role=developer_role)
+    if not messages:
+        raise InvalidRequestError("input must not be empty", param="input")
+    tool_choice, definitions = chat_tool_choice(request.tool_choice, tools)
+    kwargs, effort = _reasoning(request, thinking_kwarg, model_name)
+    logprobs = request.includes("message.output_text.logprobs")
+    return ChatCompletionRequest(
+        model=request.model,
+        messages=messages,
+        tools=definitions or None,
+        tool_choice=tool_choice,
+        parallel_tool_calls=request.parallel_tool_calls,
+        response_format=_response_format(request),
+        max_completion_tokens=request.max_output_tokens,
+        temperature=request.temperature,
+        top_p=request.top_p,
+        stream=request.stream,
+        stream_options=StreamOptions(include_usage=True) if request.stream else None,
+        user=request.user,
+        logprobs=logprobs,
+        top_logprobs=request.top_logprobs if logprobs else None,
+        chat_template_kwargs=kwargs or None,
+        reasoning_effort=effort,
+    )
+
+
+def _reasoning(request: ResponsesRequest, key: str | None, model_name: str) -> tuple[dict[str, Any], str | None]:
+    """reasoning.effort onto the family's thinking controls: "none"/"minimal" turn thinking off, the others turn
+    it on and pass the effort on as chat's `reasoning_effort` (for formats that render it). On a model without a
+    thinking switch, asking for reasoning is a 400."""
+    effort = request.reasoning.effort if request.reasoning is not None else None
+    if effort is None:
+        return {}, None
+    thinking = effort not in ("none", "minimal")
+    if key is None:
+        if thinking:
+            raise InvalidRequestError(
+                f"The model `{model_name}` does not reason; reasoning.effort {effort!r} cannot be served "
+                "(leave it out, or send 'none')", param="reasoning.effort")
+        return {}, None
+    return {key: thinking}, effort if thinking else None
+
+
+def _response_format(request: ResponsesRequest) -> ResponseFormat | None:
+    fmt = request.text.format if request.text is not None else None
+    if fmt is None:
+        return None
+    if fmt.type != "json_schema":
+        return ResponseFormat(type=fmt.type)
+    return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
+        name=fmt.name, description=fmt.description, schema=fmt.schema, strict=fmt.strict))
+
+
+def _is_system(item: Item) -> bool:
+    return item["type"] == "message" and item["role"] in ("system", "developer")
+
+
+def _without_oldest_turn(items: list[Item]) -> list[Item] | None:
+    """`items` without their oldest turn (everything before the second user message that is not a system or
+    developer message, which stay); None when only one turn is left to send."""
+    users = [i for i, item in enumerate(items) if item["type"] == "message" and item["role"] == "user"]
+    if len(users) < 2:
+        return None
+    cut = users[1]
+    return [item for i, item in enumerate(items) if i >= cut or _is_system(item)]

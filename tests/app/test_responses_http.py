@@ -1,0 +1,135 @@
+"""/v1/responses in process (the real default model, no network): stored responses scoped to the API key, hosted
+tools dropped and named (or refused), truncation, the refusals that name their field, /schema."""
+
+from __future__ import annotations
+
+import pytest
+from litestar.testing import TestClient
+from openai.types.responses import Response
+
+from deltafin.app import build_app
+from deltafin.app.services import Services
+from tests.app.test_http import assert_openai_error
+from tests.conftest import compose_config, make_engine
+
+RESPONSES = "/v1/responses"
+KEYS = ["server.api_keys=[alice-key,bob-key]"]
+
+
+def ask(**fields):
+    return {"model": "smollm2", "input": "Say hi.", "max_output_tokens": 2, "temperature": 0, **fields}
+
+
+@pytest.fixture(scope="module")
+def keyed(services):
+    with TestClient(build_app(compose_config(KEYS), services)) as client:
+        yield client
+
+
+@pytest.fixture(scope="module")
+def client(config, services):
+    with TestClient(build_app(config, services)) as client:
+        yield client
+
+
+def as_(key: str) -> dict:
+    return {"Authorization": f"Bearer {key}"}
+
+
+class TestStoredResponses:
+    def test_another_key_finds_nothing(self, keyed):
+        created = keyed.post(RESPONSES, json=ask(), headers=as_("alice-key"))
+        assert created.status_code == 200, created.text
+        rid = Response.model_validate(created.json()).id
+        assert keyed.get(f"{RESPONSES}/{rid}", headers=as_("alice-key")).json()["id"] == rid
+        for method, path in [("get", f"{RESPONSES}/{rid}"), ("get", f"{RESPONSES}/{rid}/input_items"),
+                             ("delete", f"{RESPONSES}/{rid}")]:
+            assert_openai_error(getattr(keyed, method)(path, headers=as_("bob-key")), 404)
+        follow = keyed.post(RESPONSES, json=ask(previous_response_id=rid), headers=as_("bob-key"))
+        assert_openai_error(follow, 404, "previous_response_id")
+        assert keyed.delete(f"{RESPONSES}/{rid}", headers=as_("alice-key")).json() == \
+            {"id": rid, "object": "response", "deleted": True}
+        assert_openai_error(keyed.get(f"{RESPONSES}/{rid}", headers=as_("alice-key")), 404)
+
+    def test_input_items_page_in_either_order(self, client):
+        created = client.post(RESPONSES, json=ask(input=[{"role": "user", "content": f"m{i}"} for i in range(5)]))
+        rid = created.json()["id"]
+        page = client.get(f"{RESPONSES}/{rid}/input_items", params={"limit": 2, "order": "asc"}).json()
+        texts = [item["content"][0]["text"] for item in page["data"]]
+        assert texts == ["m0", "m1"] and page["has_more"] and page["first_id"] == page["data"][0]["id"]
+        rest = client.get(f"{RESPONSES}/{rid}/input_items", params={"after": page["last_id"], "order": "asc"}).json()
+        assert [item["content"][0]["text"] for item in rest["data"]] == ["m2", "m3", "m4"] and not rest["has_more"]
+        newest = client.get(f"{RESPONSES}/{rid}/input_items").json()["data"][0]
+        assert newest["content"][0]["text"] == "m4"
+        assert_openai_error(client.get(f"{RESPONSES}/{rid}/input_items", params={"order": "up"}), 400, "order")
+        assert_openai_error(client.get(f"{RESPONSES}/{rid}/input_items", params={"limit": 0}), 400, "limit")
+
+
+class TestToolsAndRefusals:
+    def test_hosted_tools_are_dropped_and_named_in_a_header(self, client):
+        response = client.post(RESPONSES, json=ask(tools=[{"type": "web_search"}, {"type": "file_search",
+                                                                                  "vector_store_ids": ["v"]}]))
+        assert response.status_code == 200, response.text
+        assert response.headers["x-deltafin-dropped-tools"] == "web_search,file_search"
+        assert "x-deltafin-dropped-tools" not in client.post(RESPONSES, json=ask()).headers
+
+    def test_reject_refuses_hosted_tools(self, loaded_model):
+        config = compose_config(["server.responses.unsupported_tools=reject"])
+        with TestClient(build_app(config, Services.from_engine(config, make_engine(loaded_model)))) as client:
+            assert_openai_error(client.post(RESPONSES, json=ask(tools=[{"type": "web_search"}])), 400, "tools[0].type")
+
+    @pytest.mark.parametrize("fields,param", [
+        ({"background": True}, "background"),
+        ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input[0].type"),
+        ({"tools": [{"type": "custom", "name": "patch"}]}, "tools[0].type"),
+        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # this model has no thinking switch
+        ({"input": ""}, None),
+        ({"input": []}, "input"),
+        ({"max_output_tokens": 0}, "max_output_tokens"),
+        ({"temperature": "hot"}, "temperature"),
+        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "no-such-type"}}}},
+         "response_format.json_schema.schema"),
+    ])
+    def test_refusals_name_their_field(self, client, fields, param):
+        response = client.post(RESPONSES, json=ask(**fields))
+        if param is None:
+            assert response.status_code == 200, response.text  # an empty string is an empty user message
+        else:
+            assert_openai_error(response, 400, param)
+
+    def test_reasoning_effort_none_is_served_on_a_model_that_does_not_reason(self, client):
+        assert client.post(RESPONSES, json=ask(reasoning={"effort": "none", "summary": "auto"})).status_code == 200
+
+
+def test_output_text_logprobs_when_included(client):
+    response = client.post(RESPONSES, json=ask(include=["message.output_text.logprobs"], top_logprobs=2))
+    part = Response.model_validate(response.json()).output[0].content[0]
+    assert len(part.logprobs) == response.json()["usage"]["output_tokens"]
+    assert all(len(lp.top_logprobs) == 2 and lp.logprob <= 0 for lp in part.logprobs)
+    assert "".join(lp.token for lp in part.logprobs) == part.text
+
+
+class TestTruncation:
+    LONG = "Tell me about the sea. " * 900  # ~5,400 tokens: two turns of it do not fit SmolLM2's 8,192
+
+    def turns(self) -> list:
+        return [{"role": "user", "content": self.LONG}, {"role": "assistant", "content": "The sea is large."},
+                {"role": "user", "content": self.LONG}, {"role": "assistant", "content": "It is deep."},
+                {"role": "user", "content": "Thanks. One word?"}]
+
+    def test_disabled_refuses_what_does_not_fit(self, client):
+        error = assert_openai_error(client.post(RESPONSES, json=ask(input=self.turns())), 400)
+        assert error["code"] == "context_length_exceeded"
+
+    def test_auto_drops_the_oldest_turns(self, client):
+        response = client.post(RESPONSES, json=ask(input=self.turns(), truncation="auto",
+                                                   instructions="Be brief."))
+        assert response.status_code == 200, response.text
+        body = Response.model_validate(response.json())
+        assert body.truncation == "auto" and 5000 < body.usage.input_tokens < 8192
+
+
+def test_schema_documents_the_responses_route(client):
+    paths = client.get("/schema/openapi.json").json()["paths"]
+    assert "post" in paths["/v1/responses"] and "get" in paths["/v1/responses/{response_id}"]
+    assert "delete" in paths["/v1/responses/{response_id}"]
