@@ -3,8 +3,9 @@
     .venv/bin/python bench/grammar.py [--tokens 128] [--reps 3] [model overrides, e.g. placement=cuda]
 
 Prints, measured in one run on the same loaded model and engine (memo and prefix cache off):
-- the one-off cost of reading the tokenizer's vocabulary into xgrammar, then the compile time of a JSON schema
-  and of a K3 tool-call structural tag, cold and from the cache (the second compile of the same constraint);
+- the one-off cost of reading the tokenizer's vocabulary into xgrammar (at start-up), then the time a request
+  waits for its grammar: a JSON schema and a K3 tool-call structural tag, cold (checked and compiled in a
+  worker process, sent back serialized, deserialized on a lane thread) and from the cache;
 - decode tokens/s of a greedy stream with no constraint and with a JSON-schema constraint, alternating runs,
   medians, and the slowdown (target: under 5%). The schema holds one long string (minLength) so both runs
   decode the same number of tokens; decode rate = (tokens - 1) / (last token - first token);
@@ -32,7 +33,8 @@ from deltafin.engine import EngineFront, GenerationJob, TextDelta  # noqa: E402
 from deltafin.engine.loader import load_model  # noqa: E402
 from deltafin.engine.local import LocalEngine  # noqa: E402
 from deltafin.grammar import constraints  # noqa: E402
-from deltafin.grammar.compiled import GrammarCache, constraint_factory, logits_width  # noqa: E402
+from deltafin.grammar.compiled import logits_width, tokenizer_info  # noqa: E402
+from deltafin.grammar.service import Grammars  # noqa: E402
 from deltafin.grammar.tool_calls import XTML, forced_calls  # noqa: E402
 from deltafin.prompt import build_chat_format  # noqa: E402
 from deltafin.protocol.chat import ChatMessage  # noqa: E402
@@ -43,17 +45,17 @@ TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}
 
 
-class TimedRows:
-    """Wraps the constraint factory: seconds spent inside fill_mask + accept, and how many tokens that covered,
+class TimedGrammar:
+    """Wraps a ready grammar: seconds its rows spend inside fill_mask + accept, and how many tokens that covered,
     so the grammar's own share of a decode step is measured directly (not only as a rate difference)."""
 
-    def __init__(self, factory) -> None:
-        self.factory = factory
+    def __init__(self, ready) -> None:
+        self.ready = ready
         self.seconds = 0.0
         self.tokens = 0
 
-    def __call__(self, constraint):
-        row, timer = self.factory(constraint), self
+    def matcher(self):
+        row, timer = self.ready.matcher(), self
 
         class Timed:
             def fill_mask(self, logits):
@@ -78,10 +80,8 @@ def story_schema(tokens: int) -> dict:
     return {"type": "object", "properties": {"story": {"type": "string", "minLength": tokens * 16}}, "required": ["story"]}
 
 
-def compile_times(cache: GrammarCache, loaded, width: int) -> dict[str, float]:
-    started = time.perf_counter()
-    cache.compiler(loaded.tokenizer, width, loaded.stop_token_ids)  # once per tokenizer, at the first constraint
-    out = {"tokenizer_info_ms": round((time.perf_counter() - started) * 1000, 2)}
+async def compile_times(grammars: Grammars) -> dict[str, float]:
+    out: dict[str, float] = {}
     cases = {
         "json_schema": constraints.json_schema(story_schema(10_000)),
         "k3_tool_call": constraints.structural_tag(XTML.calls(forced_calls([TOOL], "required"), "disabled")),
@@ -89,13 +89,13 @@ def compile_times(cache: GrammarCache, loaded, width: int) -> dict[str, float]:
     for name, constraint in cases.items():
         for phase in ("cold", "cached"):
             started = time.perf_counter()
-            cache.compile(constraint, loaded.tokenizer, width, loaded.stop_token_ids)
+            await grammars.prepare(constraint)
             out[f"{name}_{phase}_ms"] = round((time.perf_counter() - started) * 1000, 2)
     return out
 
 
-async def decode_rate(front: EngineFront, prompt_ids: list[int], params: SamplingParams) -> tuple[int, float]:
-    stream = await front.start([GenerationJob(tuple(prompt_ids), params)])
+async def decode_rate(front: EngineFront, prompt_ids: list[int], params: SamplingParams, grammar=None) -> tuple[int, float]:
+    stream = await front.start([GenerationJob(tuple(prompt_ids), params, grammar)])
     arrivals: list[float] = []
     async for event in stream:
         if isinstance(event, TextDelta) and event.token_ids:
@@ -107,25 +107,30 @@ async def main(args: argparse.Namespace) -> dict:
     config = compose_config(args.overrides)
     loaded = load_model(config.model, config.placement)
     width = logits_width(loaded.model)
-    cache = GrammarCache()
-    compiled = compile_times(cache, loaded, width)
-    timed = TimedRows(constraint_factory(loaded.tokenizer, width, loaded.stop_token_ids, cache))
-    engine = LocalEngine(loaded, prefix_cache_min_tokens=None, constraint_factory=timed)
+    started = time.perf_counter()
+    info = tokenizer_info(loaded.tokenizer, width, loaded.stop_token_ids)  # once per tokenizer, at start-up
+    compiled = {"tokenizer_info_ms": round((time.perf_counter() - started) * 1000, 2)}
+    grammars = Grammars(info, width, workers=1, timeout_s=60)
+    compiled.update(await compile_times(grammars))
+    engine = LocalEngine(loaded, prefix_cache_min_tokens=None)
     front = EngineFront(engine, max_waiting=1, timeout_s=600, memo_entries=0)
     fmt = build_chat_format(config.model.chat_format, loaded.tokenizer, content_format=config.model.content_format,
                             default_kwargs=dict(config.model.chat_template_kwargs))
     prompt_ids = fmt.render([ChatMessage(role="user", content=QUESTION)], None, {}).token_ids
     free = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
-    constrained = SamplingParams(max_tokens=args.tokens, temperature=0.0, constraint=constraints.json_schema(story_schema(args.tokens)))
+    story = constraints.json_schema(story_schema(args.tokens))
+    constrained = SamplingParams(max_tokens=args.tokens, temperature=0.0, constraint=story)
+    timed = TimedGrammar((await grammars.prepare(story))[0])
     rates: dict[str, list[float]] = {"free": [], "json_schema": []}
     await decode_rate(front, prompt_ids, free)  # warm-up (allocator, kernels)
     for _ in range(args.reps):
-        for name, params in (("free", free), ("json_schema", constrained)):
-            tokens, rate = await decode_rate(front, prompt_ids, params)
+        for name, params, grammar in (("free", free, None), ("json_schema", constrained, timed)):
+            tokens, rate = await decode_rate(front, prompt_ids, params, grammar)
             assert tokens == args.tokens, f"{name}: {tokens} tokens, expected {args.tokens}"
             rates[name].append(rate)
     free_rate, json_rate = statistics.median(rates["free"]), statistics.median(rates["json_schema"])
     await front.aclose()
+    grammars.close()
     return {
         "device": str(next(loaded.model.parameters()).device),
         "model": config.model.name,

@@ -76,6 +76,14 @@ class RequestTimeoutError(DeltafinError):
     default_code = "request_timeout"
 
 
+class HeadersTooLargeError(DeltafinError):
+    """The request line and headers are over `server.connections.max_header_bytes`; the connection is closed."""
+
+    status = 431
+    type = "invalid_request_error"
+    default_code = "request_header_fields_too_large"
+
+
 class PayloadTooLargeError(DeltafinError):
     status = 413
     type = "PayloadTooLargeError"

@@ -26,10 +26,14 @@ def owner_of(authorization: bytes) -> str:
 
 
 def key_matches(authorization: bytes, keys: Sequence[bytes]) -> bool:
-    """Constant-time compare on bytes: a header with non-ASCII bytes is simply a wrong key."""
+    """Constant-time compare on bytes: a header with non-ASCII bytes is simply a wrong key. An empty or
+    whitespace-only token never authenticates, whatever the configured keys are (a key list filled from an
+    unset environment variable holds "", and must leave the server closed, not open)."""
     if authorization[: len(_BEARER)].lower() != _BEARER:
         return False
     token = authorization[len(_BEARER) :].strip()
+    if not token:
+        return False
     matched = False
     for key in keys:  # no early exit: the time taken does not say which key came closest
         matched |= hmac.compare_digest(token, key)

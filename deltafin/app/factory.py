@@ -124,6 +124,8 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
                 # Stop the engine before the interpreter exits: a torch call still running on the engine's
                 # own thread at exit aborts the process (SIGABRT instead of exit 0).
                 await readiness.services.ctx.engine.aclose()
+                if readiness.services.ctx.grammars is not None:
+                    readiness.services.ctx.grammars.close()  # its worker processes
 
     generation = GenerationEndpoints(services=readiness.require, drain=drain, max_body_bytes=config.server.max_body_bytes)
     litestar_app = Litestar(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -44,7 +45,8 @@ class Services:
         chat_format = PerThreadChatFormat(chat_format_with, prompt.tokenizers)
         prompt.prepare(chat_format.prepare)
         rules = build_pipeline(config.compat.rules, config.model.family)
-        ctx = ServingContext(config=config, engine=engine, chat_format=chat_format, rules=rules, prompt=prompt)
+        ctx = ServingContext(config=config, engine=engine, chat_format=chat_format, rules=rules, prompt=prompt,
+                             grammars=grammars_for(config, engine))
         chat = ChatService(ctx)
         return cls(
             ctx=ctx,
@@ -60,6 +62,8 @@ class Services:
 
     @classmethod
     def load(cls, config: DeltafinConfig) -> "Services":
+        # The grammar workers' fork server imports xgrammar (seconds): meanwhile the model loads.
+        threading.Thread(target=_start_fork_server, name="deltafin-forkserver-start", daemon=True).start()
         return cls.from_engine(config, front_for(config, build_engine(config)))
 
 
@@ -74,7 +78,6 @@ def build_local_engine(config: DeltafinConfig) -> EngineClient:
     """The built-in torch engine over model.path's weights."""
     from deltafin.engine.loader import load_model
     from deltafin.engine.local import LocalEngine
-    from deltafin.grammar.compiled import constraint_factory, logits_width
 
     import torch
 
@@ -87,9 +90,35 @@ def build_local_engine(config: DeltafinConfig) -> EngineClient:
         loaded,
         threads=threads,
         max_batch=config.engine.max_batch,
-        constraint_factory=constraint_factory(loaded.tokenizer, logits_width(loaded.model), loaded.stop_token_ids),
+        prefill_chunk=config.engine.prefill_chunk_tokens,
         prefix_cache_min_tokens=config.server.prefix_cache.min_tokens if config.server.prefix_cache.enabled else None,
     )
+
+
+def _start_fork_server() -> None:
+    from deltafin.grammar.workers import fork_server
+
+    try:
+        fork_server()
+    except Exception:  # grammars_for starts it again and reports the failure there
+        pass
+
+
+def grammars_for(config: DeltafinConfig, engine: EngineFront) -> Any:
+    """The constraint compiler in front of `engine` (deltafin.grammar.service.Grammars), its worker processes
+    started and what xgrammar needs of the tokenizer built now, at load, not by the first constrained request;
+    None for an engine that cannot constrain."""
+    caps = engine.capabilities
+    if not caps.grammar:
+        return None
+    from deltafin.grammar.compiled import tokenizer_info
+    from deltafin.grammar.service import Grammars
+
+    # An upstream compiles for itself: its workers only check (limits, and xgrammar's reading of the schema).
+    info = tokenizer_info(engine.tokenizer, engine.vocab_size, engine.stop_token_ids) if caps.compiled_grammar else None
+    grammar = config.server.grammar
+    return Grammars(info, engine.vocab_size, workers=grammar.workers, timeout_s=grammar.compile_timeout_s,
+                    retry_after_s=config.server.queue.timeout_s)
 
 
 def engine_name(config: DeltafinConfig) -> str:

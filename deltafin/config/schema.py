@@ -256,6 +256,20 @@ class ConnectionsConfig:
     header_timeout_s: float = ranged(10.0, 0.1, 3600)  # a client must send its request line and headers within this
     body_timeout_s: float = ranged(30.0, 0.1, 3600)  # ... and its whole body within this after the headers; else 408
     keep_alive_s: float = ranged(5.0, 0.1, 3600)  # idle keep-alive connections are closed after this
+    # request line + headers larger than this: 431 and the connection closed, decided while they arrive (nginx's
+    # default allows 32 KiB, Node's 16 KiB)
+    max_header_bytes: int = ranged(32768, 1024, 1 << 30)
+
+
+@dataclass
+class GrammarConfig:
+    """Constraints (response_format json_schema / json_object, enforced tool_choice) are checked and compiled in
+    worker processes, never on the event loop or the engine's thread."""
+
+    workers: int = ranged(2, 1, 64)  # processes that check and compile constraints (each compile runs in one)
+    # a compile running longer is killed (its worker replaced): 400, the schema is too complex; refusals are cached
+    # like compiled grammars, so a resend costs nothing
+    compile_timeout_s: float = ranged(10.0, 0.1, 3600)
 
 
 @dataclass
@@ -290,6 +304,7 @@ class ServerConfig:
     templates: TemplateConfig = field(default_factory=TemplateConfig)
     connections: ConnectionsConfig = field(default_factory=ConnectionsConfig)
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
+    grammar: GrammarConfig = field(default_factory=GrammarConfig)
 
 
 @dataclass
@@ -300,6 +315,10 @@ class EngineConfig:
     # who generates: a callable `(config) -> EngineClient` (the local torch engine, or an upstream's builder)
     _target_: str = "deltafin.app.services.build_local_engine"
     max_batch: int = ranged(8, 1, 1024)  # local: rows (choices of requests) decoded together in one step; more wait in the queue
+    # local: prompt positions prefilled between two decode steps (chunked prefill): a running stream waits about one
+    # chunk plus one step for its next token while a long prompt prefills; smaller chunks make that wait shorter and
+    # a long prefill slower (docs/benchmarks.md)
+    prefill_chunk_tokens: int = ranged(128, 16, 1 << 20)
     url: Optional[str] = checked(_http_url, default=None)  # upstream: its base URL, e.g. http://gpu-node:8000
     api: UpstreamApi = UpstreamApi.auto  # vLLM upstream: its route (auto: /inference/v1/generate, else /v1/completions)
     model: Optional[str] = None  # upstream: the `model` field sent; null leaves it out (the upstream serves one model)

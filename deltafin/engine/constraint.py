@@ -1,17 +1,16 @@
 """The per-row constrained-decoding hook: what the sampler asks of a grammar matcher (xgrammar or a fake).
 
-The local engine builds one object per row from `SamplingParams.constraint` with the `constraint_factory` it
-was given; the sampler calls `fill_mask` after penalties and logit_bias and before temperature / top-k / top-p,
+A job with `SamplingParams.constraint` arrives with its grammar ready (`GenerationJob.grammar`, compiled before
+the request asked for room: the engine never compiles). The local engine asks it for one `RowConstraint` per
+row; the sampler calls `fill_mask` after penalties and logit_bias and before temperature / top-k / top-p,
 `accept` with every token the row emits, and the row finishes with reason "stop" once `is_terminated()`.
 """
 
 from __future__ import annotations
 
-from typing import Callable, Protocol, runtime_checkable
+from typing import Protocol, runtime_checkable
 
 import torch
-
-from deltafin.protocol.sampling import Constraint
 
 
 @runtime_checkable
@@ -26,4 +25,9 @@ class RowConstraint(Protocol):
         """The grammar is complete: the row ends (finish reason "stop")."""
 
 
-ConstraintFactory = Callable[[Constraint], RowConstraint]
+@runtime_checkable
+class ReadyGrammar(Protocol):
+    """A constraint compiled for this engine's tokenizer (deltafin.grammar.compiled.ReadyGrammar, or a fake)."""
+
+    def matcher(self) -> RowConstraint:
+        """A fresh matcher for one row: rows of one request share the grammar, never the matcher's state."""

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Any, Literal
 
 from deltafin.protocol.sampling import SamplingParams
 
@@ -14,6 +14,10 @@ FinishReason = Literal["stop", "length"]
 class GenerationJob:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
+    #: `params.constraint` compiled for the local engine's tokenizer (deltafin.engine.constraint.ReadyGrammar),
+    #: prepared before the job is submitted; upstream engines send the constraint itself. Not part of the job's
+    #: identity (memo keys): it is the constraint, compiled.
+    grammar: Any = field(default=None, compare=False, repr=False)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,9 @@ class EngineCapabilities:
     prompt_logprobs: bool = True
     #: constrained decoding (structured outputs / enforced tool calls)
     grammar: bool = False
+    #: the engine runs the grammar itself and needs each constrained job's grammar compiled for its tokenizer
+    #: (`GenerationJob.grammar`); otherwise it forwards the constraint (an upstream compiles it)
+    compiled_grammar: bool = False
     #: the engine reports how many prompt tokens came from its own cache
     cached_tokens: bool = True
 

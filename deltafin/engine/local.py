@@ -1,19 +1,30 @@
 """The built-in torch engine: one owner thread runs every request as rows of one batch (continuous batching).
 
-`submit(jobs, stream)` hands the request to the owner thread. Between two decode steps the thread prefills
-what arrived (the `n` choices of a request share one prefill), samples each new row's first token at once,
-and lets the rows join the batch; every step then decodes one token for every running row. Finished and
-cancelled rows leave at once, giving their KV cache to the prefix cache. Admission (`capacity = max_batch`
-rows) and the memo stand in front of it (`deltafin.engine.front`).
+`submit(jobs, stream)` hands the request to the owner thread. Each iteration of its loop:
+1. takes what arrived: each distinct prompt of a request (the `n` choices of a request share one prefill)
+   becomes a prompt in prefill, with its own one-row cache (from the prefix cache where it can);
+2. drops cancelled rows and prompts;
+3. prefills at most `prefill_chunk` prompt positions (chunked prefill): the prompt at the head of the
+   prefill queue gets them; one that finishes samples its rows' first tokens and they join the batch (and
+   what is left of the budget goes to the next prompt); one that does not goes to the back of the queue
+   (round-robin: no prompt waits for another's whole prefill, however long that is);
+4. decodes one token for every running row.
+So a running stream waits at most one chunk plus one step for its next token, whatever arrives. Finished and
+cancelled rows leave at once, giving their KV cache to the prefix cache; a prompt cancelled or failed in
+prefill gives nothing back (its cache is partial). Admission (`capacity = max_batch` rows) and the memo stand
+in front of it (`deltafin.engine.front`). Constrained jobs arrive with their grammar compiled
+(`GenerationJob.grammar`): the owner thread never compiles.
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import copy
 import queue
 import threading
 import time
+from dataclasses import dataclass, field
 from typing import Sequence
 
 import structlog
@@ -21,10 +32,9 @@ import torch
 from transformers import DynamicCache
 
 from deltafin.engine.batch import BatchKV
-from deltafin.engine.constraint import ConstraintFactory
 from deltafin.engine.decode import ChoiceDecoder
 from deltafin.engine.events import GenerationJob, PromptLogprobs
-from deltafin.engine.generator import PREFILL_CHUNK, cache_argument, decode_step_for, prefill
+from deltafin.engine.generator import PREFILL_CHUNK, PromptPrefill, cache_argument, decode_step_for
 from deltafin.engine.interface import EngineCapabilities, EngineClient
 from deltafin.engine.loader import LoadedModel
 from deltafin.engine.prefix_cache import PrefixCache
@@ -37,6 +47,24 @@ log = structlog.get_logger("deltafin.engine")
 bound = structlog.contextvars.bound_contextvars
 
 _STOP = object()
+#: how many scheduling records (`step_sizes`, `schedule`) are kept for tests and benchmarks
+_RECORDS = 4096
+
+
+@dataclass(eq=False)
+class PromptInPrefill:
+    """One distinct prompt of a submission, prefilled chunk by chunk; its choices join the batch at the end."""
+
+    sub: Submission
+    choices: list[int]
+    work: PromptPrefill
+    cached: int
+    #: perf_counter when the owner thread took the request (its rows' prefill and total times count from here)
+    started: float = field(default_factory=time.perf_counter)
+
+    @property
+    def stream(self) -> GenerationStream:
+        return self.sub.stream
 
 
 class LocalEngine(EngineClient):
@@ -48,7 +76,6 @@ class LocalEngine(EngineClient):
         *,
         prefix_cache_min_tokens: int | None = 16,
         max_batch: int = 8,
-        constraint_factory: ConstraintFactory | None = None,
         prefix_cache_entries: int = 4,
         prefill_chunk: int = PREFILL_CHUNK,
         threads: int | None = None,
@@ -63,11 +90,12 @@ class LocalEngine(EngineClient):
         head = self.model.get_output_embeddings()
         self.vocab_size = int(getattr(head, "out_features", None) or head.weight.shape[0])
         self.capacity = max(1, max_batch)
+        # Constrained jobs bring their grammar compiled for this tokenizer (GenerationJob.grammar).
         self.capabilities = EngineCapabilities(
-            prompt_logprobs=True, grammar=constraint_factory is not None, cached_tokens=True
+            prompt_logprobs=True, grammar=True, cached_tokens=True, compiled_grammar=True
         )
-        self.constraint_factory = constraint_factory
-        self.prefill_chunk = prefill_chunk
+        #: prompt positions prefilled per loop iteration (engine.prefill_chunk_tokens), shared by the prompts
+        self.prefill_chunk = max(1, prefill_chunk)
         # min_tokens None turns reuse off: every prompt is prefilled from scratch.
         self.prefix_cache = PrefixCache(
             lambda: DynamicCache(config=self.model.config),
@@ -79,9 +107,12 @@ class LocalEngine(EngineClient):
         self.decode = decode_step_for(self.model, compile=loaded.compile)
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._rows: list[Row] = []
+        self._prefilling: collections.deque[PromptInPrefill] = collections.deque()
         self._kv = BatchKV(self.device)
-        #: how many rows each decode step ran (tests and benchmarks read it)
-        self.step_sizes: list[int] = []
+        #: how many rows each decode step ran, the latest steps (tests and benchmarks read it)
+        self.step_sizes: collections.deque[int] = collections.deque(maxlen=_RECORDS)
+        #: what the owner thread did, in order: ("prefill", positions) and ("step", rows) (tests read it)
+        self.schedule: collections.deque[tuple[str, int]] = collections.deque(maxlen=_RECORDS)
         # One long-lived thread owns the device: torch's per-thread state (the OpenMP team) is built once.
         # torch's threads for the device work; set on the owner thread itself (see `_loop`).
         self.threads = threads
@@ -107,8 +138,9 @@ class LocalEngine(EngineClient):
             torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while True:
-                arrived = [self._inbox.get()] if not self._rows else []
-                while True:  # everything that arrived during the last step joins before the next one
+                idle = not self._rows and not self._prefilling
+                arrived = [self._inbox.get()] if idle else []
+                while True:  # everything that arrived during the last step is taken before the next one
                     try:
                         arrived.append(self._inbox.get_nowait())
                     except queue.Empty:
@@ -119,18 +151,21 @@ class LocalEngine(EngineClient):
                         return
                     self._admit(item)  # type: ignore[arg-type]
                 self._drop_cancelled()
+                if self._prefilling:
+                    self._prefill_chunk()
                 if self._rows:
                     self._step()
 
     def _admit(self, sub: Submission) -> None:
-        """Prefill the request (once per distinct prompt), sample each row's first token, join the batch."""
+        """Check the request and queue its distinct prompts for prefill."""
         with bound(**sub.stream.log_context):
             if sub.stream.cancelled.is_set():
                 sub.stream.end()
                 return
-            if self.constraint_factory is None and any(job.params.constraint for job in sub.jobs):
+            if any(job.params.constraint is not None and job.grammar is None for job in sub.jobs):
                 sub.fail(InvalidRequestError(
-                    "Constrained decoding (response_format / enforced tool calls) is not available on this engine.",
+                    "Constrained decoding (response_format / enforced tool calls) needs a grammar compiled "
+                    "before the request is submitted; none came with it.",
                     param="response_format",
                 ))
                 return
@@ -138,55 +173,81 @@ class LocalEngine(EngineClient):
                 sub.fail(InvalidRequestError("The prompt is empty: at least one token is needed.", param="prompt"))
                 return
             sub.rows_left = len(sub.jobs)
+            groups: dict[tuple, list[int]] = {}
+            for choice, job in enumerate(sub.jobs):
+                groups.setdefault((job.prompt_ids, job.params.prompt_logprobs), []).append(choice)
             try:
-                groups: dict[tuple, list[int]] = {}
-                for choice, job in enumerate(sub.jobs):
-                    groups.setdefault((job.prompt_ids, job.params.prompt_logprobs), []).append(choice)
                 for choices in groups.values():
                     self._admit_group(sub, choices)
             except Exception as exc:  # a model failure must not kill the owner thread or leak a traceback
-                log.exception("generation_failed")
-                sub.fail(str(exc))  # first: the rows leaving below must not end the stream as a success
-                self._remove(lambda row: row.submission is sub)
+                self._fail_submission(sub, exc)
 
     def _admit_group(self, sub: Submission, choices: list[int]) -> None:
-        started = time.perf_counter()
+        """One distinct prompt: its cache (reused from the prefix cache where it can) and its prefill, queued."""
         job = sub.jobs[choices[0]]
-        prompt = job.prompt_ids
         want_prompt = job.params.prompt_logprobs
         # Prompt logprobs need logits at every prompt position, so nothing may come from the cache.
-        cache, cached = self.prefix_cache.take(() if want_prompt is not None else prompt)
-        logits, entries = prefill(
-            self.model, prompt, cache, cached,
-            cache_arg=self.cache_arg, chunk=self.prefill_chunk, prompt_logprobs=want_prompt,
-        )  # logits: [V]
-        prefill_s = time.perf_counter() - started
+        cache, cached = self.prefix_cache.take(() if want_prompt is not None else job.prompt_ids)
+        work = PromptPrefill(self.model, job.prompt_ids, cache, cached, cache_arg=self.cache_arg,
+                             prompt_logprobs=want_prompt)
+        self._prefilling.append(PromptInPrefill(sub, choices, work, cached))
+
+    def _prefill_chunk(self) -> None:
+        """At most `prefill_chunk` prompt positions, round-robin over the prompts in prefill."""
+        budget = self.prefill_chunk
+        while self._prefilling and budget > 0:
+            prompt = self._prefilling[0]
+            positions = min(prompt.work.remaining, budget)
+            with bound(**prompt.stream.log_context):
+                try:
+                    prompt.work.run(positions)
+                    self.schedule.append(("prefill", positions))
+                    budget -= positions
+                    if not prompt.work.done:
+                        self._prefilling.rotate(-1)  # the budget is spent; the next prompt goes first next time
+                        return
+                    self._prefilling.popleft()
+                    self._join(prompt)
+                except Exception as exc:
+                    self._fail_submission(prompt.sub, exc)
+
+    def _join(self, prompt: PromptInPrefill) -> None:
+        """The prompt is in its cache: sample each choice's first token; the rows join the batch."""
+        sub, work = prompt.sub, prompt.work
+        ids = work.ids
+        prefill_s = time.perf_counter() - prompt.started
         joining: list[Row] = []
-        for choice in choices:
-            row = self._new_row(sub, choice, cached, started)
+        for choice in prompt.choices:
+            row = self._new_row(sub, choice, prompt.cached, prompt.started)
             row.timings["prefill_s"] = prefill_s
-            if want_prompt is not None:
-                sub.stream.emit(PromptLogprobs(choice, tuple(prompt), tuple(entries)))
+            if work.prompt_logprobs is not None:
+                sub.stream.emit(PromptLogprobs(choice, tuple(ids), tuple(work.entries)))
             if row.max_new <= 0:
                 row.finish_empty()
                 sub.row_left()
                 continue
-            if row.take(int(row.sampler.sample(logits)), logits):
+            if row.take(int(row.sampler.sample(work.logits)), work.logits):
                 sub.row_left()
             else:
                 joining.append(row)
         if joining:
-            self._kv.add(cache, len(prompt), copies=len(joining))
+            self._kv.add(work.cache, len(ids), copies=len(joining))
             self._rows.extend(joining)
         # The prompt's cache is offered again whatever happened (a row that ended at its first token included).
-        self.prefix_cache.give_back(cache, list(prompt))
+        self.prefix_cache.give_back(work.cache, list(ids))
+
+    def _fail_submission(self, sub: Submission, exc: Exception) -> None:
+        """Everything of `sub` stops: its rows leave, its prompts in prefill are dropped (caches not offered)."""
+        log.exception("generation_failed", exc_info=exc)
+        sub.fail(str(exc))  # first: the rows leaving below must not end the stream as a success
+        self._prefilling = collections.deque(p for p in self._prefilling if p.sub is not sub)
+        self._remove(lambda row: row.submission is sub)
 
     def _new_row(self, sub: Submission, choice: int, cached: int, started: float) -> Row:
         job = sub.jobs[choice]
         params = job.params
-        constraint = None
-        if params.constraint is not None and self.constraint_factory is not None:
-            constraint = self.constraint_factory(params.constraint)
+        # The grammar came compiled (checked in _admit); each row gets a matcher of its own.
+        constraint = job.grammar.matcher() if params.constraint is not None else None
         return Row(
             submission=sub,
             choice=choice,
@@ -203,6 +264,7 @@ class LocalEngine(EngineClient):
         """One decode step for every running row."""
         rows = self._rows
         self.step_sizes.append(len(rows))
+        self.schedule.append(("step", len(rows)))
         tokens = torch.tensor([[row.pending] for row in rows], device=self.device)  # [B, 1]
         for row in rows:
             row.ids.append(row.pending)  # type: ignore[arg-type]
@@ -214,6 +276,7 @@ class LocalEngine(EngineClient):
             log.exception("generation_failed")
             subs = {id(row.submission): row.submission for row in rows}
             self._rows, self._kv = [], BatchKV(self.device)
+            self._prefilling = collections.deque(p for p in self._prefilling if id(p.sub) not in subs)
             for sub in subs.values():
                 sub.fail(str(exc))
             return
@@ -247,6 +310,16 @@ class LocalEngine(EngineClient):
 
     def _drop_cancelled(self) -> None:
         self._remove(lambda row: row.stream.cancelled.is_set())
+        if any(prompt.stream.cancelled.is_set() for prompt in self._prefilling):
+            kept: collections.deque[PromptInPrefill] = collections.deque()
+            for prompt in self._prefilling:
+                if not prompt.stream.cancelled.is_set():
+                    kept.append(prompt)
+                    continue
+                # Its partial cache is dropped with it, never offered to the prefix cache.
+                for _ in prompt.choices:
+                    prompt.sub.row_left()
+            self._prefilling = kept
 
     def _remove(self, predicate, finished: set[int] = frozenset()) -> None:  # type: ignore[assignment]
         """Rows that finished (by index) or match `predicate` leave the batch; their caches go to the prefix cache."""
@@ -265,6 +338,8 @@ class LocalEngine(EngineClient):
     def _shutdown(self) -> None:
         for row in self._rows:
             row.stream.cancelled.set()
+        for prompt in self._prefilling:
+            prompt.stream.cancelled.set()
         self._drop_cancelled()
         while True:
             try:

@@ -1,7 +1,10 @@
 """Constrained decoding with xgrammar: response_format and enforced tool_choice.
 
-- `constraints`: engine-neutral `Constraint` values and the check that xgrammar can build them;
-- `compiled`: the compile cache (constraint, tokenizer) and the local engine's `constraint_factory`;
+- `constraints`: engine-neutral `Constraint` values and xgrammar's reading of them;
+- `limits`: cheap structural limits checked before any compile;
+- `service`: `Grammars`, constraint -> a grammar ready for the engine: outcomes cached, compiles in `workers`
+  (processes running `worker`, killed past a time budget), never on the event loop or the engine's thread;
+- `compiled`: `ReadyGrammar` (what a job carries to the engine) and the tokenizer info xgrammar needs;
 - `row`: one row's matcher and token bitmask (`RowConstraint`: fill_mask / accept / is_terminated);
 - `tool_calls`: structural tags forcing each family's native tool-call syntax.
 """

@@ -1,10 +1,10 @@
-"""Engine-neutral constraints: what serving asks for, as `Constraint` values, and the check that xgrammar can
-build them (so a bad schema is a 400 before generation, not a failure inside the engine)."""
+"""Engine-neutral constraints: what serving asks for, as `Constraint` values, and xgrammar's reading of them
+(`grammar_of`, run in a grammar worker process: deltafin.grammar.worker)."""
 
 from __future__ import annotations
 
-import functools
 import json
+import re
 from typing import Any
 
 from deltafin.protocol.sampling import Constraint
@@ -45,12 +45,15 @@ def grammar_of(constraint: Constraint) -> Any:
         if constraint.kind == "structural_tag":
             return xgr.Grammar.from_structural_tag(constraint.value)
     except Exception as exc:  # xgrammar raises RuntimeError / its own errors with a readable message
-        raise ValueError(str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__) from exc
+        raise ValueError(readable(exc)) from exc
     raise ValueError(f"unknown constraint kind {constraint.kind!r}")
 
 
-@functools.lru_cache(maxsize=256)
-def check(constraint: Constraint) -> None:
-    """Raises ValueError naming what xgrammar rejects (an invalid or unsupported schema). Cached: clients send
-    the same schema request after request, and only successes are remembered (lru_cache keeps no exceptions)."""
-    grammar_of(constraint)
+#: the prefix of xgrammar's C++ messages: `[16:21:47] /project/cpp/json_schema_converter.cc:5082: `
+_SOURCE_PREFIX = re.compile(r"^\[[\d:]+\] \S+:\d+: ")
+
+
+def readable(exc: BaseException) -> str:
+    """The first line of an xgrammar error, without its time and C++ source location."""
+    text = str(exc).strip()
+    return _SOURCE_PREFIX.sub("", text.splitlines()[0]) if text else type(exc).__name__

@@ -16,7 +16,7 @@ from deltafin.rules import RuleContext
 from deltafin.grammar.forced_json import arguments_only
 from deltafin.prompt.parsers.base import random_call_id
 from deltafin.prompt.parsers.forced_json import ForcedJsonCallParser
-from deltafin.serving.constraints import build_constraint, check_tools, forced_without_parser
+from deltafin.serving.constraints import check_tools, forced_without_parser, prepared_constraint
 from deltafin.serving.context import RequestStats, ServingContext, new_id
 from deltafin.serving.logprobs import chat_logprobs
 from deltafin.serving.ruled import Frame, serve_with_rules
@@ -145,13 +145,15 @@ class ChatService:
             for i in range(request.n)
         ]
 
-    def constrained(self, request: ChatCompletionRequest, prompt: RenderedPrompt, jobs: list[GenerationJob]) -> list[GenerationJob]:
-        """The jobs with the request's constraint (response_format, enforced tool_choice), if any."""
-        constraint = build_constraint(request, self.ctx.config.model, prompt.text,
-                                      engine_can_constrain=self.ctx.engine.capabilities.grammar)
-        if constraint is None:
+    async def constrained(self, request: ChatCompletionRequest, prompt: RenderedPrompt, jobs: list[GenerationJob],
+                          stats: RequestStats) -> list[GenerationJob]:
+        """The jobs with the request's constraint (response_format, enforced tool_choice), if any, and its
+        grammar compiled (waited for here, in the request's own lane: see deltafin.grammar.service)."""
+        prepared = await prepared_constraint(request, self.ctx, prompt.text, stats)
+        if prepared is None:
             return jobs
-        return [replace(job, params=replace(job.params, constraint=constraint)) for job in jobs]
+        constraint, grammar = prepared
+        return [replace(job, params=replace(job.params, constraint=constraint), grammar=grammar) for job in jobs]
 
     def output_parser(self, request: ChatCompletionRequest, prompt_text: str) -> OutputParser:
         """Tool calls are parsed only when the request declares tools and allows calls."""
@@ -181,7 +183,7 @@ class ChatService:
             # A request's own template is code of unknown cost: never run on the event loop.
             prompt = await self.ctx.off_loop(self.render, request, size=stats.body_bytes, stats=stats,
                                              inline=not brings_template(request))
-            jobs = self.constrained(request, prompt, self.jobs(request, prompt))
+            jobs = await self.constrained(request, prompt, self.jobs(request, prompt), stats)
             stats.prompt_tokens = len(prompt.token_ids)
             choices = [ChoiceAssembly(self.output_parser(request, prompt.text)) for _ in jobs]
             stream = await self.ctx.engine.start(jobs, deadline=self.ctx.deadline(stats))

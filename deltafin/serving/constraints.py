@@ -8,22 +8,30 @@
   (deltafin.grammar.forced_json), read back by deltafin.prompt.parsers.forced_json, as vLLM forces calls.
 - `tools` to a model without a tool parser with tool_choice "auto" (or none given): 400, as vLLM answers,
   instead of dropping them silently. A constraint the engine cannot enforce: 400, instead of ignoring it.
+- The constraint is checked and compiled by `ServingContext.grammars` (worker processes, bounded in time and
+  by structural limits, outcomes cached) while the request waits in its own lane, before it asks the engine
+  for room: a schema xgrammar refuses is a 400 naming the field; one over a limit or the time budget, a 400
+  saying it is too complex.
 Rules run before this, so a rule that rewrites tool_choice to "auto" (force_tool_choice_auto,
 glm_tool_choice_required) turns enforcement off for that request.
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from deltafin.config import ModelConfig
 from deltafin.errors import InvalidRequestError
 from deltafin.families import get_family
 from deltafin.grammar import constraints
 from deltafin.grammar.forced_json import forced_call_schema
+from deltafin.grammar.limits import TooComplex
 from deltafin.grammar.tool_calls import ForcedCalls, forced_calls
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.sampling import Constraint
+
+if TYPE_CHECKING:
+    from deltafin.serving.context import RequestStats, ServingContext
 
 
 def check_tools(request: ChatCompletionRequest, model: ModelConfig, served_name: str) -> None:
@@ -90,21 +98,26 @@ def request_constraint(
     return constraints.json_schema(content["json_schema"]), "response_format"
 
 
-def build_constraint(
-    request: ChatCompletionRequest, model: ModelConfig, prompt_text: str, *, engine_can_constrain: bool
-) -> Constraint | None:
-    """request_constraint, checked: xgrammar can build it and the engine can enforce it (else a 400)."""
-    found = request_constraint(request, model, prompt_text)
+async def prepared_constraint(
+    request: ChatCompletionRequest, ctx: "ServingContext", prompt_text: str, stats: "RequestStats"
+) -> tuple[Constraint, Any] | None:
+    """request_constraint, checked and compiled: (the constraint, its grammar ready for the engine, or None
+    for an engine that compiles for itself), or None for a free generation. Raises the 400s (and the 429 of a
+    request that got no grammar worker by its admission deadline)."""
+    found = request_constraint(request, ctx.config.model, prompt_text)
     if found is None:
         return None
     constraint, field = found
-    param = "response_format.json_schema.schema" if field == "response_format" else "tools"
-    try:
-        constraints.check(constraint)
-    except ValueError as exc:
-        raise InvalidRequestError(f"{param} cannot be enforced: {exc}", param=param) from None
-    if not engine_can_constrain:
+    if not ctx.engine.capabilities.grammar or ctx.grammars is None:
         raise InvalidRequestError(
             f"{field} cannot be enforced by this server's engine (no constrained decoding)", param=field
         )
-    return constraint
+    param = "response_format.json_schema.schema" if field == "response_format" else "tools"
+    try:
+        grammar, compile_s = await ctx.grammars.prepare(constraint, deadline=ctx.deadline(stats))
+    except TooComplex as exc:
+        raise InvalidRequestError(f"{param} is too complex to enforce: {exc}", param=param) from None
+    except ValueError as exc:
+        raise InvalidRequestError(f"{param} cannot be enforced: {exc}", param=param) from None
+    stats.prompt_work_s += compile_s  # the request's own work, like its render: not counted against its wait
+    return constraint, grammar

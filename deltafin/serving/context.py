@@ -77,6 +77,10 @@ class ServingContext:
     created: int = field(default_factory=lambda: int(time.time()))
     _token_texts: dict[int, str] = field(default_factory=dict, repr=False)
     prompt: PromptWork | None = None  # None: built from the config in __post_init__
+    #: checks and compiles constraints off the event loop (deltafin.grammar.service.Grammars; typed Any so that
+    #: importing serving does not import xgrammar, and torch with it); None: the engine cannot constrain, and a
+    #: constrained request is a 400
+    grammars: Any = None
 
     def __post_init__(self) -> None:
         # Read per request (model name, limits, templates): plain attributes, not omegaconf nodes (~18 us a read).

@@ -59,6 +59,19 @@ class TestApiKeys:
         assert key_matches(b"Bearer k1", [b"k1"]) and key_matches(b"bearer k1", [b"k1"])
         assert not key_matches(b"Bearer \xff", [b"k1"]) and not key_matches(b"k1", [b"k1"])
 
+    @pytest.mark.parametrize("header", [b"Bearer ", b"Bearer", b"bearer    ", b"Bearer \t ", b"Bearer \r"])
+    def test_an_empty_or_blank_token_never_authenticates(self, header):
+        # Even against keys that are themselves empty or blank (filled from an unset environment variable).
+        assert not key_matches(header, [b"", b"  ", b"\t", b"k1"])
+
+    def test_an_empty_bearer_is_401_on_a_server_whose_key_is_empty(self, services):
+        config = compose_config(["server.api_keys=[k1]"])
+        config.server.api_keys = ["", " "]  # what start-up refuses; the gate must still stay closed
+        with TestClient(build_app(config, services)) as client:
+            for header in ("Bearer ", "Bearer  ", "bearer"):
+                assert_openai_error(client.get("/v1/models", headers={"authorization": header}), 401)
+            assert_openai_error(client.get("/v1/models"), 401)
+
 
 class TestRequestIds:
     def test_a_plain_client_id_is_echoed(self, client):

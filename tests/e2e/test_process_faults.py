@@ -92,6 +92,71 @@ class TestSlowClients:
         assert httpx.get(f"{server.base_url}/health").status_code == 200
 
 
+def rss_bytes(pid: int) -> int:
+    with open(f"/proc/{pid}/status") as status:
+        return next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmRSS:"))
+
+
+def send_quietly(sock: socket.socket, data: bytes, piece: int = 1 << 20) -> None:
+    """Sends until done or until the server stops reading (it answered and closed)."""
+    try:
+        for start in range(0, len(data), piece):
+            sock.sendall(data[start : start + piece])
+    except OSError:  # BrokenPipe / ConnectionReset once the server closed
+        pass
+
+
+class TestHeaderSize:
+    """server.connections.max_header_bytes (32 KiB by default): past it 431 and closed, while the head arrives.
+    On the shared server with default connection limits (this module's allows only 4 connections)."""
+
+    @pytest.fixture
+    def server(self, live_server):
+        return live_server
+
+    HEAD = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n"
+
+    def refused(self, server, head: bytes) -> bytes:
+        sock = connect(server)
+        sender = threading.Thread(target=send_quietly, args=(sock, head), daemon=True)
+        sender.start()
+        try:
+            data, _ = read_until_closed(sock, 10)
+        finally:
+            sender.join(10)
+            sock.close()
+        return data
+
+    def test_a_4_mib_header_gets_431_and_the_connection_closed(self, server):
+        data = self.refused(server, self.HEAD + b"X-Big: " + b"a" * (4 << 20) + b"\r\n\r\n")
+        assert data.startswith(b"HTTP/1.1 431") and json_body(data)["error"]["code"] == "request_header_fields_too_large"
+
+    def test_a_head_over_the_limit_in_one_read_is_refused_and_one_under_it_served(self, server):
+        many = b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 200) for i in range(200))  # ~42 KiB of small headers
+        assert self.refused(server, self.HEAD + many + b"\r\n").startswith(b"HTTP/1.1 431")
+        headers = {f"x-h{i}": "v" * 200 for i in range(100)}  # ~21 KiB
+        assert httpx.get(f"{server.base_url}/v1/models", headers=headers).status_code == 200
+
+    def test_unfinished_40_mib_headers_on_18_connections_hold_no_memory(self, server):
+        before = rss_bytes(server.process.pid)
+        peak = before
+        head = self.HEAD + b"X-Big: " + b"a" * (40 << 20)  # never finished
+        socks = [connect(server) for _ in range(18)]
+        senders = [threading.Thread(target=send_quietly, args=(sock, head), daemon=True) for sock in socks]
+        for sender in senders:
+            sender.start()
+        while any(sender.is_alive() for sender in senders):
+            peak = max(peak, rss_bytes(server.process.pid))
+            time.sleep(0.05)
+        answers = [read_until_closed(sock, 10)[0] for sock in socks]
+        for sock in socks:
+            sock.close()
+        assert all(answer.startswith(b"HTTP/1.1 431") for answer in answers)
+        # Before the limit, 18 x 40 MiB of unfinished header raised RSS by 276 MB.
+        assert peak - before < 48 << 20, (before, peak)
+        assert httpx.get(f"{server.base_url}/health").status_code == 200
+
+
 def test_disconnect_mid_stream_logs_the_tokens_generated(server):
     request_id = "disconnect-mid-stream"
     with httpx.Client(timeout=30) as client:

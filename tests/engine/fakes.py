@@ -23,3 +23,15 @@ class AllowList:
 
     def is_terminated(self):
         return len(self.accepted) >= self.length
+
+
+class AllowListGrammar:
+    """A fake ready grammar (deltafin.engine.constraint.ReadyGrammar): an AllowList per row, each kept in `rows`."""
+
+    def __init__(self, allowed, length):
+        self.allowed, self.length = list(allowed), length
+        self.rows: list[AllowList] = []
+
+    def matcher(self) -> AllowList:
+        self.rows.append(AllowList(self.allowed, self.length))
+        return self.rows[-1]

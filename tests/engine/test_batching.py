@@ -14,7 +14,7 @@ from deltafin.engine.local import LocalEngine
 from deltafin.errors import InvalidRequestError
 from deltafin.protocol.sampling import Constraint, SamplingParams
 from tests.conftest import make_engine
-from tests.engine.fakes import AllowList
+from tests.engine.fakes import AllowListGrammar
 
 PROMPTS = [
     "Tell me about the sea.",
@@ -215,23 +215,16 @@ class TestPrefixCacheUnderBatching:
 
 class TestConstraints:
     def test_each_row_follows_its_own_constraint_and_logs_under_its_request(self, loaded_model, run):
-        built: dict[str, AllowList] = {}
-
-        def factory(constraint: Constraint) -> AllowList:
-            allowed = [int(t) for t in constraint.value.split(",")]
-            built[constraint.value] = AllowList(allowed, length=5)
-            return built[constraint.value]
-
         from deltafin.engine import EngineFront
 
-        front = EngineFront(LocalEngine(loaded_model, constraint_factory=factory), max_waiting=4, timeout_s=30,
-                            memo_entries=0)
-        assert front.capabilities.grammar
+        front = EngineFront(LocalEngine(loaded_model), max_waiting=4, timeout_s=30, memo_entries=0)
+        assert front.capabilities.grammar and front.capabilities.compiled_grammar
+        grammars = {"100,200,300": AllowListGrammar([100, 200, 300], length=5), "400,500": AllowListGrammar([400, 500], length=5)}
 
         async def one(allowed: str, request_id: str):
             with structlog.contextvars.bound_contextvars(request_id=request_id):
                 params = SamplingParams(max_tokens=50, temperature=0.8, seed=1, constraint=Constraint("test", allowed))
-                return await collect(front, [GenerationJob(chat_ids(front, PROMPTS[0]), params)])
+                return await collect(front, [GenerationJob(chat_ids(front, PROMPTS[0]), params, grammars[allowed])])
 
         async def scenario():
             return await asyncio.gather(one("100,200,300", "req-a"), one("400,500", "req-b"))
@@ -239,13 +232,16 @@ class TestConstraints:
         (a_tokens, a_end, _), (b_tokens, b_end, _) = run(scenario())
         assert set(a_tokens[0]) <= {100, 200, 300} and set(b_tokens[0]) <= {400, 500}
         assert a_end[0].reason == b_end[0].reason == "stop" and a_end[0].completion_tokens == 5
-        assert set(built["100,200,300"].contexts) == {"req-a"} and set(built["400,500"].contexts) == {"req-b"}
+        a_row, = grammars["100,200,300"].rows
+        b_row, = grammars["400,500"].rows
+        assert set(a_row.contexts) == {"req-a"} and set(b_row.contexts) == {"req-b"}
 
     def test_an_empty_prompt_is_a_400_not_a_crash(self, front, run):
         with pytest.raises(InvalidRequestError):
             run(collect(front, [GenerationJob((), SamplingParams(max_tokens=5))]))
 
-    def test_a_constraint_without_a_factory_is_a_400(self, front, run):
+    def test_a_constraint_without_its_compiled_grammar_is_a_400(self, front, run):
+        # The engine never compiles: a job whose grammar was not prepared is refused, not compiled here.
         params = SamplingParams(max_tokens=5, constraint=Constraint("json_object"))
         with pytest.raises(InvalidRequestError):
             run(collect(front, [GenerationJob(chat_ids(front, PROMPTS[0]), params)]))

@@ -10,6 +10,27 @@ from transformers import DynamicCache
 
 from deltafin.engine.generator import cache_argument
 from deltafin.engine.constraint import RowConstraint
+from deltafin.grammar.compiled import ReadyGrammar, compile_now, tokenizer_info
+from deltafin.protocol.sampling import Constraint
+
+
+def grammar_compiler(tokenizer, vocab_size: int, stop_ids):
+    """Constraint -> ReadyGrammar, compiled in this thread (what the worker processes do for the server)."""
+    info = tokenizer_info(tokenizer, vocab_size, stop_ids)
+    compiled: dict[Constraint, ReadyGrammar] = {}
+
+    def ready(constraint: Constraint) -> ReadyGrammar:
+        if constraint not in compiled:
+            compiled[constraint] = compile_now(constraint, info, vocab_size)
+        return compiled[constraint]
+
+    return ready
+
+
+def row_factory(tokenizer, vocab_size: int, stop_ids):
+    """Constraint -> a fresh row matcher over a grammar compiled once."""
+    ready = grammar_compiler(tokenizer, vocab_size, stop_ids)
+    return lambda constraint: ready(constraint).matcher()
 
 
 def greedy(model, prompt_ids: Sequence[int], row: RowConstraint | None, *, max_tokens: int, stop_ids: frozenset[int]) -> list[int]:

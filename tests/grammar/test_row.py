@@ -1,4 +1,4 @@
-"""XGrammarRow and the compile cache on the real default model and tokenizer."""
+"""XGrammarRow on the real default model and tokenizer (grammars compiled in this thread)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ import pydantic
 import pytest
 import torch
 
-from deltafin.grammar.compiled import GrammarCache, constraint_factory
-from deltafin.grammar.constraints import check, json_object, json_schema
+from deltafin.grammar.constraints import json_object, json_schema
 from deltafin.prompt import build_chat_format
 from deltafin.protocol.chat import ChatMessage
-from tests.grammar.decoding import greedy
+from tests.grammar.decoding import greedy, row_factory
 
 
 class Person(pydantic.BaseModel):
@@ -23,7 +22,7 @@ class Person(pydantic.BaseModel):
 
 @pytest.fixture(scope="module")
 def factory(loaded_model):
-    return constraint_factory(loaded_model.tokenizer, loaded_model.model.config.vocab_size, loaded_model.stop_token_ids)
+    return row_factory(loaded_model.tokenizer, loaded_model.model.config.vocab_size, loaded_model.stop_token_ids)
 
 
 def render(config, loaded_model, question: str) -> list[int]:
@@ -86,31 +85,3 @@ class TestMask:
         logits = torch.zeros(loaded_model.model.config.vocab_size)
         row.fill_mask(logits)  # a terminated row leaves the logits alone rather than masking everything
         assert torch.all(logits == 0)
-
-
-class TestCompileCache:
-    def test_same_schema_same_tokenizer_compiles_once(self, loaded_model):
-        cache = GrammarCache()
-        args = (loaded_model.tokenizer, loaded_model.model.config.vocab_size, loaded_model.stop_token_ids)
-        first = cache.compile(json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}), *args)
-        again = cache.compile(json_schema({"type": "object", "properties": {"a": {"type": "integer"}}}), *args)
-        assert again is first and (cache.hits, cache.misses) == (1, 1)
-        cache.compile(json_object(), *args)
-        assert cache.misses == 2
-
-    def test_lru_bound(self, loaded_model):
-        cache = GrammarCache(max_entries=2)
-        args = (loaded_model.tokenizer, loaded_model.model.config.vocab_size, loaded_model.stop_token_ids)
-        for n in range(3):
-            cache.compile(json_schema({"type": "object", "properties": {f"k{n}": {"type": "integer"}}}), *args)
-        cache.compile(json_schema({"type": "object", "properties": {"k0": {"type": "integer"}}}), *args)
-        assert cache.misses == 4
-
-
-class TestCheck:
-    def test_invalid_schema_is_a_value_error(self):
-        with pytest.raises(ValueError):
-            check(json_schema({"type": "object", "properties": {"a": {"type": "no-such-type"}}}))
-
-    def test_valid_schema_passes(self):
-        check(json_schema(Person.model_json_schema()))

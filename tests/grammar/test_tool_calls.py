@@ -10,14 +10,14 @@ import pytest
 import xgrammar as xgr
 
 from deltafin.engine.loader import load_model
-from deltafin.grammar.compiled import constraint_factory, logits_width
+from deltafin.grammar.compiled import logits_width
 from deltafin.grammar.constraints import grammar_of, structural_tag
 from deltafin.grammar.tool_calls import forced_calls, glm_structure, hermes_structure, kimi_k2_structure, xtml_structure
 from deltafin.families import build_output_parser, get_family
 from deltafin.prompt import build_chat_format
 from deltafin.protocol.chat import ChatMessage, ToolDefinition
 from tests.conftest import tiny_config
-from tests.grammar.decoding import greedy
+from tests.grammar.decoding import greedy, row_factory
 from tests.grammar.tools import NAMED, TIME, WEATHER
 
 #: family -> (structure builder taking (forced, reasoning), the call in the family's wire form)
@@ -148,7 +148,7 @@ def test_constrained_tiny_model_writes_the_named_call(family, tiny_models, tiny_
     spec = get_family(model.family)
     # The family's grammar hook, as serving calls it.
     structure = spec.tool_call_structure(spec.variant(model.variant), tools, NAMED, prompt_text=prompt.text)
-    factory = constraint_factory(lm.tokenizer, logits_width(lm.model), lm.stop_token_ids)
+    factory = row_factory(lm.tokenizer, logits_width(lm.model), lm.stop_token_ids)
     row = factory(structural_tag(structure))
     ids = greedy(lm.model, prompt.token_ids, row, max_tokens=400, stop_ids=lm.stop_token_ids)
     text = lm.tokenizer.decode([i for i in ids if i not in lm.stop_token_ids])

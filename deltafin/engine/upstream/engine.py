@@ -26,6 +26,7 @@ from deltafin.engine.events import GenerationJob, TextDelta
 from deltafin.engine.interface import EngineCapabilities, EngineClient, Readiness
 from deltafin.engine.stream import GenerationStream
 from deltafin.engine.tokenizer_only import TokenizerBundle
+from deltafin.engine.upstream.health import UpstreamHealth
 from deltafin.engine.upstream.http1 import (
     ConnectFailed,
     Connector,
@@ -48,8 +49,8 @@ from deltafin.errors import DeltafinError, UpstreamError, UpstreamTimeoutError, 
 log = structlog.get_logger("deltafin.upstream")
 _encode = msgspec.json.Encoder().encode
 
-#: /health answers are reused this long: a load balancer probing every 100 ms must not become upstream load
-HEALTH_TTL_S = 1.0
+#: the longest a health probe waits for the upstream's answer (less when engine.connect_timeout_s is less)
+HEALTH_PROBE_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -64,6 +65,10 @@ class UpstreamSettings:
     #: the `model` field sent upstream (None: left out, the upstream serves its only model)
     model: str | None = None
     api_key: str | None = None
+
+
+#: statuses of a generation request that say the upstream as a whole is not there or not ready
+_DOWN_STATUSES = frozenset({502, 503, 504})
 
 
 class UpstreamObserver(Protocol):
@@ -124,7 +129,8 @@ class UpstreamEngine(EngineClient):
         self._pool: tuple[asyncio.AbstractEventLoop, Http1Pool] | None = None
         self._started: weakref.WeakKeyDictionary[GenerationStream, asyncio.Future[None]] = weakref.WeakKeyDictionary()
         self._tasks: set[asyncio.Task[None]] = set()
-        self._health: tuple[float, Readiness] | None = None
+        # /health follows traffic and an idle probe; a load balancer polling it never becomes upstream load.
+        self.health = UpstreamHealth(self._probe_health, self.name)
         # Upstream request ids (abort endpoints name them): unique across gateways sharing an upstream by a
         # random prefix, and within this one by a counter (no random bytes read per request).
         prefix = uuid.uuid4().hex
@@ -148,19 +154,23 @@ class UpstreamEngine(EngineClient):
             await gate
 
     async def readiness(self) -> Readiness:
-        now = time.monotonic()
-        if self._health is not None and now - self._health[0] < HEALTH_TTL_S:
-            return self._health[1]
+        return await self.health.readiness()
+
+    async def _probe_health(self) -> Readiness:
+        path = self.adapter.health_path
+        timeout_s = min(self.settings.connect_timeout_s, HEALTH_PROBE_TIMEOUT_S)
         try:
-            async with self.pool.request("GET", self.adapter.health_path, read_timeout_s=self.settings.connect_timeout_s) as response:
-                await response.read_all()
-            ready = Readiness(response.status == 200, f"{self.target} answered {response.status} on {self.adapter.health_path}")
+            async with asyncio.timeout(timeout_s + 0.5):  # connect and read are bounded by the pool; this is the sum
+                async with self.pool.request("GET", path, read_timeout_s=timeout_s) as response:
+                    await response.read_all()
+            return Readiness(response.status == 200, f"{self.target} answered {response.status} on {path}")
+        except (ReadTimedOut, TimeoutError):
+            return Readiness(False, f"{self.target} did not answer {path} within {timeout_s:g} s")
         except TransportError as exc:
-            ready = Readiness(False, f"{self.target} is unreachable: {type(exc).__name__}")
-        self._health = (now, ready)
-        return ready
+            return Readiness(False, f"{self.target} is unreachable: {type(exc).__name__}")
 
     async def aclose(self) -> None:
+        self.health.close()
         for task in list(self._tasks):
             task.cancel()
         if self._pool is not None:
@@ -227,16 +237,19 @@ class UpstreamEngine(EngineClient):
             raise
         except ConnectFailed as exc:
             self._count_error("unreachable")
+            self.health.unavailable(f"{self.target} is unreachable: {exc}")
             raise UpstreamUnavailableError(
                 f"The upstream {self.target} is unreachable ({exc}).",
                 headers={"Retry-After": str(self.settings.retry_after_s)},
             ) from None
         except ReadTimedOut:
             self._count_error("timeout")
+            self.health.unavailable(f"{self.target} sent nothing for {self.settings.read_timeout_s:g} s")
             raise UpstreamTimeoutError(
                 f"The upstream {self.target} timed out (nothing for {self.settings.read_timeout_s:g} s).") from None
         except TransportError as exc:  # the connection broke mid-stream
             self._count_error("disconnected")
+            self.health.unavailable(f"{self.target} closed a stream ({exc})")
             raise UpstreamError(f"The upstream {self.target} closed the stream ({exc}).") from None
 
     async def _stream_choice(self, job: GenerationJob, choice: int, rid: str, stream: GenerationStream,
@@ -246,6 +259,10 @@ class UpstreamEngine(EngineClient):
         while True:
             try:
                 async with exchange as response:
+                    if response.status in _DOWN_STATUSES:
+                        self.health.unavailable(f"{self.target} answered {response.status} to a generation")
+                    elif response.status == 200:
+                        self.health.available()
                     if response.status != 200:
                         raw = await response.read_all()
                         if not fell_back and self.adapter.fallback(response.status, exchange.path, raw):
