@@ -35,7 +35,8 @@ from deltafin.engine.local import LocalEngine  # noqa: E402
 from deltafin.grammar import constraints  # noqa: E402
 from deltafin.grammar.compiled import logits_width, tokenizer_info  # noqa: E402
 from deltafin.grammar.service import Grammars  # noqa: E402
-from deltafin.grammar.tool_calls import XTML, forced_calls  # noqa: E402
+from deltafin.markup.selection import forced_calls  # noqa: E402
+from deltafin.markup.xtml import XTML  # noqa: E402
 from deltafin.prompt import build_chat_format  # noqa: E402
 from deltafin.protocol.chat import ChatMessage  # noqa: E402
 from deltafin.protocol.sampling import SamplingParams  # noqa: E402

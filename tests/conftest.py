@@ -19,6 +19,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from deltafin.cli import checked_config  # noqa: E402
 from deltafin.config import DeltafinConfig  # noqa: E402
+from deltafin.families import FAMILIES  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -78,13 +79,13 @@ def services(config: DeltafinConfig, loaded_model):
     return Services.from_engine(config, make_engine(loaded_model))
 
 
-#: tiny model name -> (model.family, model.variant) it is written and served as
+#: tiny model name (the variant's, else the family's) -> (model.family, model.variant) it is written and served
+#: as: every registered family and variant with a tiny recipe, so a new family is tested without an edit here
 TINY_SPECS = {
-    "kimi_k3": ("kimi_k3", None),
-    "kimi_k2": ("kimi_k2", None),
-    "glm45": ("glm", "glm45"),
-    "glm47": ("glm", "glm47"),
-    "qwen3": ("qwen3", None),
+    variant or name: (name, variant)
+    for name, family in sorted(FAMILIES.items())
+    for variant in family.variants or (None,)
+    if family.tiny_recipe(variant) is not None
 }
 TINY_FAMILIES = tuple(TINY_SPECS)
 #: tiny model name -> the Hydra overrides that serve it (conf/model/FAMILY.yaml, plus the variant)

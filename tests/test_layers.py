@@ -2,7 +2,13 @@
 
 Every `import` and `from ... import` in every module of deltafin/ counts, those inside functions (lazy imports)
 and under `if TYPE_CHECKING:` included. Not seen, by design: names imported by string (`importlib.import_module`
-in deltafin/families/__init__.py loading its own modules; Hydra `_target_`s in conf/, resolved by the entry).
+in deltafin/families/__init__.py and deltafin/markup/__init__.py loading their own modules; Hydra `_target_`s in
+conf/, resolved by the entry).
+
+deltafin.markup (issue 17) is a floor of its own, below grammar and prompt and above protocol: a markup is
+plain parsing code and structural tags as plain data (the JSON whitespace bound comes from protocol.sampling),
+so it needs nothing above protocol, while families and serving pick markups and grammar's GBNF writer
+(grammar/gbnf/xml_style.py) reads their argument styles.
 """
 
 from __future__ import annotations
@@ -19,7 +25,9 @@ FLOORS: list[set[str]] = [
     {"deltafin.app"},  # ASGI wiring
     {"deltafin.serving"},  # one module per endpoint family
     {"deltafin.rules", "deltafin.families", "deltafin.engine"},
-    {"deltafin.grammar", "deltafin.prompt"},  # constrained decoding; chat formats, parsers, the template sandbox
+    {"deltafin.grammar", "deltafin.prompt"},  # constrained decoding; chat formats, the template sandbox
+    # how models write reasoning and tool calls, one module per markup (parser, structural tag, GBNF style)
+    {"deltafin.markup"},
     {"deltafin.protocol", "deltafin.errors", "deltafin.config", "deltafin.logging", "deltafin.metrics",
      "deltafin.token_codec", "deltafin"},
 ]

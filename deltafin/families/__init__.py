@@ -9,7 +9,7 @@ from typing import Any, Sequence, TypeVar
 
 from deltafin.config import ConfigError
 from deltafin.families.base import ModelFamily, TinyRecipe
-from deltafin.prompt.parsers.base import IdFactory, OutputParser, kimi_call_ids, random_call_id
+from deltafin.markup.parsing import IdFactory, OutputParser, kimi_call_ids, random_call_id
 
 __all__ = [
     "FAMILIES",

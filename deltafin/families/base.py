@@ -1,9 +1,9 @@
 """A model family: everything Deltafin knows about one family of checkpoints, in one class.
 
-A family names its chat format, builds its reasoning and tool-call parsers, says whether tool-call ids are
-Kimi-style, describes the grammar that forces its tool-call syntax, and holds the recipe of a tiny model
-for tests. Families that differ only in small ways (GLM-4.5 vs 4.7) are one family with `variants`,
-chosen by `model.variant`.
+A family names its chat format and its markup (deltafin.markup: the parser, the grammar that forces its tool
+calls and its llama-server form, in one object), says whether tool-call ids are Kimi-style, and holds the
+recipe of a tiny model for tests. Families that differ only in small ways (GLM-4.5 vs 4.7) are one family with
+`variants`, chosen by `model.variant`.
 """
 
 from __future__ import annotations
@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, ClassVar, Sequence
 
-from deltafin.grammar.tool_calls import Syntax, forced_calls
-from deltafin.prompt.parsers.base import IdFactory, OutputParser, PlainOutputParser, random_call_id
-from deltafin.prompt.parsers.chain import BlankContentBesideCalls, ChainedParser
+from deltafin.markup import IdFactory, Markup, OutputParser, PlainOutputParser
+from deltafin.markup.selection import forced_calls
 
 
 @dataclass(frozen=True)
@@ -47,39 +46,29 @@ class ModelFamily:
             raise ValueError(f"model.variant: {variant!r} is not a variant of family {self.name!r} (known: {known})")
         return variant
 
-    def reasoning_parser(self, variant: str | None, prompt_text: str) -> Any | None:
-        """A fresh reasoning parser for one choice; `prompt_text` tells whether output starts inside reasoning."""
-        return None
-
-    def tool_parser(self, variant: str | None, tools: Sequence[Any], new_id: IdFactory) -> Any | None:
-        """A fresh tool-call parser for one choice, fed the answer text the reasoning parser lets through."""
+    def markup(self, variant: str | None) -> Markup | None:
+        """How this family writes reasoning and tool calls (deltafin.markup); None: every output character is
+        answer content and no call can be chosen (a forced call is then plain JSON: deltafin.markup.forced_json)."""
         return None
 
     def output_parser(
         self, variant: str | None, *, prompt_text: str, tools: Sequence[Any], calls_allowed: bool, new_id: IdFactory
     ) -> OutputParser:
-        """Reasoning then tool calls (these only when `calls_allowed`); families whose reasoning and calls are
-        one grammar override this."""
-        reasoning = self.reasoning_parser(variant, prompt_text)
-        calls = self.tool_parser(variant, tools, new_id) if calls_allowed else None
-        if reasoning is None and calls is None:
+        """A fresh parser for one choice; tool calls are read only when `calls_allowed`."""
+        markup = self.markup(variant)
+        if markup is None:
             return PlainOutputParser()
-        chained = ChainedParser(reasoning, calls)
-        return BlankContentBesideCalls(chained) if calls is not None else chained
+        return markup.output_parser(prompt_text=prompt_text, tools=tools, calls_allowed=calls_allowed, new_id=new_id)
 
     def tiny_recipe(self, variant: str | None) -> TinyRecipe | None:
         """The tiny test model of this family (None: the family has none)."""
         return None
 
-    def grammar(self, variant: str | None) -> Syntax | None:
-        """The grammar of this family's output (deltafin.grammar.tool_calls.Syntax), kept beside the parser that
-        reads the same syntax back (as SGLang keeps `build_ebnf` / `structure_info` on its format detectors);
-        None: nothing to force (no tool-call syntax)."""
-        return None
-
     def parses_tool_calls(self, variant: str | None) -> bool:
-        """The family reads tool calls from output; `tools` sent to a family that does not are refused."""
-        return self.tool_parser(variant, (), random_call_id) is not None
+        """The family reads tool calls the model chose to write; `tools` sent to a family that does not are
+        refused unless a call is forced."""
+        markup = self.markup(variant)
+        return markup is not None and markup.chooses_calls
 
     def tool_call_structure(
         self, variant: str | None, tools: Sequence[Any], tool_choice: Any, *, prompt_text: str,
@@ -87,18 +76,18 @@ class ModelFamily:
     ) -> dict[str, Any] | None:
         """An xgrammar structural tag forcing this family's native tool-call syntax when `tool_choice` forces a
         call ("required" or a named function), after any reasoning block the prompt leaves open; None when
-        nothing is forced or the family has no grammar. ValueError: the named function is not in `tools`."""
-        syntax = self.grammar(variant)
+        nothing is forced or the family has no markup. ValueError: the named function is not in `tools`."""
+        markup = self.markup(variant)
         forced = forced_calls(tools, tool_choice, parallel_tool_calls=parallel_tool_calls)
-        if syntax is None or forced is None:
+        if markup is None or forced is None:
             return None
-        return syntax.calls(forced, syntax.reasoning(prompt_text))
+        return markup.calls(forced, markup.reasoning(prompt_text))
 
     def answer_structure(self, variant: str | None, content: dict[str, Any], *, prompt_text: str) -> dict[str, Any] | None:
         """A structural tag letting this family's reasoning through, then `content` (an xgrammar format, e.g.
         JSON under a schema) as the answer; None when the output starts with the answer (no open reasoning)."""
-        syntax = self.grammar(variant)
-        if syntax is None:
+        markup = self.markup(variant)
+        if markup is None:
             return None
-        reasoning = syntax.reasoning(prompt_text)
-        return None if reasoning == "disabled" else syntax.answer(content, reasoning)
+        reasoning = markup.reasoning(prompt_text)
+        return None if reasoning == "disabled" else markup.answer(content, reasoning)

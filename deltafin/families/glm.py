@@ -8,15 +8,9 @@ from the tool schema. Two variants (`model.variant`):
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
 from deltafin.families import register
 from deltafin.families.base import ModelFamily, TinyRecipe
-from deltafin.grammar.tool_calls import GLM45, GLM47, Syntax
-from deltafin.prompt.parsers.base import IdFactory
-from deltafin.prompt.parsers.glm import CALL_BEGIN, GlmToolParser
-from deltafin.prompt.parsers.think import ThinkReasoningParser
-from deltafin.prompt.parsers.values import schema_types
+from deltafin.markup.glm import GLM45, GLM47, Glm as GlmMarkup
 
 TOKENS = [
     "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<|endoftext|>",
@@ -30,17 +24,7 @@ class Glm(ModelFamily):
     name = "glm"
     variants = ("glm45", "glm47")
 
-    def reasoning_parser(self, variant: str | None, prompt_text: str) -> ThinkReasoningParser:
-        # Where reasoning starts is read off the prompt, so both variants share one parser.
-        return ThinkReasoningParser(
-            start="<think>", end="</think>", terminators=(CALL_BEGIN,),
-            starts_in_reasoning=prompt_text.rstrip().endswith("<think>"),
-        )
-
-    def tool_parser(self, variant: str | None, tools: Sequence[Any], new_id: IdFactory) -> GlmToolParser:
-        return GlmToolParser(newline_after_name=variant == "glm45", types=schema_types(tools), new_id=new_id)
-
-    def grammar(self, variant: str | None) -> Syntax:
+    def markup(self, variant: str | None) -> GlmMarkup:
         return GLM45 if variant == "glm45" else GLM47
 
     def tiny_recipe(self, variant: str | None) -> TinyRecipe:

@@ -3,15 +3,9 @@ K2.5+), tool sections with `functions.NAME:IDX` ids reported verbatim."""
 
 from __future__ import annotations
 
-from typing import Any, Sequence
-
 from deltafin.families import register
 from deltafin.families.base import ModelFamily, TinyRecipe
-from deltafin.grammar.tool_calls import KIMI_K2, Syntax
-from deltafin.prompt.parsers.base import IdFactory
-from deltafin.prompt.parsers.kimi_k2 import CALL_BEGIN, SECTION_BEGIN, KimiK2ToolParser
-from deltafin.prompt.parsers.think import ThinkReasoningParser
-from deltafin.prompt.parsers.values import tool_properties
+from deltafin.markup.kimi_k2 import KIMI_K2, KimiK2 as KimiK2Markup
 
 TOKENS = [
     "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>",
@@ -26,17 +20,7 @@ class KimiK2(ModelFamily):
     name = "kimi_k2"
     kimi_ids = True
 
-    def reasoning_parser(self, variant: str | None, prompt_text: str) -> ThinkReasoningParser:
-        # A tool section opened inside reasoning ends it (seen in the wild without </think>).
-        return ThinkReasoningParser(
-            start="<think>", end="</think>", terminators=(*SECTION_BEGIN, CALL_BEGIN),
-            starts_in_reasoning=prompt_text.rstrip().endswith("<think>"),
-        )
-
-    def tool_parser(self, variant: str | None, tools: Sequence[Any], new_id: IdFactory) -> KimiK2ToolParser:
-        return KimiK2ToolParser(tool_properties(tools), new_id)
-
-    def grammar(self, variant: str | None) -> Syntax:
+    def markup(self, variant: str | None) -> KimiK2Markup:
         return KIMI_K2
 
     def tiny_recipe(self, variant: str | None) -> TinyRecipe:

@@ -6,5 +6,6 @@
   (processes running `worker`, killed past a time budget), never on the event loop or the engine's thread;
 - `compiled`: `ReadyGrammar` (what a job carries to the engine) and the tokenizer info xgrammar needs;
 - `row`: one row's matcher and token bitmask (`RowConstraint`: fill_mask / accept / is_terminated);
-- `tool_calls`: structural tags forcing each family's native tool-call syntax.
+- `gbnf`: structural tags as llama.cpp GBNF, for llama-server.
+The structural tags forcing each family's tool-call markup are built by that markup (deltafin.markup).
 """

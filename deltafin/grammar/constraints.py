@@ -7,11 +7,7 @@ import json
 import re
 from typing import Any
 
-from deltafin.protocol.sampling import Constraint
-
-#: Longest run of whitespace a JSON constraint allows between tokens. Unbounded whitespace is the classic
-#: way a small model loops forever inside a constrained object; 20 still fits pretty-printed nesting.
-MAX_WHITESPACE = 20
+from deltafin.protocol.sampling import MAX_WHITESPACE, Constraint
 
 
 def canonical(value: Any) -> str:

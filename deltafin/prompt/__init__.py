@@ -1,4 +1,4 @@
-"""Prompt formats (messages + tools -> token ids) and, per family, the output parsers."""
+"""Prompt formats: messages + tools -> token ids (what the model writes back is read by deltafin.markup)."""
 
 from deltafin.prompt.chat_format import NO_OPTIONS, ChatFormat, PromptOptions, RenderedPrompt, build_chat_format
 

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+#: Longest run of whitespace a JSON constraint allows between tokens (part of what a JSON constraint means,
+#: whoever builds it: deltafin.grammar's compiles, deltafin.markup's structural tags). Unbounded whitespace is
+#: the classic way a small model loops forever inside a constrained object; 20 still fits pretty-printed nesting.
+MAX_WHITESPACE = 20
+
 
 @dataclass(frozen=True)
 class Constraint:

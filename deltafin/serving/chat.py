@@ -9,13 +9,12 @@ from deltafin.engine import Finished, GenerationJob, GenerationStream, TextDelta
 from deltafin.errors import InvalidRequestError
 from deltafin.prompt import PromptOptions, RenderedPrompt
 from deltafin.families import build_output_parser
-from deltafin.prompt.parsers import OutputParser, ParsedDelta
+from deltafin.markup import OutputParser, ParsedDelta
 from deltafin.prompt.sandbox import TemplateBudget, template_budget
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.rules import RuleContext
-from deltafin.grammar.forced_json import arguments_only
-from deltafin.prompt.parsers.base import random_call_id
-from deltafin.prompt.parsers.forced_json import ForcedJsonCallParser
+from deltafin.markup.forced_json import ForcedJsonCallParser, arguments_only
+from deltafin.markup.parsing import random_call_id
 from deltafin.serving.constraints import check_tools, forced_without_parser, prepared_constraint
 from deltafin.serving.context import RequestStats, ServingContext, new_id
 from deltafin.serving.logprobs import chat_logprobs

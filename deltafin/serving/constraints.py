@@ -1,11 +1,11 @@
 """The constraint a chat request is generated under, and the honest refusals around it.
 
 - A forced tool_choice ("required" or a named function) on a model with a tool parser: the family's native
-  tool-call syntax (deltafin.grammar.tool_calls), so its own parser reads the output unchanged.
+  tool-call markup (deltafin.markup), so its own parser reads the output unchanged.
 - Otherwise `response_format` json_object / json_schema: JSON (after the reasoning block, on models that
   reason first); `text` or none: free generation.
 - A forced tool_choice on a model without a tool parser (the default model): the call as plain JSON
-  (deltafin.grammar.forced_json), read back by deltafin.prompt.parsers.forced_json, as vLLM forces calls.
+  (deltafin.markup.forced_json, which also reads it back), as vLLM forces calls.
 - `tools` to a model without a tool parser with tool_choice "auto" (or none given): 400, as vLLM answers,
   instead of dropping them silently. A constraint the engine cannot enforce: 400, instead of ignoring it.
 - The constraint is checked and compiled by `ServingContext.grammars` (worker processes, bounded in time and
@@ -24,9 +24,9 @@ from deltafin.config import ModelConfig
 from deltafin.errors import InvalidRequestError
 from deltafin.families import get_family
 from deltafin.grammar import constraints
-from deltafin.grammar.forced_json import forced_call_schema
 from deltafin.grammar.limits import TooComplex
-from deltafin.grammar.tool_calls import ForcedCalls, forced_calls
+from deltafin.markup.forced_json import forced_call_schema
+from deltafin.markup.selection import ForcedCalls, forced_calls
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.sampling import Constraint
 

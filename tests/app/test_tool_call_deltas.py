@@ -1,6 +1,6 @@
 """The OpenAI shape of streamed tool-call deltas, from parser output."""
 
-from deltafin.prompt.parsers import ParsedDelta, ToolCallDelta
+from deltafin.markup import ParsedDelta, ToolCallDelta
 from deltafin.serving.chat import tool_call_deltas
 
 

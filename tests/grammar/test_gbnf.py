@@ -11,7 +11,7 @@ import pytest
 
 from deltafin.grammar.gbnf import structural_tag_to_gbnf
 from deltafin.grammar.gbnf.rules import Rules, chars_class, literal
-from deltafin.grammar.tool_calls import formats as f
+from deltafin.markup import formats as f
 from tests.grammar.gbnf_oracle import gbnf_recognizer, schema_recognizer, tag_recognizer
 
 
@@ -45,7 +45,8 @@ class TestRulesText:
             structural_tag_to_gbnf(tag)
 
     def test_one_text_automaton_per_set_of_markers(self):
-        from deltafin.grammar.tool_calls import GLM47, ForcedCalls, ForcedFunction
+        from deltafin.markup.glm import GLM47
+        from deltafin.markup.selection import ForcedCalls, ForcedFunction
 
         schema = {"type": "object", "properties": {k: {"type": "string"} for k in "abcde"}}
         tools = tuple(ForcedFunction(f"tool_{i}", schema) for i in range(30))

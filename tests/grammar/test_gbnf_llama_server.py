@@ -17,12 +17,12 @@ from deltafin.engine.loader import resolve_model_path
 from deltafin.engine.tokenizer_only import load_tokenizer_only
 from deltafin.engine.upstream.llama_server import added_tokens
 from deltafin.grammar.gbnf import structural_tag_to_gbnf
-from deltafin.grammar.tool_calls import forced_calls
-from deltafin.grammar.tool_calls import formats as f
+from deltafin.markup import formats as f
+from deltafin.markup.selection import forced_calls
 from tests.conftest import compose_config
-from tests.grammar.test_gbnf_families import SYNTAXES, special_tokens
-from tests.grammar.test_tool_calls import parse, tools_for_parser
 from tests.grammar.tools import NAMED, TIME, WEATHER
+from tests.markup.test_gbnf_families import SYNTAXES, special_tokens
+from tests.markup.test_tool_calls import parse, tools_for_parser
 from tests.llama_server import llama_server_binary, start_llama_server
 
 pytestmark = pytest.mark.e2e

@@ -1,4 +1,4 @@
-"""A structural tag (Deltafin's format vocabulary, `deltafin.grammar.tool_calls.formats`) as a GBNF grammar.
+"""A structural tag (Deltafin's format vocabulary, `deltafin.markup.formats`) as a GBNF grammar.
 
 The same document goes to xgrammar on the local engine and to vLLM / SGLang as is; llama-server reads GBNF,
 so each format becomes rules here. `any_text` inside a `tag` runs up to the tag's end (the end string is one

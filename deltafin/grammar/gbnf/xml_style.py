@@ -1,46 +1,34 @@
 """The XML styles of a structural tag's `json_schema` format: an object's properties written one per element.
+Each style belongs to a markup (its `gbnf_style`, deltafin.markup), e.g.
 
-    glm_xml:      <arg_key>KEY</arg_key><arg_value>VALUE</arg_value>
-    kimi_k3_xml:  <|open|>argument key="KEY" type="TYPE"<|sep|>VALUE<|close|>argument<|sep|>
+    glm_xml:      <arg_key>KEY</arg_key><arg_value>VALUE</arg_value>                         (deltafin.markup.glm)
+    kimi_k3_xml:  <|open|>argument key="KEY" type="TYPE"<|sep|>VALUE<|close|>argument<|sep|>  (deltafin.markup.xtml)
 
 As xgrammar's styles: whitespace (bounded) before each element, after the last and between GLM's key and value
 elements; a string value (string type, or an enum / const of strings) is raw text up to the element's end (no
 padding), any other value is JSON under its schema with whitespace around it, and a value whose schema says
-nothing is either; K3 names `integer` values `number`. Declared properties come in order,
-required ones always; undeclared keys (`[a-zA-Z_][a-zA-Z0-9_]*`) only where additionalProperties allows.
+nothing is either; a typed style names the type as its markup does (K3: `integer` values are `number`).
+Declared properties come in order, required ones always; undeclared keys (`[a-zA-Z_][a-zA-Z0-9_]*`) only where
+additionalProperties allows. These styles are for a structural tag that names one: Deltafin's own grammars lay
+arguments out themselves (deltafin.markup.xml_args), without the padding.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from typing import Any, Mapping
 
 from deltafin.grammar.gbnf.excluding import excluding
 from deltafin.grammar.gbnf.json_schema import JsonGrammar
 from deltafin.grammar.gbnf.regex import regex_expr
 from deltafin.grammar.gbnf.rules import Rules, literal
+from deltafin.markup import MARKUPS, XmlArgumentStyle
 
 _XML_KEY = "[a-zA-Z_] [a-zA-Z0-9_]*"
 #: keywords that make a schema more than "anything" (without them a value is xgrammar's `xml_any`)
 _CONSTRAINING = ("type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref", "properties", "items", "pattern")
-_K3_TYPES = {"string": "string", "integer": "number", "number": "number", "boolean": "boolean", "object": "object",
-             "array": "array", "null": "null"}
-
-
-@dataclass(frozen=True)
-class _Style:
-    key_open: str
-    key_close: str
-    value_open: str
-    value_close: str
-    typed: bool  # K3 writes the value's type between key and value
-
-
-STYLES = {
-    "glm_xml": _Style("<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", typed=False),
-    "kimi_k3_xml": _Style('<|open|>argument key="', '" type="', '"<|sep|>', "<|close|>argument<|sep|>", typed=True),
-}
+#: style name -> the markup's style
+STYLES = {m.gbnf_style.name: m.gbnf_style for m in MARKUPS.values() if m.gbnf_style is not None}
 
 
 def xml_arguments(rules: Rules, json_grammar: JsonGrammar, schema: Mapping[str, Any] | bool, style: str) -> str:
@@ -54,7 +42,7 @@ def xml_arguments(rules: Rules, json_grammar: JsonGrammar, schema: Mapping[str, 
 
 
 class _Writer:
-    def __init__(self, rules: Rules, json_grammar: JsonGrammar, style: _Style) -> None:
+    def __init__(self, rules: Rules, json_grammar: JsonGrammar, style: XmlArgumentStyle) -> None:
         self.rules, self.json, self.style = rules, json_grammar, style
 
     def arguments(self, schema: Mapping[str, Any]) -> str:
@@ -74,16 +62,17 @@ class _Writer:
         s, ws = self.style, self.json.ws
         head = f"{ws} {self.rules.text(s.key_open)} {key} {self.rules.text(s.key_close)}"
         opened = self.rules.text(s.value_open)
-        if not s.typed:
+        if s.type_names is None:
             return self.rules.add("xml-element", f"{head} {ws} {opened} {self.value(schema)}")
         return self.rules.add("xml-element", f"{head} {self.type_name(schema)} {opened} {self.value(schema)}")
 
     def type_name(self, schema: Mapping[str, Any]) -> str:
+        names = self.style.type_names or {}
         if _is_string(schema):
-            return '"string"'
-        if schema.get("type") in _K3_TYPES:
-            return json.dumps(_K3_TYPES[schema["type"]])
-        return "(" + " | ".join(json.dumps(t) for t in dict.fromkeys(_K3_TYPES.values())) + ")"
+            return json.dumps(names["string"])
+        if schema.get("type") in names:
+            return json.dumps(names[schema["type"]])
+        return "(" + " | ".join(json.dumps(t) for t in dict.fromkeys(names.values())) + ")"
 
     def value(self, schema: Mapping[str, Any]) -> str:
         """The value and the element's end: raw text for a string, JSON (padded) for anything else, and for a

@@ -5,9 +5,9 @@ import json
 import pytest
 
 from deltafin.families import build_output_parser
-from deltafin.prompt.parsers.base import split_at_marker
-from deltafin.prompt.parsers.kimi_k2 import name_from_id
-from tests.prompt.parsing import (
+from deltafin.markup.kimi_k2 import name_from_id
+from deltafin.markup.parsing import split_at_marker
+from tests.markup.parsing import (
     K3_RESPONSE, K3_THINK, WEATHER, assert_every_split_matches, collect, make, parse_whole,
 )
 

@@ -2,7 +2,7 @@
 
 import pytest
 
-from tests.prompt.parsing import (
+from tests.markup.parsing import (
     K3_RESPONSE, K3_THINK, WEATHER, assert_every_split_matches, calls_of, tool,
 )
 

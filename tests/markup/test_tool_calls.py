@@ -12,7 +12,11 @@ import xgrammar as xgr
 from deltafin.engine.loader import load_model
 from deltafin.grammar.compiled import logits_width
 from deltafin.grammar.constraints import grammar_of, structural_tag
-from deltafin.grammar.tool_calls import forced_calls, glm_structure, hermes_structure, kimi_k2_structure, xtml_structure
+from deltafin.markup.glm import GLM45, GLM47
+from deltafin.markup.hermes import HERMES
+from deltafin.markup.kimi_k2 import KIMI_K2
+from deltafin.markup.selection import forced_calls
+from deltafin.markup.xtml import XTML
 from deltafin.families import build_output_parser, get_family
 from deltafin.prompt import build_chat_format
 from deltafin.protocol.chat import ChatMessage, ToolDefinition
@@ -23,29 +27,29 @@ from tests.grammar.tools import NAMED, TIME, WEATHER
 #: family -> (structure builder taking (forced, reasoning), the call in the family's wire form)
 SYNTAXES = {
     "kimi_k3": (
-        lambda forced, reasoning: xtml_structure(forced, reasoning=reasoning),
+        XTML.calls,
         '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
         '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
         '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>'
         "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|>",
     ),
     "kimi_k2": (
-        lambda forced, reasoning: kimi_k2_structure(forced, reasoning=reasoning),
+        KIMI_K2.calls,
         '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
         '{"city": "Paris", "days": 3}<|tool_call_end|><|tool_calls_section_end|>',
     ),
     "glm45": (
-        lambda forced, reasoning: glm_structure(forced, reasoning=reasoning, newline_after_name=True),
+        GLM45.calls,
         "<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n"
         "<arg_key>days</arg_key>\n<arg_value>3</arg_value>\n</tool_call>",
     ),
     "glm47": (
-        lambda forced, reasoning: glm_structure(forced, reasoning=reasoning, newline_after_name=False),
+        GLM47.calls,
         "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value>"
         "<arg_key>days</arg_key><arg_value>3</arg_value></tool_call>",
     ),
     "qwen3": (
-        lambda forced, reasoning: hermes_structure(forced, reasoning=reasoning),
+        HERMES.calls,
         '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>',
     ),
 }
@@ -122,6 +126,17 @@ class TestWireForm:
         parsed = parse(family, text, prompt, tools_for_parser([WEATHER]))
         assert [c["name"] for c in parsed["calls"]] == ["get_weather"]
 
+    def test_the_family_markup_writes_this_wire_form(self, family):
+        """The writer the registry-derived tests (tests/markup/test_markups.py) take their cases from, pinned
+        to the literal wire forms above, with the prompt's channel closed and after reasoning."""
+        model = tiny_config(family, "unused").model
+        markup = get_family(model.family).markup(model.variant)
+        call, forced, wire = ("get_weather", {"city": "Paris", "days": 3}), forced_calls([WEATHER, TIME], NAMED), SYNTAXES[family][1]
+        assert markup.write([call], forced=forced) == CLOSE_OPEN_CHANNEL.get(family, "") + wire
+        thought = "Let me think: weather.\n"
+        after = END_OF_THINKING.get(family, "</think>") + ("" if family == "kimi_k3" else "\n")
+        assert markup.write([call], reasoning="enabled", thought=thought, forced=forced) == thought + after + wire
+
 
 @pytest.fixture(scope="module")
 def tiny_loaded():
@@ -165,13 +180,13 @@ class TestHermesReasoningAndSeveralCalls:
     WIRE = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
 
     def test_reasoning_block_then_call_and_no_other_name(self, tokenizers):
-        structure = hermes_structure(forced_calls([WEATHER, TIME], NAMED), reasoning="auto")
+        structure = HERMES.calls(forced_calls([WEATHER, TIME], NAMED), "auto")
         m = matcher("glm47", structure, tokenizers["glm47"])
         assert m.accept_string("<think>\nhmm\n</think>\n\n" + self.WIRE) and m.is_completed()
         m = matcher("glm47", structure, tokenizers["glm47"])
         assert not m.accept_string(self.WIRE.replace("get_weather", "get_time"))
 
     def test_required_allows_several_calls(self, tokenizers):
-        m = matcher("glm47", hermes_structure(forced_calls([WEATHER, TIME], "required"), reasoning="disabled"), tokenizers["glm47"])
+        m = matcher("glm47", HERMES.calls(forced_calls([WEATHER, TIME], "required"), "disabled"), tokenizers["glm47"])
         second = '<tool_call>\n{"name": "get_time", "arguments": {"zone": "UTC"}}\n</tool_call>'
         assert m.accept_string(self.WIRE + "\n" + second) and m.is_completed()

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deltafin.grammar.constraints import MAX_WHITESPACE
+from deltafin.protocol.sampling import MAX_WHITESPACE
 
 Format = dict[str, Any]
 

@@ -1,4 +1,4 @@
-"""Kimi K2 tool calls:
+"""Kimi K2 / K2.5 / K2.6 tool calls, after a `<think>` block:
 
     <|tool_calls_section_begin|><|tool_call_begin|>functions.NAME:IDX<|tool_call_argument_begin|>{JSON}<|tool_call_end|>...<|tool_calls_section_end|>
 
@@ -9,15 +9,24 @@ or the one declared tool whose parameters hold every argument, else the call is 
 invented), and the placeholder content `(no content)` written before a tool section (dropped: the message
 has no content). Section and argument markers outside a section are control tokens, never content.
 Arguments stream as the model writes them.
+
+Forced, a section holds the calls with nothing before it: the same strings as xgrammar's builtin "kimi" tag,
+but IDX is bounded to 4 digits (an unbounded `\\d+` lets a weak model write digits forever).
 """
 
 from __future__ import annotations
 
 import json
 import re
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
-from deltafin.prompt.parsers.base import IdFactory, ParsedDelta, ToolCallDelta, random_call_id, released_at_finish, split_at_marker
+from deltafin.markup.base import Call, register
+from deltafin.markup.formats import Format, arguments, const, regex, sequence, tag
+from deltafin.markup.formats import calls as one_or_more
+from deltafin.markup.parsing import IdFactory, ParsedDelta, ToolCallDelta, random_call_id, released_at_finish, split_at_marker
+from deltafin.markup.selection import ForcedCalls
+from deltafin.markup.think import END, START, ThinkMarkup
+from deltafin.markup.values import tool_properties
 
 SECTION_BEGIN = ("<|tool_calls_section_begin|>", "<|tool_call_section_begin|>")
 SECTION_END = ("<|tool_calls_section_end|>", "<|tool_call_section_end|>")
@@ -176,3 +185,33 @@ class KimiK2ToolParser:
             self._args += held
             self._end_inferred(out)
         return out
+
+
+class KimiK2(ThinkMarkup):
+    name = "kimi_k2"
+    markers = (START, END, *SECTION_BEGIN, *SECTION_END, CALL_BEGIN, ARGS_BEGIN, CALL_END)
+    # A tool section opened inside reasoning ends it (seen in the wild without </think>).
+    call_openers = (*SECTION_BEGIN, CALL_BEGIN)
+    reasoning_excludes = (START, END, SECTION_BEGIN[0])
+
+    def tool_parser(self, tools: Sequence[Any], new_id: IdFactory) -> KimiK2ToolParser:
+        return KimiK2ToolParser(tool_properties(tools), new_id)
+
+    def call_formats(self, forced: ForcedCalls) -> list[Format]:
+        tags = [
+            tag(
+                f"{CALL_BEGIN}functions.{f.name}:",
+                sequence(regex(r"[0-9]{1,4}"), const(ARGS_BEGIN), arguments(dict(f.schema))),
+                CALL_END,
+            )
+            for f in forced.functions
+        ]
+        return [const(SECTION_BEGIN[0]), one_or_more(tags, "", single=forced.single), const(SECTION_END[0])]
+
+    def write_calls(self, calls: Sequence[Call]) -> str:
+        body = "".join(f"{CALL_BEGIN}functions.{name}:{index}{ARGS_BEGIN}{json.dumps(dict(args))}{CALL_END}"
+                       for index, (name, args) in enumerate(calls))
+        return f"{SECTION_BEGIN[0]}{body}{SECTION_END[0]}"
+
+
+KIMI_K2 = register(KimiK2())

@@ -1,4 +1,4 @@
-"""Argument values shared by the formats that write raw (not JSON-quoted) values: GLM and Kimi K3.
+"""Argument values shared by the markups that write raw (not JSON-quoted) values: GLM and Kimi K3 XTML.
 
 Which JSON-schema types a declared argument allows, how a raw value becomes a JSON value, and how text is
 streamed as the inside of a JSON string.

@@ -3,14 +3,14 @@
 xgrammar's XML styles (`glm_xml`, `kimi_k3_xml`) allow whitespace around every value; our parsers keep string
 values raw (whitespace is data, never stripped), so a padded value would reach the client. The properties are
 therefore laid out here: declared properties in schema order (required ones always, optional ones maybe),
-string values as raw text without the family's markers, other values as JSON under their own schema.
+string values as raw text without the markup's markers, other values as JSON under their own schema.
 """
 
 from __future__ import annotations
 
 from typing import Any, Callable, Mapping
 
-from deltafin.grammar.tool_calls.formats import Format, arguments, const, one_of, optional, regex, sequence, star
+from deltafin.markup.formats import Format, arguments, const, one_of, optional, regex, sequence, star
 
 #: (key, property schema) -> the format of one argument
 ArgumentFormat = Callable[[str, Mapping[str, Any]], Format]

@@ -1,17 +1,13 @@
 """The family registry: one registered unit per family, and the one place every config name comes from."""
 
-import ast
-from pathlib import Path
-
 import pytest
 
 from deltafin.config import CONF_DIR, ConfigError
 from deltafin.families import FAMILIES, KNOWN_FAMILIES, ModelFamily, build_output_parser, check_family, get_family, register
-from deltafin.prompt.parsers import PlainOutputParser
+from deltafin.markup import PlainOutputParser
 from tests.conftest import compose_config
 
 MODEL_CONFIGS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
-PARSERS = Path(__file__).resolve().parents[2] / "deltafin" / "prompt" / "parsers"
 
 
 def test_known_families_are_the_registry():
@@ -80,12 +76,3 @@ class TestRegistry:
         assert family.tool_call_structure(variant, tools, "auto", prompt_text="") is None
         forced = family.tool_call_structure(variant, tools, "required", prompt_text="")
         assert (forced is not None) == family.parses_tool_calls(variant)
-
-
-@pytest.mark.parametrize("module", sorted(p.name for p in PARSERS.glob("*.py")))
-def test_parser_modules_import_no_other_format(module):
-    """A format's parser imports only shared pieces (base, values, chain), never another format's module."""
-    shared = {"deltafin.prompt.parsers.base", "deltafin.prompt.parsers.values", "deltafin.prompt.parsers.chain"}
-    tree = ast.parse((PARSERS / module).read_text())
-    imported = {node.module for node in ast.walk(tree) if isinstance(node, ast.ImportFrom) and node.module}
-    assert {m for m in imported if m.startswith("deltafin.")} <= shared

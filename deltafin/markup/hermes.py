@@ -1,4 +1,4 @@
-"""Hermes-style tool calls (Qwen2.5, Qwen3): a JSON object per call between tags.
+"""Hermes-style tool calls (Qwen2.5, Qwen3): a JSON object per call between tags, after a `<think>` block.
 
     <tool_call>
     {"name": "get_weather", "arguments": {"city": "Paris"}}
@@ -9,14 +9,23 @@ The call is reported once its name is read; its `arguments` object then streams 
 "arguments": ...` is read as a whole at `</tool_call>`; one that is not a JSON object with a name stays
 content (the model's output is kept). A call without a name is dropped; a call cut by max_tokens keeps the
 arguments it had. Text between and around calls is content.
+
+Forced, calls are written `<tool_call>\\n{"name": "NAME", "arguments": {JSON}}\\n</tool_call>`, joined by a
+newline: the same strings as xgrammar's builtin "qwen_3" tag; ours lets no text stand before a required call.
 """
 
 from __future__ import annotations
 
 import json
 import re
+from typing import Any, Sequence
 
-from deltafin.prompt.parsers.base import IdFactory, ParsedDelta, ToolCallDelta, random_call_id, released_at_finish, split_at_marker
+from deltafin.markup.base import Call, register
+from deltafin.markup.formats import Format, arguments, tag
+from deltafin.markup.formats import calls as one_or_more
+from deltafin.markup.parsing import IdFactory, ParsedDelta, ToolCallDelta, random_call_id, released_at_finish, split_at_marker
+from deltafin.markup.selection import ForcedCalls
+from deltafin.markup.think import END, START, ThinkMarkup
 
 CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
 # The head of a call, up to the first non-space character of its arguments (so the match never depends on
@@ -111,3 +120,29 @@ class HermesToolParser:
             self._arguments(tail + released_at_finish(partial, (CALL_END,), finish_reason), out)
         self._held = ""
         return out
+
+
+class Hermes(ThinkMarkup):
+    name = "hermes"
+    markers = (START, END, CALL_BEGIN, CALL_END)
+    call_openers = (CALL_BEGIN,)
+    reasoning_excludes = (START, END, CALL_BEGIN)
+
+    def tool_parser(self, tools: Sequence[Any], new_id: IdFactory) -> HermesToolParser:
+        return HermesToolParser(new_id)
+
+    def call_formats(self, forced: ForcedCalls) -> list[Format]:
+        tags = [
+            tag(f'{CALL_BEGIN}\n{{"name": {json.dumps(f.name)}, "arguments": ', arguments(dict(f.schema)), f"}}\n{CALL_END}")
+            for f in forced.functions
+        ]
+        return [one_or_more(tags, "\n", single=forced.single)]
+
+    def write_calls(self, calls: Sequence[Call]) -> str:
+        return "\n".join(
+            f'{CALL_BEGIN}\n{{"name": {json.dumps(name)}, "arguments": {json.dumps(dict(args))}}}\n{CALL_END}'
+            for name, args in calls
+        )
+
+
+HERMES = register(Hermes())

@@ -3,10 +3,10 @@
 import json
 
 from deltafin.families import build_output_parser
+from tests.conftest import TINY_SPECS
 
-#: the parser dialects under test -> (model.family, model.variant)
-DIALECTS = {"kimi_k3": ("kimi_k3", None), "kimi_k2": ("kimi_k2", None), "glm45": ("glm", "glm45"),
-            "glm47": ("glm", "glm47"), "qwen3": ("qwen3", None)}
+#: the parser dialects under test (the tiny models' names) -> (model.family, model.variant)
+DIALECTS = TINY_SPECS
 
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
     "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},

@@ -1,5 +1,14 @@
-"""Tool calls read back from the JSON that deltafin.grammar.forced_json forces on families without a tool-call
-syntax: either one call's bare arguments (`name` given), or an array of `{"name": ..., "arguments": {...}}`.
+"""Forced tool calls for families without a tool-call markup (the default model, `generic`): plain JSON, as vLLM
+forces them on any model.
+
+- One function and one call (a named tool_choice, or "required" with one tool and parallel_tool_calls false):
+  the output is that call's arguments, a JSON object under the function's schema.
+- Otherwise ("required"): a JSON array of `{"name": NAME, "arguments": {...}}` objects, each one of the tools
+  with its own schema, at least one (exactly one with parallel_tool_calls false).
+
+Serving sends `forced_call_schema` as a JSON-schema constraint (every engine, llama-server included, takes one
+natively); `ForcedJson.calls` is the same language as a structural tag. The model is never asked to choose a
+call (`chooses_calls` is false): without a forced tool_choice, tools are refused.
 
 Arguments stream as the model writes them: a call's head (id, name) goes out as soon as its name is complete,
 then every character of its arguments object. The output is grammar-constrained, so the scanner only tracks
@@ -9,8 +18,34 @@ what it needs: strings, nesting depth, and the keys of each call object.
 from __future__ import annotations
 
 import json
+from typing import Any, Sequence
 
-from deltafin.prompt.parsers.base import IdFactory, ParsedDelta, ToolCallDelta
+from deltafin.markup.base import Call, Markup, register
+from deltafin.markup.formats import arguments, structural_tag
+from deltafin.markup.parsing import IdFactory, OutputParser, ParsedDelta, ToolCallDelta
+from deltafin.markup.selection import ForcedCalls
+
+
+def arguments_only(forced: ForcedCalls) -> str | None:
+    """The function whose bare arguments the output is, or None when the output is an array of calls."""
+    if forced.single and len(forced.functions) == 1:
+        return forced.functions[0].name
+    return None
+
+
+def forced_call_schema(forced: ForcedCalls) -> dict[str, Any]:
+    """The JSON schema the output is generated under."""
+    if arguments_only(forced) is not None:
+        return dict(forced.functions[0].schema)
+    calls = [
+        {"type": "object", "properties": {"name": {"const": f.name}, "arguments": dict(f.schema)},
+         "required": ["name", "arguments"], "additionalProperties": False}
+        for f in forced.functions
+    ]
+    schema: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
+    if forced.single:
+        schema["maxItems"] = 1
+    return schema
 
 
 class ForcedJsonCallParser:
@@ -115,3 +150,26 @@ class ForcedJsonCallParser:
         elif self._key == "name":
             self._call_name = value
             self._head(out, fragment)
+
+
+class ForcedJson(Markup):
+    name = "forced_json"
+    chooses_calls = False
+
+    def output_parser(self, *, prompt_text: str, tools: Sequence[Any], calls_allowed: bool, new_id: IdFactory,
+                      forced: ForcedCalls | None = None) -> OutputParser:
+        if forced is None:
+            raise ValueError("forced JSON calls are read only where a constraint forced them")
+        return ForcedJsonCallParser(new_id, name=arguments_only(forced))
+
+    def calls(self, forced: ForcedCalls, reasoning: str) -> dict[str, Any]:
+        return structural_tag(arguments(forced_call_schema(forced)))
+
+    def write(self, calls: Sequence[Call], *, reasoning: str = "disabled", thought: str = "",
+              forced: ForcedCalls | None = None) -> str:
+        if forced is not None and arguments_only(forced) is not None:
+            return json.dumps(dict(calls[0][1]))
+        return json.dumps([{"name": name, "arguments": dict(args)} for name, args in calls])
+
+
+FORCED_JSON = register(ForcedJson())

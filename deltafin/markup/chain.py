@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Callable
 
-from deltafin.prompt.parsers.base import OutputParser, ParsedDelta
+from deltafin.markup.parsing import OutputParser, ParsedDelta
 
 
 class ChainedParser:

@@ -1,5 +1,6 @@
-"""GLM tool calls. GLM-4.5/4.6 put a newline after the name; GLM-4.7/5 do not, allow zero-argument calls
-(`<tool_call>now</tool_call>`) and text between and after calls:
+"""GLM tool calls, after a `<think>` block. Two variants, two markups: GLM-4.5/4.6 (`glm45`) put a newline
+after the name; GLM-4.7/5 (`glm47`) do not, allow zero-argument calls (`<tool_call>now</tool_call>`) and text
+between and after calls:
 
     <tool_call>get_weather
     <arg_key>city</arg_key>
@@ -11,14 +12,26 @@ allows a string keeps the raw text): strings stay raw (whitespace kept, never st
 decoded as JSON. Names and keys are stripped; a call whose name is empty is dropped (no call without a
 name). Arguments stream as OpenAI JSON fragments: string values character by character, other values when
 complete; a call cut by max_tokens keeps the arguments it had.
+
+Forced, the calls follow the reasoning with nothing before them; string values are raw text without the
+markup's markers, other values JSON under their schema (laid out by deltafin.markup.xml_args). xgrammar's
+builtin "glm_4_7" tag is not used: it has no GLM-4.5 form, its `glm_xml` style pads values with whitespace
+(which the parser keeps, as GLM values must be kept), and it lets text stand before a required call.
 """
 
 from __future__ import annotations
 
 import json
+from typing import Any, Mapping, Sequence
 
-from deltafin.prompt.parsers.base import IdFactory, ParsedDelta, ToolCallDelta, random_call_id, released_at_finish, split_at_marker
-from deltafin.prompt.parsers.values import json_fragment, typed_value
+from deltafin.markup.base import Call, XmlArgumentStyle, register
+from deltafin.markup.formats import Format, const, sequence, tag
+from deltafin.markup.formats import calls as one_or_more
+from deltafin.markup.parsing import IdFactory, ParsedDelta, ToolCallDelta, random_call_id, released_at_finish, split_at_marker
+from deltafin.markup.selection import ForcedCalls
+from deltafin.markup.think import END, START, ThinkMarkup
+from deltafin.markup.values import json_fragment, schema_types, typed_value
+from deltafin.markup.xml_args import any_key, json_value, per_property, raw_text
 
 CALL_BEGIN, CALL_END = "<tool_call>", "</tool_call>"
 KEY_BEGIN, KEY_END = "<arg_key>", "</arg_key>"
@@ -146,3 +159,50 @@ class GlmToolParser:
             partial = json_fragment(held) if self._kind() == "string" else self._value + held
             return ParsedDelta(tool_calls=[ToolCallDelta(self._index, arguments=partial)] if partial else [])
         return ParsedDelta()  # cut between the parts of a call: its arguments stay as streamed so far
+
+
+class Glm(ThinkMarkup):
+    markers = (START, END, *ALL_MARKERS)
+    call_openers = (CALL_BEGIN,)
+    reasoning_excludes = answer_excludes = markers
+    gbnf_style = XmlArgumentStyle("glm_xml", KEY_BEGIN, KEY_END, VALUE_BEGIN, VALUE_END)
+
+    def __init__(self, name: str, *, newline_after_name: bool) -> None:
+        self.name = name
+        self.newline_after_name = newline_after_name
+        self._newline = "\n" if newline_after_name else ""
+
+    def tool_parser(self, tools: Sequence[Any], new_id: IdFactory) -> GlmToolParser:
+        return GlmToolParser(newline_after_name=self.newline_after_name, types=schema_types(tools), new_id=new_id)
+
+    def _value(self, schema: Mapping[str, Any]) -> Format:
+        return raw_text(schema, self.markers) if schema.get("type") in ("string", None) else json_value(schema)
+
+    def _argument(self, key: str, schema: Mapping[str, Any]) -> Format:
+        nl = self._newline
+        return sequence(const(f"{KEY_BEGIN}{key}{KEY_END}{nl}"), tag(VALUE_BEGIN, self._value(schema), f"{VALUE_END}{nl}"))
+
+    def call_formats(self, forced: ForcedCalls) -> list[Format]:
+        nl = self._newline
+        any_argument = sequence(const(KEY_BEGIN), any_key(), const(f"{KEY_END}{nl}"),
+                                tag(VALUE_BEGIN, raw_text({}, self.markers), f"{VALUE_END}{nl}"))
+        tags = [tag(f"{CALL_BEGIN}{f.name}{nl}", per_property(f.schema, self._argument, any_argument), CALL_END)
+                for f in forced.functions]
+        return [one_or_more(tags, nl, single=forced.single)]
+
+    def write_calls(self, calls: Sequence[Call]) -> str:
+        nl = self._newline
+
+        def value(v: Any) -> str:
+            return v if isinstance(v, str) else json.dumps(v, ensure_ascii=False)
+
+        return nl.join(
+            f"{CALL_BEGIN}{name}{nl}"
+            + "".join(f"{KEY_BEGIN}{k}{KEY_END}{nl}{VALUE_BEGIN}{value(v)}{VALUE_END}{nl}" for k, v in args.items())
+            + CALL_END
+            for name, args in calls
+        )
+
+
+GLM45 = register(Glm("glm45", newline_after_name=True))
+GLM47 = register(Glm("glm47", newline_after_name=False))

@@ -5,7 +5,7 @@ the case says so and asserts Deltafin's choice (docs/families.md)."""
 
 import pytest
 
-from tests.prompt.parsing import K3_MESSAGE, K3_THINK, assert_every_split_matches, calls_of, tool
+from tests.markup.parsing import K3_MESSAGE, K3_THINK, assert_every_split_matches, calls_of, tool
 
 SB, SE = "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>"
 TB, TE, AB = "<|tool_call_begin|>", "<|tool_call_end|>", "<|tool_call_argument_begin|>"

@@ -11,7 +11,11 @@ import json
 import pytest
 
 from deltafin.grammar.gbnf import structural_tag_to_gbnf
-from deltafin.grammar.tool_calls import GLM45, GLM47, HERMES, KIMI_K2, XTML, forced_calls
+from deltafin.markup.glm import GLM45, GLM47
+from deltafin.markup.hermes import HERMES
+from deltafin.markup.kimi_k2 import KIMI_K2
+from deltafin.markup.selection import forced_calls
+from deltafin.markup.xtml import XTML
 from tests.grammar.gbnf_oracle import gbnf_recognizer, tag_recognizer
 from tests.grammar.tools import NAMED, TIME, WEATHER
 
