@@ -8,7 +8,7 @@ import hydra
 from omegaconf import DictConfig
 
 from deltafin.config import CONF_DIR, ConfigError, validate_config
-from deltafin.engine.loader import ModelLoadError, resolve_model_path
+from deltafin.engine.loader import ModelLoadError, check_expert_pool, resolve_model_path
 from deltafin.families import check_family
 from deltafin.rules import build_pipeline
 
@@ -21,6 +21,7 @@ def main(raw: DictConfig) -> None:
         build_pipeline(config.compat.rules, config.model.family)
         check_family(config.model.family, config.model.variant)
         resolve_model_path(config.model.path)
+        check_expert_pool(config.model, config.placement, max_batch=config.engine.max_batch)
     except (ConfigError, ModelLoadError) as exc:
         print(f"deltafin: config error: {exc}", file=sys.stderr)
         sys.exit(2)

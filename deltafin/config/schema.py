@@ -36,6 +36,16 @@ class ModelConfig:
 
 
 @dataclass
+class ExpertsConfig:
+    """The expert pool (deltafin/engine/experts): routed experts of a MoE read from the checkpoint on demand."""
+
+    pool_mb: int = 0  # MiB of expert slots; 0 = every expert resident (loaded whole, no pool)
+    policy: str = "lru"  # which expert leaves a full pool: lru | lfru (frequency-weighted recency)
+    prefetch: bool = True  # read the next layer's predicted experts while this layer computes
+    readers: int = 4  # threads reading experts from the checkpoint (parallel reads keep a fast disk busy)
+
+
+@dataclass
 class PlacementConfig:
     device: str = "cpu"
     dtype: str = "float32"
@@ -45,6 +55,7 @@ class PlacementConfig:
     num_threads: Optional[int] = None
     compile: bool = False
     quantize: str = "none"
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig)
 
 
 @dataclass

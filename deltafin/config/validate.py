@@ -40,12 +40,16 @@ _RANGES: dict[str, tuple[float, float]] = {
     "engine.read_timeout_s": (0.001, 86400),
     "engine.retry_after_s": (0, 3600),
     "engine.spare_connections": (0, 64),
+    # expert pool (deltafin/engine/experts); whether pool_mb holds a step's experts is checked against the model
+    "placement.experts.pool_mb": (0, 1 << 30),
+    "placement.experts.readers": (1, 64),
 }
 _CHOICES: dict[str, tuple[str, ...]] = {
     "model.chat_format": ("template", "xtml"),
     "model.content_format": ("string", "openai"),
     "server.log_level": ("debug", "info", "warning", "error"),
     "engine.api": ("auto", "generate", "completions"),
+    "placement.experts.policy": ("lru", "lfru"),
 }
 
 
@@ -86,6 +90,7 @@ def validate_config(cfg: DictConfig | dict[str, Any]) -> DeltafinConfig:
         if value not in allowed:
             raise ConfigError(f"{key}: {value!r} is not one of {', '.join(allowed)}")
     _check_engine(merged)
+    _check_expert_pool(merged)
     return merged  # type: ignore[return-value]
 
 
@@ -120,6 +125,16 @@ def _check_engine(merged: Any) -> None:
         url = merged.engine.url
         if not url or not str(url).startswith(("http://", "https://")):
             raise ConfigError(f"engine.url: an upstream engine needs http(s)://HOST:PORT (got {url!r})")
+
+
+def _check_expert_pool(merged: Any) -> None:
+    """The pool replaces accelerate's placement of the experts: the two do not combine."""
+    placement = merged.placement
+    if placement.experts.pool_mb and placement.device_map:
+        raise ConfigError(
+            "placement.experts.pool_mb: the expert pool places the experts itself; it cannot run with "
+            f"placement.device_map={placement.device_map!r} (set one of them)"
+        )
 
 
 def plain_config(config: Any) -> DeltafinConfig:

@@ -23,6 +23,7 @@ from transformers import DynamicCache
 from deltafin.engine.batch import BatchKV
 from deltafin.engine.constraint import ConstraintFactory
 from deltafin.engine.decode import ChoiceDecoder
+from deltafin.engine.experts import PoolStats, charge as charge_experts
 from deltafin.engine.events import GenerationJob, PromptLogprobs
 from deltafin.engine.generator import PREFILL_CHUNK, cache_argument, decode_step_for, prefill
 from deltafin.engine.interface import EngineCapabilities, EngineClient
@@ -75,6 +76,8 @@ class LocalEngine(EngineClient):
             entries=prefix_cache_entries,
         )
         self.device = next(self.model.parameters()).device
+        #: the expert pool (placement.experts.pool_mb), read only for per-request counters and /metrics
+        self.experts = loaded.experts
         self.cache_arg = cache_argument(self.model)
         self.decode = decode_step_for(self.model, compile=loaded.compile)
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -95,6 +98,12 @@ class LocalEngine(EngineClient):
         """Stop the owner thread and wait for it: rows still running are cancelled, queued work ends."""
         self._inbox.put(_STOP)
         await asyncio.to_thread(self._owner.join, 30)
+        if self.experts is not None:
+            self.experts.close()
+
+    def expert_stats(self) -> PoolStats | None:
+        """The expert pool's counters for /metrics (None without a pool)."""
+        return self.experts.stats() if self.experts is not None else None
 
     # The owner thread.
 
@@ -156,15 +165,20 @@ class LocalEngine(EngineClient):
         want_prompt = job.params.prompt_logprobs
         # Prompt logprobs need logits at every prompt position, so nothing may come from the cache.
         cache, cached = self.prefix_cache.take(() if want_prompt is not None else prompt)
+        pool_before = self.experts.counters() if self.experts is not None else None
         logits, entries = prefill(
             self.model, prompt, cache, cached,
             cache_arg=self.cache_arg, chunk=self.prefill_chunk, prompt_logprobs=want_prompt,
         )  # logits: [V]
         prefill_s = time.perf_counter() - started
+        # The expert pool's reads for this prefill, shared by the choices it serves (request log line).
+        pool_spent = self.experts.counters() - pool_before if pool_before is not None else None
         joining: list[Row] = []
         for choice in choices:
             row = self._new_row(sub, choice, cached, started)
             row.timings["prefill_s"] = prefill_s
+            if pool_spent is not None:
+                charge_experts(row.timings, pool_spent, share=len(choices), decode=False)
             if want_prompt is not None:
                 sub.stream.emit(PromptLogprobs(choice, tuple(prompt), tuple(entries)))
             if row.max_new <= 0:
@@ -207,6 +221,7 @@ class LocalEngine(EngineClient):
         for row in rows:
             row.ids.append(row.pending)  # type: ignore[arg-type]
         mask, positions = self._kv.step_inputs()
+        pool_before = self.experts.counters() if self.experts is not None else None
         try:
             logits = self.decode(self.model, tokens, mask, positions, self._kv.cache, cache_arg=self.cache_arg)
             # logits: [B, V]
@@ -218,6 +233,10 @@ class LocalEngine(EngineClient):
                 sub.fail(str(exc))
             return
         self._kv.advanced(mask)
+        if pool_before is not None:  # the step's expert reads, shared by its rows (request log line)
+            pool_spent = self.experts.counters() - pool_before
+            for row in rows:
+                charge_experts(row.timings, pool_spent, share=len(rows), decode=True)
         failed: set[int] = set()
         draws: list[torch.Tensor] = []
         for i, row in enumerate(rows):
