@@ -304,6 +304,28 @@ class TestStartupChecks:
         with pytest.raises(NotPoolable, match="no routed experts"):
             check_pool(dense, placement(), dtype=torch.float32, trust_remote_code=False, max_batch=2)
 
+    @pytest.mark.parametrize("overrides,message", [
+        (["placement.experts.pool_mb=1"], "placement.experts.pool_mb: 1 MiB holds 10 experts of 0.09 MiB; a decode step "
+                                          "of engine.max_batch=8 rows needs up to 16 experts"),
+        (["placement.experts.pool_mb=1", "placement.device_map=auto"], "placement.experts.pool_mb: the expert pool places"),
+        (["placement.experts.pool_mb=-1"], "placement.experts.pool_mb: -1 is outside"),
+        (["placement.experts.policy=fifo"], "placement.experts.policy: 'fifo' is not one of lru, lfru"),
+        (["placement.experts.prefetch=maybe"], "placement.experts.prefetch: "),
+    ])
+    def test_bad_pool_values_stop_the_server_with_one_line(self, moe, overrides, message):
+        import subprocess
+        import sys
+
+        from tests.conftest import REPO
+
+        result = subprocess.run(
+            [sys.executable, "-m", "deltafin", "model=qwen3", f"model.path={moe('qwen3_moe')}", *overrides],
+            cwd=REPO, capture_output=True, text=True, timeout=300,
+        )
+        assert result.returncode == 2
+        assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # one line, no traceback
+        assert result.stderr.startswith(f"deltafin: config error: {message}")
+
     def test_load_model_names_the_key(self, moe):
         cfg = compose_config(["model=qwen3", f"model.path={moe('qwen3_moe')}", "placement.experts.pool_mb=1"])
         with pytest.raises(ModelLoadError, match=r"^placement\.experts\.pool_mb: 1 MiB holds 10 experts"):
