@@ -9,6 +9,13 @@ Each architecture is served under the family whose tokenizer and chat format it 
 checkpoint is written the way the Hub stores these models (one tensor per expert and projection: what
 transformers 5's `save_pretrained` writes back), or with `fused=True` as the fused [E, 2I, H] tensors.
 
+`embedding_std` redraws the token embeddings with that std. At transformers' init (0.02) a random model's
+residual stream is soon dominated by what every position shares (attention averages, expert outputs), so the
+deeper layers route almost every token to the same few experts (measured on bench/experts.py's model: 6 of
+64 experts in layer 8 over 24 tokens); embeddings of std 1 keep each token's own direction dominant and the
+routers then pick nearly uniformly (45-50 distinct experts of 64 per 96 picks in every layer, uniform
+expectation 50): the worst case for a cache of experts, which a benchmark wants.
+
 `stream=True` builds the model on the meta device, materializes only the dense weights (initialized by
 transformers' own `initialize_weights`) and writes each expert's tensors as it draws them (normal, std
 `initializer_range`, as transformers initializes experts), so a checkpoint of many GB is written in the memory
@@ -95,7 +102,8 @@ def build(arch: str, vocab: int, shape: MoeShape) -> Any:
 
 
 def write_moe(arch: str, out: Path, shape: MoeShape = MoeShape(), *, seed: int = 0, stream: bool = False,
-              fused: bool = False, dtype: torch.dtype = torch.float32, shard_bytes: int = 2 << 30) -> Path:
+              fused: bool = False, dtype: torch.dtype = torch.float32, shard_bytes: int = 2 << 30,
+              embedding_std: float | None = None) -> Path:
     """A MoE checkpoint of `arch` in `out`, served as `ARCHITECTURES[arch]`'s family (see the module doc)."""
     from deltafin.tiny.writer import write_tiny_model
 
@@ -106,12 +114,14 @@ def write_moe(arch: str, out: Path, shape: MoeShape = MoeShape(), *, seed: int =
                 return build(arch, vocab, shape)
 
         def save(model: Any, folder: Path) -> None:
-            save_streamed(model, folder, seed=seed, fused=fused, dtype=dtype, shard_bytes=shard_bytes)
+            save_streamed(model, folder, seed=seed, fused=fused, dtype=dtype, shard_bytes=shard_bytes,
+                          embedding_std=embedding_std)
     else:
         def make(vocab: int) -> Any:
             return build(arch, vocab, shape).to(dtype)
 
         def save(model: Any, folder: Path) -> None:
+            _redraw_embeddings(model, embedding_std, seed)
             if fused:  # the model's own names and fused tensors, no reverse conversion
                 from safetensors.torch import save_model
 
@@ -124,9 +134,17 @@ def write_moe(arch: str, out: Path, shape: MoeShape = MoeShape(), *, seed: int =
 
     write_tiny_model(family, out, variant=variant, seed=seed, build=make, save=save)
     meta = json.loads((out / "deltafin_tiny.json").read_text())
-    meta["moe"] = {"arch": arch, **shape.__dict__, "fused": fused, "dtype": str(dtype).removeprefix("torch.")}
+    meta["moe"] = {"arch": arch, **shape.__dict__, "fused": fused, "dtype": str(dtype).removeprefix("torch."),
+                   "embedding_std": embedding_std}
     (out / "deltafin_tiny.json").write_text(json.dumps(meta))
     return out
+
+
+def _redraw_embeddings(model: nn.Module, std: float | None, seed: int) -> None:
+    if std is not None:
+        weight = model.get_input_embeddings().weight
+        with torch.no_grad():
+            weight.copy_(torch.randn(weight.shape, generator=torch.Generator().manual_seed(seed + 2)) * std)
 
 
 def _experts(model: nn.Module) -> dict[str, nn.Module]:
@@ -134,7 +152,7 @@ def _experts(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def save_streamed(model: nn.Module, folder: Path, *, seed: int, fused: bool, dtype: torch.dtype,
-                  shard_bytes: int) -> None:
+                  shard_bytes: int, embedding_std: float | None = None) -> None:
     """Write `model` (built on the meta device) as safetensors shards, drawing each expert as it is written."""
     from transformers.core_model_loading import revert_weight_conversion
 
@@ -146,6 +164,7 @@ def save_streamed(model: nn.Module, folder: Path, *, seed: int, fused: bool, dty
     model.to_empty(device="cpu")
     torch.manual_seed(seed)
     model.initialize_weights()
+    _redraw_embeddings(model, embedding_std, seed)
     model.to(dtype)
     dense = {k: v for k, v in model.state_dict().items() if k not in expert_shapes}
     std = float(getattr(model.config, "initializer_range", 0.02))
@@ -220,10 +239,11 @@ def main() -> None:
     parser.add_argument("--stream", action="store_true", help="write experts as drawn (checkpoints of many GB)")
     parser.add_argument("--fused", action="store_true", help="fused [E, 2I, H] expert tensors, not one per expert")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
+    parser.add_argument("--embedding-std", type=float, default=None, help="redraw token embeddings (1.0: routing near uniform)")
     args = parser.parse_args()
     shape = MoeShape(**{field: getattr(args, field) for field in MoeShape().__dict__})
     write_moe(args.arch, args.out, shape, seed=args.seed, stream=args.stream, fused=args.fused,
-              dtype=getattr(torch, args.dtype))
+              dtype=getattr(torch, args.dtype), embedding_std=args.embedding_std)
     print(f"wrote a {args.arch} MoE ({shape}) to {args.out}")
 
 
