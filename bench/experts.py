@@ -37,6 +37,7 @@ import contextlib
 import fcntl
 import json
 import os
+import resource
 import shutil
 import subprocess
 import sys
@@ -149,11 +150,11 @@ def child(spec: dict) -> dict:
             if isinstance(event, TextDelta) and event.token_ids:
                 count += len(event.token_ids)
                 if first is None:
-                    first, first_stats = time.perf_counter(), pool.stats() if pool else None
+                    first, first_stats, first_cpu = time.perf_counter(), pool.stats() if pool else None, _cpu()
             elif isinstance(event, Finished):
-                end, end_stats = time.perf_counter(), pool.stats() if pool else None
+                end, end_stats, end_cpu = time.perf_counter(), pool.stats() if pool else None, _cpu()
                 timings = event.timings
-        result = {"tokens": count, "decode_s": end - first}
+        result = {"tokens": count, "decode_s": end - first, "cpu_s": end_cpu - first_cpu}
         if pool:
             result.update(hits=end_stats.hits - first_stats.hits, misses=end_stats.misses - first_stats.misses,
                           decode_bytes=timings.get("expert_decode_bytes", 0.0),
@@ -171,7 +172,9 @@ def child(spec: dict) -> dict:
     asyncio.run(front.aclose())
     steps = sum(r["tokens"] - 1 for r in runs)
     decode_s = sum(r["decode_s"] for r in runs)
-    out = {"name": spec["name"], "load_s": load_s, "tokens_per_s": steps / decode_s, "status": _status()}
+    out = {"name": spec["name"], "load_s": load_s, "tokens_per_s": steps / decode_s, "status": _status(),
+           # CPU time of the whole process (engine and reader threads) per token: less bent by a busy machine
+           "cpu_s_per_token": sum(r["cpu_s"] for r in runs) / steps}
     if pool:
         lookups = sum(r["hits"] + r["misses"] for r in runs)
         stats = pool.stats()
@@ -184,6 +187,11 @@ def child(spec: dict) -> dict:
             experts=len(pool.index.layers) * pool.index.experts, experts_bytes=pool.index.total_bytes,
         )
     return out
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
 
 
 def _status() -> dict[str, int]:
@@ -334,7 +342,11 @@ def main() -> None:
     parser.add_argument("--only", nargs="+", default=["bandwidth", "pool", "resident", "accelerate", "llama", "capped"])
     parser.add_argument("--out", type=Path, default=WORK / "results.json")
     parser.add_argument("--cleanup", action="store_true")
+    parser.add_argument("--report", action="store_true", help="print the table of the results file and stop")
     args = parser.parse_args()
+    if args.report:
+        report(json.loads(args.out.read_text()))
+        return
     if args.child:
         print(json.dumps(child(json.loads(args.child))))
         return
@@ -372,9 +384,9 @@ def main() -> None:
     if "capped" in args.only:
         cap = MemoryCap(int(args.cap_gib * (1 << 30)))
         try:
-            for fraction in (1 / 8, 1 / 4):
-                keep(run_child(pool_spec(fraction, prefetch=True, tokens=t, reps=r,
-                                         name=f"capped pool 1/{round(1 / fraction)} prefetch"), cap))
+            for fraction, prefetch in ((1 / 8, True), (1 / 8, False), (1 / 4, True)):
+                keep(run_child(pool_spec(fraction, prefetch=prefetch, tokens=t, reps=r,
+                                         name=f"capped pool 1/{round(1 / fraction)} {'prefetch' if prefetch else 'no prefetch'}"), cap))
             keep(llama(t, r, cap, "capped llama-server"))
             keep(run_child({"name": "capped resident", "overrides": [], "tokens": t, "reps": r}, cap))
         finally:
@@ -385,35 +397,36 @@ def main() -> None:
 def report(results: dict) -> None:
     """Tokens/s of every variant beside its I/O bound, and the ratios the targets name."""
     band = results.get("bandwidth", {})
-    rows = []
+    print("\n| variant | tok/s | CPU s/token | hit rate | read/token | waited/token | I/O bound tok/s | of bound | RssAnon |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for name, result in results.items():
-        if name == "bandwidth" or "tokens_per_s" not in result:
-            if name != "bandwidth":
-                rows.append(f"| {name} | failed: {result.get('failed')} {result.get('error', '')} | | | | |")
+        if name == "bandwidth":
             continue
-        cells = [name, f"{result['tokens_per_s']:.2f}"]
+        if "tokens_per_s" not in result:
+            print(f"| {name} | failed: {result.get('failed')} {' '.join(result.get('error', []))} "
+                  f"{json.dumps(result.get('cap', ''))} |||||||")
+            continue
+        cpu = result.get("cpu_s_per_token")
+        cells = [name, f"{result['tokens_per_s']:.3f}", f"{cpu:.2f}" if cpu else ""]
         if "bytes_per_token" in result:
             per_token = result["bytes_per_token"]
             key = "cold_bytes_per_s" if name.startswith("capped") else "warm_bytes_per_s"
             bound = band.get(key, 0) / per_token if per_token else float("inf")
-            cells += [f"{result['hit_rate']:.1%}", f"{per_token / MIB:.0f} MiB",
-                      f"{bound:.2f} ({'cold' if 'cold' in key else 'warm'})",
-                      f"{result['tokens_per_s'] / bound:.0%}" if bound else ""]
+            cells += [f"{result['hit_rate']:.1%}", f"{per_token / MIB:.0f} MiB", f"{result['wait_s_per_token']:.3f} s",
+                      f"{bound:.2f} ({key.split('_')[0]})", f"{result['tokens_per_s'] / bound:.0%}" if bound else ""]
         else:
-            cells += ["", "", "", ""]
+            cells += ["", "", "", "", ""]
         anon = result.get("status", {}).get("RssAnon")
         cells.append(f"{anon / MIB:.0f} MiB" if anon else "")
-        rows.append("| " + " | ".join(cells) + " |")
-    print("\n| variant | tok/s | hit rate | read per token | I/O bound tok/s | of bound | RssAnon |")
-    print("|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+        print("| " + " | ".join(cells) + " |")
     if band:
-        print(f"\nsequential read: cold {band['cold_bytes_per_s'] / MIB:.0f} MiB/s, warm {band['warm_bytes_per_s'] / MIB:.0f} MiB/s")
+        print(f"\nsequential read of the checkpoint: cold {band['cold_bytes_per_s'] / MIB:.0f} MiB/s, "
+              f"warm {band['warm_bytes_per_s'] / MIB:.0f} MiB/s")
     offload = results.get("accelerate offload", {}).get("tokens_per_s")
     pool = results.get("pool 1/8 prefetch", {}).get("tokens_per_s")
     if offload and pool:
         print(f"pool 1/8 / accelerate offload: {pool / offload:.1f}x (target >= 10x)")
-    print(f"load average: {os.getloadavg()[0]:.1f} (2 cores; figures taken on a busy machine are indicative)")
+    print(f"load average now: {os.getloadavg()[0]:.1f} (2 cores; figures taken on a busy machine are indicative)")
 
 
 if __name__ == "__main__":

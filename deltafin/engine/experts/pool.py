@@ -126,7 +126,7 @@ class ExpertPool:
         size = self.slots.count
         waves = [needed[at : at + size] for at in range(0, len(needed), size)]
         out: torch.Tensor | None = None
-        for number, wave in enumerate(waves):
+        for wave in waves:
             slot_of, pending = self._acquire(layer, wave)
             try:
                 if self.prefetch and len(waves) == 1:
