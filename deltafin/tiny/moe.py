@@ -189,6 +189,7 @@ def save_streamed(model: nn.Module, folder: Path, *, seed: int, fused: bool, dty
                 (torch.randn(s[1:] if n > 1 else s, generator=generator) * std).to(dtype) for _ in range(n))
 
     _write_shards(folder, list(tensors()), dtype, shard_bytes)
+    model.config.architectures = [type(model).__name__]  # as save_pretrained records it (llama.cpp reads it)
     model.config.save_pretrained(folder)
     model.generation_config.save_pretrained(folder)
 
