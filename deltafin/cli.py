@@ -40,6 +40,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             print(OmegaConf.to_yaml(config), end="")
             return
         _check_model_path(config)
+        _check_expert_pool(config)
         _check_response_store(config)
         listener = _listen(config)
     except ConfigError as exc:
@@ -125,6 +126,21 @@ def _check_model_path(config: DeltafinConfig) -> None:
 
     try:
         resolve_model_path(config.model.path)
+    except ModelLoadError as exc:
+        raise ConfigError(str(exc)) from None
+
+
+def _check_expert_pool(config: DeltafinConfig) -> None:
+    """The pool replaces accelerate's placement of the experts (the two do not combine), and it must hold one
+    step's experts for a full batch: checked against the model's config.json before any weight loads."""
+    from deltafin.engine.loader import ModelLoadError, check_expert_pool
+
+    placement = config.placement
+    if placement.experts.pool_mb and placement.device_map:
+        raise ConfigError("placement.experts.pool_mb: the expert pool places the experts itself; it cannot run with "
+                          f"placement.device_map={placement.device_map!r} (set one of them)")
+    try:
+        check_expert_pool(config.model, placement, max_batch=config.engine.max_batch)
     except ModelLoadError as exc:
         raise ConfigError(str(exc)) from None
 

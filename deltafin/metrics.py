@@ -7,9 +7,10 @@ route share one `unmatched` label; requests refused by the API-key check share `
 
 from __future__ import annotations
 
-from typing import Callable
+from typing import Any, Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 UNMATCHED = "unmatched"
 UNAUTHENTICATED = "unauthenticated"
@@ -45,6 +46,11 @@ class Metrics:
         self.queue_depth.set_function(queue_depth)
         self.engine_busy.set_function(busy)
 
+    def watch_expert_pool(self, stats: Callable[[], Any]) -> None:
+        """The expert pool's counters, read at scrape time from `stats()` (a PoolStats, or None: no pool,
+        and then no expert series at all)."""
+        self.registry.register(_ExpertPoolCollector(stats))
+
     # The upstream engines' observer interface (deltafin.engine.upstream.engine.UpstreamObserver).
     def upstream_latency(self, engine: str, seconds: float) -> None:
         self.upstream_seconds.labels(engine=engine).observe(seconds)
@@ -54,3 +60,27 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _ExpertPoolCollector:
+    """deltafin_expert_pool_* and deltafin_expert_bytes_read_total, from the engine's pool when scraped."""
+
+    def __init__(self, stats: Callable[[], Any]) -> None:
+        self._stats = stats
+
+    def describe(self) -> list:  # no series known before the model loads; keeps registration side-effect free
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        stats = self._stats()
+        if stats is None:
+            return
+        yield CounterMetricFamily("deltafin_expert_pool_hits", "Routed-expert lookups served by the pool (prefetched included)", value=stats.hits)
+        yield CounterMetricFamily("deltafin_expert_pool_misses", "Routed-expert lookups that had to read the expert", value=stats.misses)
+        yield CounterMetricFamily("deltafin_expert_bytes_read", "Bytes of routed experts read from the checkpoint (misses and prefetches)", value=stats.bytes_read)
+        yield CounterMetricFamily("deltafin_expert_prefetch_reads", "Experts read ahead by prefetch", value=stats.prefetch_reads)
+        yield CounterMetricFamily("deltafin_expert_prefetch_hits", "Prefetched experts used before being evicted", value=stats.prefetch_hits)
+        yield CounterMetricFamily("deltafin_expert_read_wait_seconds", "Time the engine waited for expert reads", value=stats.wait_seconds)
+        yield GaugeMetricFamily("deltafin_expert_pool_slots", "Expert slots in the pool", value=stats.slots)
+        yield GaugeMetricFamily("deltafin_expert_pool_occupancy", "Fraction of the pool's slots holding an expert", value=stats.occupied / max(1, stats.slots))
+        yield GaugeMetricFamily("deltafin_expert_pool_bytes", "Bytes of the pool's slots", value=stats.slots * stats.slot_bytes)

@@ -95,6 +95,7 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
     app_metrics = Metrics()
     drain = Drain(config.server.shutdown_grace_s)
     app_metrics.watch_engine(lambda: _engine_state(readiness)[0], lambda: _engine_state(readiness)[1])
+    app_metrics.watch_expert_pool(lambda: readiness.services.ctx.engine.expert_stats() if readiness.services else None)
 
     @asynccontextmanager
     async def load_in_background(app: Litestar) -> AsyncIterator[None]:

@@ -117,6 +117,7 @@ class RequestContext:
             memo_hit=stats.memo_hit,
             finish_reasons=stats.finish_reasons or None,
             rules=stats.rules,
+            **stats.expert_fields(),
         )
 
 

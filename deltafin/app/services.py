@@ -85,7 +85,7 @@ def build_local_engine(config: DeltafinConfig) -> EngineClient:
     # with one keeps this thread from growing an OpenMP team of its own.
     threads = config.placement.num_threads or torch.get_num_threads()
     torch.set_num_threads(1)
-    loaded = load_model(config.model, config.placement)
+    loaded = load_model(config.model, config.placement, max_batch=config.engine.max_batch)
     return LocalEngine(
         loaded,
         threads=threads,

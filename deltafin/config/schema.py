@@ -83,6 +83,11 @@ class Quantize(StrEnum):
     int4 = "int4"
 
 
+class ExpertPolicy(StrEnum):
+    lru = "lru"
+    lfru = "lfru"
+
+
 class ResponseStoreKind(StrEnum):
     memory = "memory"  # gone at restart
     sqlite = "sqlite"  # kept in server.responses.path (the standard library's sqlite3, write-ahead log)
@@ -201,6 +206,16 @@ class ModelConfig:
 
 
 @dataclass
+class ExpertsConfig:
+    """The expert pool (deltafin/engine/experts): routed experts of a MoE read from the checkpoint on demand."""
+
+    pool_mb: int = ranged(0, 0, 1 << 30)  # MiB of expert slots; 0 = every expert resident (loaded whole, no pool)
+    policy: ExpertPolicy = ExpertPolicy.lru  # which expert leaves a full pool (lfru: frequency-weighted recency)
+    prefetch: bool = True  # read the next layer's predicted experts while this layer computes
+    readers: int = ranged(4, 1, 256)  # threads reading experts from the checkpoint (parallel reads keep a disk busy)
+
+
+@dataclass
 class PlacementConfig:
     device: Device = Device.cpu  # where the weights live (auto: accelerate's device_map decides)
     dtype: Dtype = Dtype.float32  # the compute dtype (CPU bf16 matmuls are slower than float32)
@@ -210,6 +225,7 @@ class PlacementConfig:
     num_threads: Optional[int] = ranged(None, 1, 4096)  # torch threads of the engine; null = torch's default
     compile: bool = False  # torch.compile the batched decode step (static shapes per batch bucket)
     quantize: Quantize = Quantize.none  # weight-only quantized linear layers at load (CPU kernels; cached)
+    experts: ExpertsConfig = field(default_factory=ExpertsConfig)  # the expert pool of a MoE (docs/experts.md)
 
 
 @dataclass

@@ -56,6 +56,9 @@ class EngineFront:
     async def readiness(self) -> Readiness:
         return await self.engine.readiness()
 
+    def expert_stats(self) -> Any:
+        return self.engine.expert_stats()
+
     async def aclose(self) -> None:
         await self.engine.aclose()
 

@@ -74,3 +74,7 @@ class EngineClient(ABC):
 
     async def aclose(self) -> None:
         """Release threads, connections and device memory; no submission follows."""
+
+    def expert_stats(self) -> Any:
+        """The expert pool's counters (`deltafin.engine.experts.PoolStats`) for /metrics; None without one."""
+        return None

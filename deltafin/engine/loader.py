@@ -46,6 +46,8 @@ class LoadedModel:
     load_seconds: float
     #: placement.compile: the engine compiles its decode step
     compile: bool = False
+    #: placement.experts.pool_mb > 0: the expert pool serving the routed experts (deltafin.engine.experts)
+    experts: Any = None
 
 
 def resolve_model_path(spec: str) -> Path:
@@ -119,7 +121,40 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     return target
 
 
-def load_model(model_cfg: ModelConfig, placement: PlacementConfig) -> LoadedModel:
+def _pool_error(exc: Exception) -> ModelLoadError:
+    message = str(exc)
+    return ModelLoadError(message if message.startswith("placement.") else f"placement.experts.pool_mb: {message}")
+
+
+def check_expert_pool(model_cfg: ModelConfig, placement: PlacementConfig, *, max_batch: int) -> None:
+    """`placement.experts.pool_mb` checked against the model's config.json before any weight loads (a GGUF
+    file is checked when it loads, after its conversion); ModelLoadError with one line."""
+    if not placement.experts.pool_mb:
+        return
+    path = resolve_model_path(model_cfg.path)
+    if path.is_file() and path.suffix == ".gguf":  # checkable once converted (the cached folder)
+        cache_dir = Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
+        path = cache_dir / _gguf_cache_key(path)
+    if not (path / "config.json").is_file():
+        return
+    from deltafin.engine import experts as expert_pool
+
+    try:
+        expert_pool.check_pool(path, placement, dtype=_DTYPES[_dtype_name(model_cfg, placement)],
+                               trust_remote_code=model_cfg.trust_remote_code, max_batch=max_batch)
+    except (expert_pool.PoolTooSmall, expert_pool.NotPoolable, expert_pool.CheckpointLayoutError, OSError) as exc:
+        raise _pool_error(exc) from None
+
+
+def _dtype_name(model_cfg: ModelConfig, placement: PlacementConfig) -> str:
+    name = placement.dtype if model_cfg.dtype == "auto" else model_cfg.dtype
+    if name not in _DTYPES:
+        raise ModelLoadError(f"dtype {name!r} is not one of {', '.join(_DTYPES)}")
+    return name
+
+
+def load_model(model_cfg: ModelConfig, placement: PlacementConfig, *, max_batch: int = 8) -> LoadedModel:
+    """`max_batch` (engine.max_batch) sizes the expert pool's minimum; nothing else reads it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
@@ -134,9 +169,7 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig) -> LoadedMode
         folder = path
     else:
         raise ModelLoadError(f"model.path: {path} is neither a model folder nor a .gguf file")
-    dtype_name = placement.dtype if model_cfg.dtype == "auto" else model_cfg.dtype
-    if dtype_name not in _DTYPES:
-        raise ModelLoadError(f"dtype {dtype_name!r} is not one of {', '.join(_DTYPES)}")
+    dtype_name = _dtype_name(model_cfg, placement)
     kwargs: dict[str, Any] = {"dtype": _DTYPES[dtype_name], "trust_remote_code": model_cfg.trust_remote_code}
     if placement.device_map:
         kwargs["device_map"] = placement.device_map
@@ -148,7 +181,21 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig) -> LoadedMode
              quantize=placement.quantize)
     text = _text_model(folder, model_cfg.trust_remote_code)  # refuses what the engine cannot run, before weights
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=model_cfg.trust_remote_code)
-    if text is None:
+    experts = None
+    if placement.experts.pool_mb:  # routed experts read on demand into a bounded pool, not loaded
+        if text is not None:
+            raise ModelLoadError("placement.experts.pool_mb: the expert pool reads a text-only checkpoint; "
+                                 "this one is multimodal (its language model under language_model.*)")
+        from deltafin.engine import experts as expert_pool
+
+        try:
+            model, experts = expert_pool.load_pooled_model(
+                folder, placement, dtype=_DTYPES[dtype_name], trust_remote_code=model_cfg.trust_remote_code,
+                max_batch=max_batch,
+            )
+        except (expert_pool.PoolTooSmall, expert_pool.NotPoolable, expert_pool.CheckpointLayoutError) as exc:
+            raise _pool_error(exc) from None
+    elif text is None:
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
     else:  # the language model of a multimodal checkpoint: transformers' own class, the other towers left out
         config, layout = text
@@ -177,6 +224,7 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig) -> LoadedMode
         source=folder,
         load_seconds=seconds,
         compile=placement.compile,
+        experts=experts,
     )
 
 

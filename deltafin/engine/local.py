@@ -33,6 +33,7 @@ from transformers import DynamicCache
 
 from deltafin.engine.batch import BatchKV
 from deltafin.engine.decode import ChoiceDecoder
+from deltafin.engine.experts import PoolCounters, PoolStats, charge as charge_experts
 from deltafin.engine.events import GenerationJob, PromptLogprobs
 from deltafin.engine.generator import PREFILL_CHUNK, PromptPrefill, cache_argument, decode_step_for
 from deltafin.engine.interface import EngineCapabilities, EngineClient
@@ -59,6 +60,8 @@ class PromptInPrefill:
     choices: list[int]
     work: PromptPrefill
     cached: int
+    #: the expert pool's reads for this prompt's chunks so far (placement.experts.pool_mb), else None
+    pool_spent: PoolCounters | None = None
     #: perf_counter when the owner thread took the request (its rows' prefill and total times count from here)
     started: float = field(default_factory=time.perf_counter)
 
@@ -103,6 +106,8 @@ class LocalEngine(EngineClient):
             entries=prefix_cache_entries,
         )
         self.device = next(self.model.parameters()).device
+        #: the expert pool (placement.experts.pool_mb), read only for per-request counters and /metrics
+        self.experts = loaded.experts
         self.cache_arg = cache_argument(self.model)
         self.decode = decode_step_for(self.model, compile=loaded.compile)
         self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
@@ -126,6 +131,12 @@ class LocalEngine(EngineClient):
         """Stop the owner thread and wait for it: rows still running are cancelled, queued work ends."""
         self._inbox.put(_STOP)
         await asyncio.to_thread(self._owner.join, 30)
+        if self.experts is not None:
+            self.experts.close()
+
+    def expert_stats(self) -> PoolStats | None:
+        """The expert pool's counters for /metrics (None without a pool)."""
+        return self.experts.stats() if self.experts is not None else None
 
     # The owner thread.
 
@@ -200,7 +211,11 @@ class LocalEngine(EngineClient):
             positions = min(prompt.work.remaining, budget)
             with bound(**prompt.stream.log_context):
                 try:
+                    pool_before = self.experts.counters() if self.experts is not None else None
                     prompt.work.run(positions)
+                    if pool_before is not None:  # this chunk's expert reads, charged to the prompt's rows
+                        spent = self.experts.counters() - pool_before
+                        prompt.pool_spent = spent if prompt.pool_spent is None else prompt.pool_spent + spent
                     self.schedule.append(("prefill", positions))
                     budget -= positions
                     if not prompt.work.done:
@@ -220,6 +235,8 @@ class LocalEngine(EngineClient):
         for choice in prompt.choices:
             row = self._new_row(sub, choice, prompt.cached, prompt.started)
             row.timings["prefill_s"] = prefill_s
+            if prompt.pool_spent is not None:  # the prefill's expert reads, shared by its choices (log line)
+                charge_experts(row.timings, prompt.pool_spent, share=len(prompt.choices), decode=False)
             if work.prompt_logprobs is not None:
                 sub.stream.emit(PromptLogprobs(choice, tuple(ids), tuple(work.entries)))
             if row.max_new <= 0:
@@ -269,6 +286,7 @@ class LocalEngine(EngineClient):
         for row in rows:
             row.ids.append(row.pending)  # type: ignore[arg-type]
         mask, positions = self._kv.step_inputs()
+        pool_before = self.experts.counters() if self.experts is not None else None
         try:
             logits = self.decode(self.model, tokens, mask, positions, self._kv.cache, cache_arg=self.cache_arg)
             # logits: [B, V]
@@ -281,6 +299,10 @@ class LocalEngine(EngineClient):
                 sub.fail(str(exc))
             return
         self._kv.advanced(mask)
+        if pool_before is not None:  # the step's expert reads, shared by its rows (request log line)
+            pool_spent = self.experts.counters() - pool_before
+            for row in rows:
+                charge_experts(row.timings, pool_spent, share=len(rows), decode=True)
         failed: set[int] = set()
         draws: list[torch.Tensor] = []
         for i, row in enumerate(rows):

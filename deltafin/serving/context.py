@@ -33,6 +33,11 @@ class RequestStats:
     ttft_s: float | None = None
     prefill_s: float | None = None
     memo_hit: bool = False
+    # expert pool (placement.experts): lookups and bytes read for this request's share of the steps it ran in
+    expert_hits: float = 0.0
+    expert_misses: float = 0.0
+    expert_prefill_bytes: float = 0.0
+    expert_decode_bytes: float = 0.0
     finish_reasons: list[str] = field(default_factory=list)
     rules: list[str] = field(default_factory=list)
     #: whose stored responses the request may read: a digest of its API key ("" on a server without keys)
@@ -59,6 +64,28 @@ class RequestStats:
         self.finish_reasons.append(finished.reason)
         if self.prefill_s is None and "prefill_s" in finished.timings:
             self.prefill_s = finished.timings["prefill_s"]
+        timings = finished.timings
+        if "expert_hits" in timings:  # each choice carries its own share (deltafin.engine.experts.charge)
+            self.expert_hits += timings["expert_hits"]
+            self.expert_misses += timings["expert_misses"]
+            self.expert_prefill_bytes += timings.get("expert_prefill_bytes", 0.0)
+            self.expert_decode_bytes += timings.get("expert_decode_bytes", 0.0)
+
+    @property
+    def _choices(self) -> int:
+        return len(self.finish_reasons) + len(self._partial)
+
+    def expert_fields(self) -> dict[str, float]:
+        """The request log line's expert-pool fields (none when no pool served it)."""
+        lookups = self.expert_hits + self.expert_misses
+        if not lookups:
+            return {}
+        return {
+            "expert_hit_rate": round(self.expert_hits / lookups, 4),
+            # a choice's first token comes from the prefill; each later one from a decode step
+            "expert_bytes_per_token": round(self.expert_decode_bytes / max(1, self.generated_tokens - self._choices)),
+            "expert_prefill_bytes": round(self.expert_prefill_bytes),
+        }
 
     def first_token(self) -> None:
         if self.ttft_s is None:

@@ -10,12 +10,13 @@ from typing import Any, Callable
 
 def write_tiny_model(
     family: str, out: Path, *, variant: str | None = None, seed: int = 0, context: int | None = None,
-    architecture: Callable[[int], Any] | None = None,
+    architecture: Callable[[int], Any] | None = None, save: Callable[[Any, Path], None] | None = None,
 ) -> Path:
     """Write config, safetensors weights, tokenizer (with chat template) and generation config to `out`.
     `context`: the model's max_position_embeddings (its context length), e.g. for prompts as long as an agent's.
     `architecture` (vocabulary size -> model) replaces the family's architecture: e.g. a tiny Qwen3-Next with
-    Qwen3's tokens and template, to run another architecture through a family's format."""
+    Qwen3's tokens and template, to run another architecture through a family's format. `save` (model, folder)
+    replaces `save_pretrained` (deltafin.tiny.moe: MoEs of any size, streamed to disk)."""
     import torch
 
     from deltafin.families import get_family
@@ -43,7 +44,7 @@ def write_tiny_model(
     model.generation_config.eos_token_id = stop_ids
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
+    (save or (lambda m, folder: m.save_pretrained(folder)))(model, out)
     tokenizer.save_pretrained(out)
     (out / "deltafin_tiny.json").write_text(json.dumps({"family": family, "variant": variant, "seed": seed}))
     return out

@@ -1,0 +1,441 @@
+"""The expert pool on a generated MoE with 4.5 GiB of routed experts: tokens/s against its I/O bound,
+accelerate's disk offload, every expert resident and llama.cpp, with and without prefetch, and under a memory
+cap below the model's size.
+
+    .venv/bin/python bench/experts.py                  # everything (generates the model and its GGUF once)
+    .venv/bin/python bench/experts.py --only pool      # a subset: bandwidth pool resident accelerate llama capped
+    .venv/bin/python bench/experts.py --cleanup        # delete the generated model, GGUF and offload folder
+
+The model: Qwen3-MoE (the real transformers class; llama.cpp's converter reads it too), 8 layers of 64 experts
+of 9 MiB (hidden 1024, expert intermediate 768, float32), top-4 routing, random weights: 4.83 GB of routed
+experts, ~0.1 GB dense. Token embeddings are drawn with std 1 (deltafin.tiny.moe `embedding_std`), so the
+random routers route almost uniformly in every layer: the worst case for any cache of experts; a trained
+model's skew raises every hit rate below. (At transformers' init, std 0.02, this model routes most tokens of
+its deeper layers to the same 6-8 experts, and a 1/8 pool hits 87%.)
+
+Every variant runs in a fresh process (`--child`), through Deltafin's engine (`LocalEngine`), one stream of
+`--tokens` tokens (`ignore_eos`) after a short warm-up, `--reps` times with different prompts; tokens/s is over
+the decode steps (first token to last). Tokens are sampled (temperature 1, a fixed seed: every variant gets the
+same tokens), not greedy: a random model's greedy output repeats one token, whose hidden state, and so whose
+experts, repeat every step, an easy 90% hit rate that real text does not give. The model's pages are dropped from the page cache
+(posix_fadvise DONTNEED) before each variant. Only the timed part holds /tmp/deltafin-bench.lock.
+
+- I/O bound: bytes the pool read per generated token / the checkpoint's sequential read bandwidth, measured
+  cold (pages dropped) and warm (from the page cache). Runs without a cap keep what they read in the page
+  cache (the machine has more memory than the model), so their misses mostly read memory: compare them with
+  the warm bound; capped runs read the disk: compare them with the cold bound.
+- accelerate: `placement.device_map=auto` with `max_memory` = dense + the 1/8 pool and an offload folder.
+  Its offloaded weights are memory-mapped files: without a cap they stay in the page cache once read, so the
+  uncapped run is nearly the resident speed; under the cap it reads them from disk every token.
+- capped: the process in a cgroup v1 memory group (`memory.limit_in_bytes`, root only) below the model's size;
+  llama-server (same weights, f32 GGUF, mmap) under the same cap.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import fcntl
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+WORK = Path(os.environ.get("DELTAFIN_BENCH_DIR", "/tmp/deltafin-bench-experts"))
+MODEL = WORK / "qwen3-moe-4.8g-uniform"
+GGUF = WORK / "qwen3-moe-4.8g-uniform-f32.gguf"
+OFFLOAD = WORK / "offload"
+LOCK = "/tmp/deltafin-bench.lock"
+CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
+PROMPT = "The quick brown fox jumps over the lazy dog. What is the weather in Paris today? It is sunny and warm."
+MIB = 1 << 20
+
+
+def shape():
+    from deltafin.tiny.moe import MoeShape
+
+    return MoeShape(experts=64, top_k=4, layers=8, hidden=1024, intermediate=768, heads=8)
+
+
+@contextlib.contextmanager
+def bench_lock():
+    with open(LOCK, "w") as handle:
+        fcntl.flock(handle, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(handle, fcntl.LOCK_UN)
+
+
+def checkpoint_files() -> list[Path]:
+    from deltafin.engine.experts.checkpoint import checkpoint_files as files
+
+    return files(MODEL)
+
+
+def drop_page_cache(paths: list[Path]) -> None:
+    """Evict these files' pages (only theirs: nothing else on the machine is touched)."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_bandwidth(limit: int = 3 << 30) -> dict[str, float]:
+    """Sequential read of the checkpoint's first `limit` bytes in 8 MiB reads: cold (pages dropped), then warm."""
+    buffer = bytearray(8 * MIB)
+    files = checkpoint_files()
+
+    def once() -> float:
+        done, started = 0, time.perf_counter()
+        for path in files:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                while done < limit:
+                    got = os.readv(fd, [buffer])
+                    if not got:
+                        break
+                    done += got
+            finally:
+                os.close(fd)
+            if done >= limit:
+                break
+        return done / (time.perf_counter() - started)
+
+    drop_page_cache(files)
+    with bench_lock():
+        cold = once()
+        warm = once()
+    return {"cold_bytes_per_s": cold, "warm_bytes_per_s": warm}
+
+
+# --- one variant, in its own process -------------------------------------------------------------------------
+
+
+def child(spec: dict) -> dict:
+    import torch
+
+    from deltafin.engine import EngineFront, Finished, GenerationJob, TextDelta
+    from deltafin.engine.loader import load_model
+    from deltafin.engine.local import LocalEngine
+    from deltafin.protocol.sampling import SamplingParams
+    from tests.conftest import compose_config
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as services.build_local_engine: only the engine thread runs torch's team
+    config = compose_config(["model=qwen3", f"model.path={MODEL}", "model.name=moe", *spec["overrides"]])
+    started = time.perf_counter()
+    loaded = load_model(config.model, config.placement, max_batch=config.engine.max_batch)
+    load_s = time.perf_counter() - started
+    engine = LocalEngine(loaded, max_batch=config.engine.max_batch, threads=threads)
+    front = EngineFront(engine, max_waiting=4, timeout_s=3600, memo_entries=0)
+    prompts = [loaded.tokenizer(f"{i}. {PROMPT}").input_ids for i in range(spec["reps"] + 1)]
+    pool = engine.experts
+
+    async def generate(ids: list[int], tokens: int) -> dict:
+        params = SamplingParams(max_tokens=tokens, temperature=1.0, seed=len(ids), ignore_eos=True)
+        stream = await front.start([GenerationJob(tuple(ids), params)])
+        first = first_stats = None
+        count = 0
+        async for event in stream:
+            if isinstance(event, TextDelta) and event.token_ids:
+                count += len(event.token_ids)
+                if first is None:
+                    first, first_stats, first_cpu = time.perf_counter(), pool.stats() if pool else None, _cpu()
+            elif isinstance(event, Finished):
+                end, end_stats, end_cpu = time.perf_counter(), pool.stats() if pool else None, _cpu()
+                timings = event.timings
+        result = {"tokens": count, "decode_s": end - first, "cpu_s": end_cpu - first_cpu}
+        if pool:
+            result.update(hits=end_stats.hits - first_stats.hits, misses=end_stats.misses - first_stats.misses,
+                          decode_bytes=timings.get("expert_decode_bytes", 0.0),
+                          prefetch_reads=end_stats.prefetch_reads - first_stats.prefetch_reads,
+                          prefetch_hits=end_stats.prefetch_hits - first_stats.prefetch_hits,
+                          wait_s=end_stats.wait_seconds - first_stats.wait_seconds)
+        return result
+
+    async def scenario() -> list[dict]:
+        await generate(prompts[-1], spec.get("warmup", 4))
+        with bench_lock():
+            return [await generate(prompts[i], spec["tokens"]) for i in range(spec["reps"])]
+
+    runs = asyncio.run(scenario())
+    asyncio.run(front.aclose())
+    steps = sum(r["tokens"] - 1 for r in runs)
+    decode_s = sum(r["decode_s"] for r in runs)
+    out = {"name": spec["name"], "load_s": load_s, "tokens_per_s": steps / decode_s, "status": _status(),
+           # CPU time of the whole process (engine and reader threads) per token: less bent by a busy machine
+           "cpu_s_per_token": sum(r["cpu_s"] for r in runs) / steps}
+    if pool:
+        lookups = sum(r["hits"] + r["misses"] for r in runs)
+        stats = pool.stats()
+        out.update(
+            hit_rate=sum(r["hits"] for r in runs) / lookups,
+            bytes_per_token=sum(r["decode_bytes"] for r in runs) / steps,
+            prefetch_reads=sum(r["prefetch_reads"] for r in runs), prefetch_hits=sum(r["prefetch_hits"] for r in runs),
+            wait_s_per_token=sum(r["wait_s"] for r in runs) / steps,
+            slots=stats.slots, pool_bytes=stats.slots * stats.slot_bytes,
+            experts=len(pool.index.layers) * pool.index.experts, experts_bytes=pool.index.total_bytes,
+        )
+    return out
+
+
+def _cpu() -> float:
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _status() -> dict[str, int]:
+    """RssAnon and the peak resident set of this process, bytes."""
+    fields = {}
+    for line in Path("/proc/self/status").read_text().splitlines():
+        key, _, value = line.partition(":")
+        if key in ("RssAnon", "RssFile", "VmHWM"):
+            fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
+# --- the parent: variants, cgroups, llama.cpp ----------------------------------------------------------------
+
+
+class MemoryCap:
+    """A cgroup v1 memory group capping whatever process joins it (`join` runs in the child before exec)."""
+
+    def __init__(self, limit: int) -> None:
+        self.path = CGROUP_ROOT / f"deltafin-bench-{os.getpid()}"
+        self.path.mkdir(exist_ok=True)
+        (self.path / "memory.limit_in_bytes").write_text(str(limit))
+        self.limit = limit
+
+    def join(self) -> None:
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def report(self) -> dict:
+        oom = dict(line.split() for line in (self.path / "memory.oom_control").read_text().splitlines())
+        return {"cap_bytes": self.limit, "max_usage": int((self.path / "memory.max_usage_in_bytes").read_text()),
+                "oom_kills": int(oom.get("oom_kill", 0))}
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self.path.rmdir()
+
+
+def run_child(spec: dict, cap: MemoryCap | None = None) -> dict:
+    drop_page_cache(checkpoint_files())
+    cmd = [sys.executable, __file__, "--child", json.dumps(spec)]
+    print(f"-- {spec['name']}: {' '.join(spec['overrides'])}", flush=True)
+    done = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=cap.join if cap else None,
+                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    lines = [line for line in done.stdout.splitlines() if line.startswith("{\"name\"")]
+    if done.returncode != 0 or not lines:
+        result = {"name": spec["name"], "failed": done.returncode, "error": done.stderr.strip().splitlines()[-1:]}
+    else:
+        result = json.loads(lines[-1])
+    if cap is not None:
+        result["cap"] = cap.report()
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def pool_spec(fraction: float, *, prefetch: bool, tokens: int, reps: int, name: str | None = None) -> dict:
+    import torch
+
+    from deltafin.engine.experts.slots import FloatSlots
+
+    s = shape()
+    slot = FloatSlots.slot_bytes((2 * s.intermediate, s.hidden), (s.hidden, s.intermediate), torch.float32)
+    pool_mb = int(fraction * s.layers * s.experts * slot / MIB)
+    return {"name": name or f"pool 1/{round(1 / fraction)} {'prefetch' if prefetch else 'no prefetch'}",
+            "overrides": [f"placement.experts.pool_mb={pool_mb}", f"placement.experts.prefetch={str(prefetch).lower()}"],
+            "tokens": tokens, "reps": reps}
+
+
+def offload_spec(tokens: int) -> dict:
+    """accelerate's disk offload with the memory of the 1/8 pool (plus 128 MiB for the dense part)."""
+    pool_mb = int(pool_spec(1 / 8, prefetch=True, tokens=0, reps=0)["overrides"][0].split("=")[1])
+    return {"name": "accelerate offload", "tokens": tokens, "reps": 1, "warmup": 2, "overrides": [
+        "placement.device_map=auto", f"placement.max_memory={{cpu:{pool_mb + 128}MiB}}",
+        f"placement.offload_folder={OFFLOAD}"]}
+
+
+def ensure_model() -> None:
+    if (MODEL / "config.json").exists():
+        return
+    from deltafin.tiny.moe import write_moe
+
+    print(f"writing the model to {MODEL} ...", flush=True)
+    started = time.perf_counter()
+    write_moe("qwen3_moe", MODEL, shape(), stream=True, embedding_std=1.0)
+    print(f"written in {time.perf_counter() - started:.0f} s", flush=True)
+
+
+def ensure_gguf() -> None:
+    if GGUF.exists():
+        return
+    from deltafin.tiny.gguf import converter_sources
+
+    llama = converter_sources()
+    print(f"converting to {GGUF} with llama.cpp's converter ...", flush=True)
+    partial = GGUF.with_suffix(".part")
+    subprocess.run([sys.executable, "-m", "deltafin.tiny.gguf", "--convert-with", str(llama), str(MODEL), str(partial)],
+                   check=True, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "HF_HUB_OFFLINE": "1"},
+                   stdout=subprocess.DEVNULL)
+    partial.rename(GGUF)
+
+
+def llama(tokens: int, reps: int, cap: MemoryCap | None, name: str) -> dict:
+    import httpx
+
+    from tests.conftest import free_port
+    from tests.llama_server import llama_server_binary
+
+    binary = llama_server_binary()
+    if not binary.exists():
+        return {"name": name, "failed": "no llama-server binary (scripts/build-llama-server)"}
+    drop_page_cache([GGUF])
+    port = free_port()
+    threads = os.cpu_count() or 2
+    process = subprocess.Popen(
+        [str(binary), "-m", str(GGUF), "--host", "127.0.0.1", "--port", str(port), "-c", "1024", "-np", "1",
+         "-t", str(threads), "--no-webui"],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=cap.join if cap else None)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            if process.poll() is not None:
+                return {"name": name, "failed": process.returncode, **({"cap": cap.report()} if cap else {})}
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            time.sleep(0.5)
+
+        def complete(prompt: str, n: int) -> dict:
+            body = {"prompt": prompt, "n_predict": n, "temperature": 1.0, "seed": len(prompt), "ignore_eos": True,
+                    "cache_prompt": False}
+            return httpx.post(url + "/completion", json=body, timeout=3600).json()["timings"]
+
+        complete(f"{reps}. {PROMPT}", 4)
+        with bench_lock():
+            timings = [complete(f"{i}. {PROMPT}", tokens) for i in range(reps)]
+        result = {"name": name, "tokens_per_s": sum(t["predicted_n"] for t in timings) / sum(t["predicted_ms"] / 1000 for t in timings)}
+        status = Path(f"/proc/{process.pid}/status").read_text()
+        result["status"] = {k: int(v.split()[0]) * 1024 for k, _, v in (l.partition(":") for l in status.splitlines())
+                            if k in ("RssAnon", "RssFile", "VmHWM")}
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+    if cap:
+        result["cap"] = cap.report()
+    print(json.dumps(result), flush=True)
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--reps", type=int, default=2)
+    parser.add_argument("--offload-tokens", type=int, default=4, help="accelerate's offload reads every weight per token")
+    parser.add_argument("--cap-gib", type=float, default=2.0, help="memory cap of the capped runs (model: 4.9 GB)")
+    parser.add_argument("--only", nargs="+", default=["bandwidth", "pool", "resident", "accelerate", "llama", "capped"])
+    parser.add_argument("--out", type=Path, default=WORK / "results.json")
+    parser.add_argument("--cleanup", action="store_true")
+    parser.add_argument("--report", action="store_true", help="print the table of the results file and stop")
+    args = parser.parse_args()
+    if args.report:
+        report(json.loads(args.out.read_text()))
+        return
+    if args.child:
+        print(json.dumps(child(json.loads(args.child))))
+        return
+    if args.cleanup:
+        shutil.rmtree(WORK, ignore_errors=True)
+        print(f"removed {WORK}")
+        return
+    WORK.mkdir(parents=True, exist_ok=True)
+    ensure_model()
+    results = json.loads(args.out.read_text()) if args.out.exists() else {}
+
+    def keep(result: dict) -> None:
+        results[result["name"]] = result
+        args.out.write_text(json.dumps(results, indent=1))
+
+    t, r = args.tokens, args.reps
+    if "bandwidth" in args.only:
+        keep({"name": "bandwidth", **read_bandwidth()})
+    if "pool" in args.only:
+        for fraction in (1 / 8, 1 / 4, 1 / 2):
+            for prefetch in (True, False):
+                keep(run_child(pool_spec(fraction, prefetch=prefetch, tokens=t, reps=r)))
+    if "resident" in args.only:
+        keep(run_child({"name": "resident", "overrides": [], "tokens": t, "reps": r}))
+    if "accelerate" in args.only:
+        keep(run_child(offload_spec(args.offload_tokens)))
+    if "llama" in args.only or "capped" in args.only:
+        ensure_gguf()
+    if "llama" in args.only:
+        keep(llama(t, r, None, "llama-server"))
+    if "capped" in args.only:
+        cap = MemoryCap(int(args.cap_gib * (1 << 30)))
+        try:
+            for fraction, prefetch in ((1 / 8, True), (1 / 8, False), (1 / 4, True)):
+                keep(run_child(pool_spec(fraction, prefetch=prefetch, tokens=t, reps=r,
+                                         name=f"capped pool 1/{round(1 / fraction)} {'prefetch' if prefetch else 'no prefetch'}"), cap))
+            keep(llama(t, r, cap, "capped llama-server"))
+            keep(run_child({**offload_spec(args.offload_tokens), "name": "capped accelerate offload"}, cap))
+            keep(run_child({"name": "capped resident", "overrides": [], "tokens": t, "reps": r}, cap))
+        finally:
+            cap.close()
+    report(results)
+
+
+def report(results: dict) -> None:
+    """Tokens/s of every variant beside its I/O bound, and the ratios the targets name."""
+    band = results.get("bandwidth", {})
+    print("\n| variant | tok/s | CPU s/token | hit rate | read/token | waited/token | I/O bound tok/s | of bound | RssAnon |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, result in results.items():
+        if name == "bandwidth":
+            continue
+        if "tokens_per_s" not in result:
+            print(f"| {name} | failed: {result.get('failed')} {' '.join(result.get('error', []))} "
+                  f"{json.dumps(result.get('cap', ''))} |||||||")
+            continue
+        cpu = result.get("cpu_s_per_token")
+        cells = [name, f"{result['tokens_per_s']:.3f}", f"{cpu:.2f}" if cpu else ""]
+        if "bytes_per_token" in result:
+            per_token = result["bytes_per_token"]
+            key = "cold_bytes_per_s" if name.startswith("capped") else "warm_bytes_per_s"
+            bound = band.get(key, 0) / per_token if per_token else float("inf")
+            cells += [f"{result['hit_rate']:.1%}", f"{per_token / MIB:.0f} MiB", f"{result['wait_s_per_token']:.3f} s",
+                      f"{bound:.2f} ({key.split('_')[0]})", f"{result['tokens_per_s'] / bound:.0%}" if bound else ""]
+        else:
+            cells += ["", "", "", "", ""]
+        anon = result.get("status", {}).get("RssAnon")
+        cells.append(f"{anon / MIB:.0f} MiB" if anon else "")
+        print("| " + " | ".join(cells) + " |")
+    if band:
+        print(f"\nsequential read of the checkpoint: cold {band['cold_bytes_per_s'] / MIB:.0f} MiB/s, "
+              f"warm {band['warm_bytes_per_s'] / MIB:.0f} MiB/s")
+    for prefix in ("", "capped "):
+        offload = results.get(f"{prefix}accelerate offload", {}).get("tokens_per_s")
+        pool = results.get(f"{prefix}pool 1/8 prefetch", {}).get("tokens_per_s")
+        if offload and pool:
+            print(f"{prefix}pool 1/8 / {prefix}accelerate offload: {pool / offload:.1f}x (target >= 10x)")
+    print(f"load average now: {os.getloadavg()[0]:.1f} (2 cores; figures taken on a busy machine are indicative)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,136 @@
+"""The model side of the pool: find the experts modules, and load a model with only its dense weights.
+
+An experts module is any module built by transformers' `@use_experts_implementation` (its forward dispatches
+on `config._experts_implementation`), holding `gate_up_proj` [E, 2I, H] and `down_proj` [E, H, I]; its router
+is the `gate` of the MoE block that holds it (DeepseekV3, Kimi Linear, Glm4Moe, Qwen3-MoE and Mixtral all
+call `self.gate(hidden) -> (logits, weights, indices)` then `self.experts(hidden, indices, weights)`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class NotPoolable(ValueError):
+    """The model cannot be served with an expert pool (the message says why)."""
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What sizing the pool needs to know about a MoE, read from its config without its weights."""
+
+    layers: int  # experts modules (MoE layers)
+    experts: int  # routed experts per layer
+    top_k: int  # experts each token is routed to
+    gate_up_shape: tuple[int, int]  # [2I, H]
+    down_shape: tuple[int, int]  # [H, I]
+
+
+def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
+    """name -> experts module, in model order; NotPoolable for experts the pool cannot compute."""
+    found = {}
+    for name, module in model.named_modules():
+        if not hasattr(module, "_is_expert_parallel") or not hasattr(module, "gate_up_proj"):
+            continue  # not built by @use_experts_implementation with fused gate/up weights
+        layout = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
+                  "has_post_expert_norm": False}
+        wrong = [key for key, value in layout.items() if getattr(module, key, value) != value]
+        if wrong or getattr(module.gate_up_proj, "ndim", 0) != 3:
+            raise NotPoolable(f"{name} ({type(module).__name__}): experts with {', '.join(wrong) or 'this layout'} "
+                              "are not supported by the expert pool")
+        found[name] = module
+    return found
+
+
+def router_of(model: nn.Module, experts_name: str) -> Any | None:
+    """The router beside an experts module (the MoE block's `gate`), or None."""
+    parent_name = experts_name.rpartition(".")[0]
+    parent = model.get_submodule(parent_name) if parent_name else model
+    gate = getattr(parent, "gate", None)
+    return gate if isinstance(gate, nn.Module) else None
+
+
+def model_class(config: Any, folder: Path, trust_remote_code: bool) -> type:
+    from transformers import AutoModelForCausalLM
+
+    auto_map = getattr(config, "auto_map", None) or {}
+    if trust_remote_code and "AutoModelForCausalLM" in auto_map:
+        from transformers.dynamic_module_utils import get_class_from_dynamic_module
+
+        return get_class_from_dynamic_module(auto_map["AutoModelForCausalLM"], str(folder))
+    try:
+        return AutoModelForCausalLM._model_mapping[type(config)]
+    except KeyError:
+        raise NotPoolable(f"{type(config).__name__} has no causal-LM class in transformers") from None
+
+
+def meta_model(folder: Path, *, dtype: torch.dtype, trust_remote_code: bool) -> tuple[Any, type, nn.Module]:
+    """(config, class, the model built on the meta device: shapes only, no memory)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    cls = model_class(config, folder, trust_remote_code)
+    with torch.device("meta"):
+        model = cls._from_config(config, dtype=dtype)
+    return config, cls, model
+
+
+def model_shape(model: nn.Module, experts: dict[str, nn.Module]) -> ModelShape:
+    if not experts:
+        raise NotPoolable("the model has no routed experts")
+    first_name, first = next(iter(experts.items()))
+    router = router_of(model, first_name)
+    top_k = getattr(router, "top_k", None) or getattr(model.config, "num_experts_per_tok", None)
+    if not top_k:
+        raise NotPoolable(f"{first_name}: cannot tell how many experts a token is routed to")
+    count, gate_up_rows, hidden = first.gate_up_proj.shape
+    return ModelShape(len(experts), int(count), int(top_k), (int(gate_up_rows), int(hidden)),
+                      tuple(int(n) for n in first.down_proj.shape[1:]))  # type: ignore[arg-type]
+
+
+def load_dense(
+    folder: Path, *, dtype: torch.dtype, trust_remote_code: bool
+) -> tuple[nn.Module, dict[str, nn.Module], Any, ModelShape]:
+    """The model with every weight loaded except the routed experts, which hold no memory; its experts
+    modules; the index of where the experts lie in the checkpoint (`checkpoint.ExpertIndex`); its shape.
+
+    transformers' own loader runs (`from_pretrained`, with its renamings and conversions for the dense
+    weights) on a state dict of lazy slices of the dense tensors, plus one zero-stride tensor of the fused
+    shape for each expert parameter: it is accepted as loaded, so nothing allocates or initializes [E, 2I, H]
+    floats; the pool's forward never reads it, and it is then replaced by an empty tensor."""
+    from safetensors import safe_open
+    from transformers import GenerationConfig
+
+    from deltafin.engine.experts.checkpoint import build_index
+
+    config, cls, meta = meta_model(folder, dtype=dtype, trust_remote_code=trust_remote_code)
+    meta_experts = experts_modules(meta)
+    shape = model_shape(meta, meta_experts)
+    index = build_index(folder, meta, meta_experts)
+    handles = {path: safe_open(str(path), framework="pt", device="cpu") for path in index.files}
+    try:
+        located = {}
+        for path, handle in handles.items():
+            for key in handle.keys():
+                located[key] = handle
+        state: dict[str, Any] = {key: located[key].get_slice(key) for key in index.dense_keys}
+        for name in index.layers:
+            module = meta.get_submodule(name)
+            for part in ("gate_up_proj", "down_proj"):
+                state[f"{name}.{part}"] = torch.zeros((), dtype=dtype).expand(getattr(module, part).shape)
+        model = cls.from_pretrained(None, config=config, state_dict=state, dtype=dtype)
+    finally:
+        for handle in handles.values():
+            handle.__exit__(None, None, None)
+    experts = experts_modules(model)
+    for module in experts.values():
+        for part in ("gate_up_proj", "down_proj"):
+            setattr(module, part, nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False))
+    if (folder / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(folder)
+    return model, experts, index, shape

@@ -1,0 +1,294 @@
+"""The expert pool: which expert sits in which slot, reads on a miss, prefetch, eviction, counters.
+
+Everything here runs on the thread that runs the model (the engine's owner thread), except the reads, which
+run on the read queue's threads and touch only the slot they fill. One experts call (one MoE layer of one
+forward pass, whatever the batch or prefill window) goes:
+
+1. the experts the layer's rows chose (their union) are pinned into slots: a hit is a slot that holds it
+   already (or is being filled by a prefetch); a miss takes a free slot or evicts an unpinned one (policy) and
+   queues its read, all misses at once, ahead of any prefetch;
+2. prefetch: the next MoE layer's router is applied to this layer's input and the experts it picks are queued
+   for reading into slots that are neither pinned nor holding that layer's experts;
+3. the experts already in memory are computed while the misses read; then the rest, once read;
+4. pins are released. A layer needing more experts than the pool has slots (a long prefill window) runs in
+   waves of at most that many.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import time
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import structlog
+import torch
+
+from deltafin.engine.experts.checkpoint import ExpertIndex
+from deltafin.engine.experts.policy import EvictionPolicy
+from deltafin.engine.experts.reader import MISS, PREFETCH, ExpertReader, ReadQueue
+
+log = structlog.get_logger("deltafin.engine")
+
+Key = tuple[int, int]  # (layer, expert)
+
+
+class PoolExhausted(RuntimeError):
+    """No slot can be freed: every slot is pinned by the running layer (a sizing bug, never a client's)."""
+
+
+@dataclass(frozen=True)
+class PoolCounters:
+    """Running totals; the difference of two snapshots is what happened between them."""
+
+    hits: int = 0
+    misses: int = 0
+    bytes_read: int = 0
+
+    def __sub__(self, other: "PoolCounters") -> "PoolCounters":
+        return PoolCounters(self.hits - other.hits, self.misses - other.misses, self.bytes_read - other.bytes_read)
+
+    def __add__(self, other: "PoolCounters") -> "PoolCounters":
+        return PoolCounters(self.hits + other.hits, self.misses + other.misses, self.bytes_read + other.bytes_read)
+
+
+@dataclass(frozen=True)
+class PoolStats:
+    """A snapshot for /metrics (read at scrape time)."""
+
+    slots: int
+    occupied: int
+    slot_bytes: int
+    hits: int
+    misses: int
+    bytes_read: int
+    prefetch_reads: int
+    prefetch_hits: int
+    wait_seconds: float
+
+
+class ExpertPool:
+    def __init__(
+        self,
+        index: ExpertIndex,
+        slots: Any,
+        policy: EvictionPolicy,
+        *,
+        slot_bytes: int,
+        routers: Sequence[Any | None],
+        prefetch: bool,
+        readers: int,
+    ) -> None:
+        self.index = index
+        self.slots = slots
+        self.slot_bytes = slot_bytes
+        self.policy = policy
+        self.prefetch = prefetch
+        #: routers[layer]: the router of MoE layer `layer` (None: that layer is never prefetched)
+        self._routers = list(routers)
+        self._reader = ExpertReader(index.files)
+        self._queue = ReadQueue(readers)
+        count = slots.count
+        self._where: dict[Key, int] = {}
+        self._holds: list[Key | None] = [None] * count
+        self._pins = [0] * count
+        self._loading: dict[int, concurrent.futures.Future] = {}
+        self._free = list(range(count - 1, -1, -1))
+        self._prefetched: set[Key] = set()  # read by a prefetch and not used since
+        self._tick = 0
+        self.hits = self.misses = self.bytes_read = 0
+        self.prefetch_reads = self.prefetch_hits = 0
+        self.wait_seconds = 0.0
+
+    # What the engine and /metrics read.
+
+    def counters(self) -> PoolCounters:
+        return PoolCounters(self.hits, self.misses, self.bytes_read)
+
+    def stats(self) -> PoolStats:
+        return PoolStats(
+            slots=self.slots.count, occupied=self.slots.count - len(self._free), slot_bytes=self.slot_bytes,
+            hits=self.hits, misses=self.misses, bytes_read=self.bytes_read, prefetch_reads=self.prefetch_reads,
+            prefetch_hits=self.prefetch_hits, wait_seconds=self.wait_seconds,
+        )
+
+    def close(self) -> None:
+        self._queue.close()
+        self._reader.close()
+
+    # One experts call.
+
+    def forward(self, layer: int, module: Any, hidden: torch.Tensor, top_k_index: torch.Tensor,
+                top_k_weights: torch.Tensor) -> torch.Tensor:
+        """hidden: [T, H]; top_k_index, top_k_weights: [T, k] -> the routed experts' output [T, H]."""
+        self._tick += 1
+        tokens, k = top_k_index.shape
+        ids = top_k_index.reshape(-1)  # [T * k], one entry per (token, choice) pair
+        weights = top_k_weights.reshape(-1)
+        needed = torch.unique(ids).tolist()  # the one host sync of the call
+        size = self.slots.count
+        waves = [needed[at : at + size] for at in range(0, len(needed), size)]
+        out: torch.Tensor | None = None
+        for wave in waves:
+            slot_of, pending = self._acquire(layer, wave)
+            try:
+                if self.prefetch and len(waves) == 1:
+                    self._prefetch_next(layer, hidden)
+                ready = {e: s for e, s in slot_of.items() if s not in pending}
+                if ready:  # computed while the misses read
+                    out = self._run(module, hidden, ids, weights, k, ready, out)
+                if pending:
+                    self._wait(pending)
+                    out = self._run(module, hidden, ids, weights, k,
+                                    {e: s for e, s in slot_of.items() if s in pending}, out)
+            finally:
+                for slot in slot_of.values():
+                    self._pins[slot] -= 1
+        assert out is not None
+        # as transformers' grouped_mm: a deterministic sum over each token's k choices
+        return out.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
+
+    def _run(self, module: Any, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, k: int,
+             slot_of: dict[int, int], out: torch.Tensor | None) -> torch.Tensor:
+        """Compute the (token, choice) pairs routed to the experts in `slot_of` into `out` [T * k, H]."""
+        lut = torch.full((self.index.experts,), -1, dtype=torch.long, device=ids.device)
+        lut[torch.tensor(list(slot_of), device=ids.device)] = torch.tensor(list(slot_of.values()), device=ids.device)
+        pair_slots = lut[ids]  # [T * k]: the slot of each pair's expert, -1 if not in this group
+        chosen = (pair_slots >= 0).nonzero().squeeze(1)
+        slots_sorted, order = torch.sort(pair_slots[chosen])
+        rows = chosen[order]
+        projected = self.slots.project(module, hidden[rows // k], slots_sorted)  # [n, H]
+        weighted = projected * weights[rows].unsqueeze(-1)
+        if out is None:
+            out = weighted.new_empty((ids.numel(), weighted.shape[-1]))
+        out[rows] = weighted
+        return out
+
+    # Slots.
+
+    def _acquire(self, layer: int, experts: list[int]) -> tuple[dict[int, int], dict[int, concurrent.futures.Future]]:
+        """Pin a slot holding each expert (reading the misses); returns expert -> slot and the slots still
+        being read (slot -> future)."""
+        slot_of: dict[int, int] = {}
+        pending: dict[int, concurrent.futures.Future] = {}
+        for expert in experts:
+            key = (layer, expert)
+            slot = self._where.get(key)
+            if slot is not None and self._failed(slot):
+                slot = None  # its read failed: read it again
+            if slot is None:
+                slot = self._take_slot(protect=None, wait=True)
+                assert slot is not None
+                self._assign(slot, key)
+                self._start_read(slot, key, MISS)
+                self.misses += 1
+            else:
+                self.hits += 1
+                if key in self._prefetched:
+                    self._prefetched.discard(key)
+                    self.prefetch_hits += 1
+            self._pins[slot] += 1
+            self.policy.touch(slot, self._tick)
+            slot_of[expert] = slot
+            future = self._loading.get(slot)
+            if future is not None:
+                if future.done():
+                    del self._loading[slot]
+                else:
+                    pending[slot] = future
+        return slot_of, pending
+
+    def _wait(self, pending: dict[int, concurrent.futures.Future]) -> None:
+        started = time.perf_counter()
+        concurrent.futures.wait(pending.values())
+        self.wait_seconds += time.perf_counter() - started
+        failed = None
+        for slot, future in pending.items():
+            self._loading.pop(slot, None)
+            if future.exception() is not None:
+                failed = failed or future.exception()
+                self._unassign(slot)
+                self._free.append(slot)
+        if failed is not None:
+            raise failed
+
+    def _failed(self, slot: int) -> bool:
+        """A finished read that failed leaves its slot empty (the expert is absent again)."""
+        future = self._loading.get(slot)
+        if future is None or not future.done() or future.exception() is None:
+            return False
+        del self._loading[slot]
+        log.warning("expert_read_failed", error=str(future.exception()))
+        self._unassign(slot)
+        self._free.append(slot)
+        return True
+
+    def _evictable(self, slot: int, protect: int | None) -> bool:
+        if self._pins[slot]:
+            return False
+        future = self._loading.get(slot)
+        if future is not None:
+            if not future.done():
+                return False  # a read is writing into it
+            del self._loading[slot]
+        holds = self._holds[slot]
+        return protect is None or holds is None or holds[0] != protect
+
+    def _take_slot(self, *, protect: int | None, wait: bool) -> int | None:
+        """A free slot, or the policy's victim among unpinned slots no read is filling (and, for a prefetch,
+        not holding an expert of the layer it prefetches for). With `wait`, wait for an unpinned read
+        in flight rather than give up."""
+        if self._free:
+            return self._free.pop()
+        while True:
+            slot = self.policy.victim(lambda s: self._evictable(s, protect))
+            if slot is not None:
+                self._unassign(slot)
+                return slot
+            if not wait:
+                return None
+            busy = [f for s, f in self._loading.items() if not self._pins[s] and not f.done()]
+            if not busy:
+                raise PoolExhausted(f"all {self.slots.count} expert slots are pinned by the running layer")
+            concurrent.futures.wait(busy, return_when=concurrent.futures.FIRST_COMPLETED)
+
+    def _assign(self, slot: int, key: Key) -> None:
+        self._where[key] = slot
+        self._holds[slot] = key
+        self.policy.forget(slot)  # the new expert's history starts now
+
+    def _unassign(self, slot: int) -> None:
+        key = self._holds[slot]
+        if key is not None:
+            del self._where[key]
+            self._prefetched.discard(key)
+        self._holds[slot] = None
+        self.policy.forget(slot)
+
+    def _start_read(self, slot: int, key: Key, priority: int) -> None:
+        layer, expert = key
+        pieces = self.index.pieces[layer][expert]
+        self._loading[slot] = self._queue.submit(priority, lambda: self.slots.fill(slot, pieces, self._reader))
+        self.bytes_read += self.index.nbytes(layer, expert)
+
+    # Prefetch.
+
+    def _prefetch_next(self, layer: int, hidden: torch.Tensor) -> None:
+        """Queue reads of the experts the next MoE layer's router picks for this layer's input."""
+        target = layer + 1
+        if target >= len(self._routers) or self._routers[target] is None:
+            return
+        chosen = self._routers[target](hidden)[2]  # (logits, weights, indices) -> [T, k]
+        experts, counts = torch.unique(chosen, return_counts=True)
+        for expert in experts[counts.argsort(descending=True, stable=True)].tolist():  # most wanted first
+            key = (target, expert)
+            if key in self._where:
+                continue
+            slot = self._take_slot(protect=target, wait=False)
+            if slot is None:
+                return  # every other slot is pinned or being read: the rest will be misses
+            self._assign(slot, key)
+            self.policy.touch(slot, self._tick)
+            self._prefetched.add(key)
+            self._start_read(slot, key, PREFETCH)
+            self.prefetch_reads += 1

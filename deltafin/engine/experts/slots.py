@@ -1,0 +1,138 @@
+"""The pool's memory: a fixed number of slots, each holding one expert's weights, and the matmuls over them.
+
+`FloatSlots` keep the model's dtype as two tensors, `gate_up` [S, 2I, H] and `down` [S, H, I]: one grouped
+matmul covers every slot a layer uses, through transformers' own `_grouped_linear` (what its `grouped_mm`
+experts implementation runs), so a pooled expert's output is the resident one's, bit for bit.
+`Int8Slots` keep int8 weights with one scale per output row (`placement.quantize=int8`, quantized as the expert
+enters its slot), and run each slot's expert with the int8 module of the dense layers.
+
+`fill` runs on the pool's reader threads; it writes only its own slot, which no step reads until the read
+is done (the pool's futures order the two).
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from typing import Any, Callable, Sequence
+
+import torch
+
+from deltafin.engine.experts import int8
+from deltafin.engine.experts.checkpoint import Piece
+from deltafin.engine.experts.reader import ExpertReader
+
+#: bytes a slot's int8 tensors are aligned to (the int8 kernel's vector loads fault on unaligned rows)
+_ALIGN = 64
+
+
+def _bytes_of(tensor: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes (bfloat16 included: numpy has no such dtype)."""
+    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+
+
+class FloatSlots:
+    kind = "float"
+
+    def __init__(self, count: int, gate_up_shape: tuple[int, int], down_shape: tuple[int, int],
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.count = count
+        # torch.empty: a slot's pages are touched (and counted in the process's memory) when an expert fills it
+        self.gate_up = torch.empty((count, *gate_up_shape), dtype=dtype, device=device)
+        self.down = torch.empty((count, *down_shape), dtype=dtype, device=device)
+
+    @staticmethod
+    def slot_bytes(gate_up_shape: Sequence[int], down_shape: Sequence[int], dtype: torch.dtype) -> int:
+        return (math.prod(gate_up_shape) + math.prod(down_shape)) * torch.empty((), dtype=dtype).element_size()
+
+    def fill(self, slot: int, pieces: Sequence[Piece], reader: ExpertReader) -> None:
+        for piece in pieces:
+            whole = self.gate_up[slot] if piece.part == "gate_up_proj" else self.down[slot]
+            target = whole[piece.rows[0] : piece.rows[1]]
+            if piece.dtype == target.dtype and target.device.type == "cpu":
+                reader.read_into(piece, _bytes_of(target))  # straight from the file into the slot
+            else:
+                target.copy_(reader.read(piece).view(target.shape))  # dtype change or device copy
+
+    def project(self, module: Any, x: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+        """x: [n, H] rows sorted by slot_ids [n] -> the experts' outputs [n, H] (before routing weights)."""
+        from transformers.integrations.moe import _grouped_linear
+
+        counts = torch.histc(slot_ids.float(), bins=self.count, min=0, max=self.count - 1)
+        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+        hidden = _grouped_linear(x, self.gate_up, offsets)  # [n, 2I]
+        hidden = module._apply_gate(hidden)  # [n, I]
+        return _grouped_linear(hidden, self.down, offsets)  # [n, H]
+
+
+class Int8Slots:
+    kind = "int8"
+
+    def __init__(self, count: int, gate_up_shape: tuple[int, int], down_shape: tuple[int, int],
+                 dtype: torch.dtype, device: torch.device) -> None:
+        self.count = count
+        self.gate_up_shape, self.down_shape = tuple(gate_up_shape), tuple(down_shape)
+        self.stride = Int8Slots.slot_bytes(gate_up_shape, down_shape, dtype)
+        self._memory = torch.empty(count * self.stride + _ALIGN, dtype=torch.uint8, device=device)
+        self._base = (-self._memory.data_ptr()) % _ALIGN
+        self.modules: list[tuple[Any, Any] | None] = [None] * count
+        self._scratch = threading.local()
+
+    @staticmethod
+    def _layout(gate_up_shape: Sequence[int], down_shape: Sequence[int]) -> list[tuple[str, int, int]]:
+        """(name, bytes, offset) of the four tensors of a slot, each aligned."""
+        sizes = [("q_gate_up", math.prod(gate_up_shape)), ("s_gate_up", 4 * gate_up_shape[0]),
+                 ("q_down", math.prod(down_shape)), ("s_down", 4 * down_shape[0])]
+        layout, at = [], 0
+        for name, size in sizes:
+            layout.append((name, size, at))
+            at += -(-size // _ALIGN) * _ALIGN
+        return layout
+
+    @staticmethod
+    def slot_bytes(gate_up_shape: Sequence[int], down_shape: Sequence[int], dtype: torch.dtype) -> int:
+        name, size, at = Int8Slots._layout(gate_up_shape, down_shape)[-1]
+        return at + -(-size // _ALIGN) * _ALIGN
+
+    def _views(self, slot: int) -> dict[str, torch.Tensor]:
+        start = self._base + slot * self.stride
+        views = {}
+        for name, size, at in self._layout(self.gate_up_shape, self.down_shape):
+            raw = self._memory[start + at : start + at + size]
+            shape = self.gate_up_shape if name == "q_gate_up" else self.down_shape if name == "q_down" else (-1,)
+            views[name] = raw.view(torch.int8).view(shape) if name.startswith("q_") else raw.view(torch.float32)
+        return views
+
+    def _float_scratch(self) -> tuple[torch.Tensor, torch.Tensor]:
+        scratch = getattr(self._scratch, "pair", None)
+        if scratch is None:  # one pair per reader thread, reused for every expert it reads
+            scratch = self._scratch.pair = (torch.empty(self.gate_up_shape), torch.empty(self.down_shape))
+        return scratch
+
+    def fill(self, slot: int, pieces: Sequence[Piece], reader: ExpertReader) -> None:
+        gate_up, down = self._float_scratch()
+        for piece in pieces:
+            whole = gate_up if piece.part == "gate_up_proj" else down
+            target = whole[piece.rows[0] : piece.rows[1]]
+            target.copy_(reader.read(piece).view(target.shape))
+        views = self._views(slot)
+        int8.quantize_into(gate_up, views["q_gate_up"], views["s_gate_up"])
+        int8.quantize_into(down, views["q_down"], views["s_down"])
+        self.modules[slot] = (int8.linear(views["q_gate_up"], views["s_gate_up"]),
+                              int8.linear(views["q_down"], views["s_down"]))
+
+    def project(self, module: Any, x: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+        out = torch.empty((x.shape[0], self.down_shape[0]), dtype=x.dtype, device=x.device)
+        slots, counts = torch.unique_consecutive(slot_ids, return_counts=True)
+        start = 0
+        for slot, count in zip(slots.tolist(), counts.tolist()):
+            gate_up, down = self.modules[slot]  # type: ignore[misc]
+            rows = slice(start, start + count)
+            out[rows] = down(module._apply_gate(gate_up(x[rows])))
+            start += count
+        return out
+
+
+def slots_class(quantize: str) -> Callable[..., Any]:
+    """int8 slots for `placement.quantize=int8`; the model's dtype otherwise (int4 keeps experts in float)."""
+    return Int8Slots if quantize == "int8" else FloatSlots
