@@ -6,6 +6,7 @@ maps it there), so an installed copy needs no checkout.
 
 from __future__ import annotations
 
+import re
 import warnings
 from pathlib import Path
 from typing import Sequence
@@ -60,6 +61,10 @@ def compose_raw(overrides: Sequence[str] = ()) -> DictConfig:
     except UserWarning as warning:
         text = str(warning).splitlines()[0]
         raise ConfigError(f"hydra.searchpath: {text}" if "searchpath" in text else f"config: {text}") from None
+    except Exception as exc:  # OmegaConf's own failures while merging an override (raised as plain Python errors)
+        key = re.search(r"full_key: (\S+)", str(exc))
+        raise ConfigError(f"{key.group(1) if key else 'config'}: cannot take this override "
+                          f"({str(exc).splitlines()[0]})") from None
 
 
 def _parse_reason(message: str) -> str:

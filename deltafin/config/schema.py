@@ -18,6 +18,7 @@ import ipaddress
 import re
 from dataclasses import dataclass, field
 from enum import StrEnum
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 from omegaconf import MISSING
@@ -146,6 +147,20 @@ def _no_blank_keys(keys: Any) -> str | None:
     return None
 
 
+def _device_memory(limits: Any) -> str | None:
+    """null, or a mapping of device (a GPU index, cpu, disk) to a size (20GiB, 64000MB, bytes)"""
+    if limits is None:
+        return None
+    if not isinstance(limits, Mapping):
+        return f"a mapping of device to size, e.g. {{0: 20GiB, cpu: 64GiB}} (got {limits!r})"
+    for device, size in limits.items():
+        if not (isinstance(device, int) or str(device) in ("cpu", "disk", "mps")):
+            return f"{device!r} is not a device (a GPU index, cpu, disk or mps)"
+        if not isinstance(size, (int, str)) or isinstance(size, bool):
+            return f"{device}: {size!r} is not a size (e.g. 20GiB)"
+    return None
+
+
 def _http_url(url: Any) -> str | None:
     """`http://` or `https://` URL"""
     if url is not None and not str(url).startswith(("http://", "https://")):
@@ -220,7 +235,9 @@ class PlacementConfig:
     device: Device = Device.cpu  # where the weights live (auto: accelerate's device_map decides)
     dtype: Dtype = Dtype.float32  # the compute dtype (CPU bf16 matmuls are slower than float32)
     device_map: Optional[str] = None  # accelerate device map (auto, balanced, ...); null = the whole model on `device`
-    max_memory: Optional[dict[str, str]] = None  # per-device limits for a device map, e.g. {0: 20GiB, cpu: 64GiB}
+    # per-device limits for a device map, e.g. {0: 20GiB, cpu: 64GiB} (typed Any: OmegaConf cannot merge a command
+    # line's dict into a null Optional[dict], and GPU indices are ints)
+    max_memory: Any = checked(_device_memory, default=None)
     offload_folder: Optional[str] = None  # where accelerate offloads weights that fit nowhere else
     num_threads: Optional[int] = ranged(None, 1, 4096)  # torch threads of the engine; null = torch's default
     compile: bool = False  # torch.compile the batched decode step (static shapes per batch bucket)

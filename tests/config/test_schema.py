@@ -88,3 +88,14 @@ class TestOperatorConfigs:
         (tmp_path / "model" / "mine.yaml").write_text("name: mine\nfamily: generic\npath: /m\ncontext: 4096\n")
         with pytest.raises(ConfigError, match=r"^model\.context: "):
             compose_config([f"hydra.searchpath=[file://{tmp_path}]", "model=mine"])
+
+
+def test_max_memory_takes_a_mapping_from_the_command_line():
+    """A dict override into a key whose default is null (OmegaConf cannot merge one into a null Optional[dict]:
+    that was a traceback), GPU indices kept as ints for accelerate."""
+    from deltafin.cli import checked_config
+
+    config = checked_config(["placement=auto", "placement.max_memory={0:20GiB,cpu:64GiB}"])
+    assert dict(config.placement.max_memory) == {0: "20GiB", "cpu": "64GiB"}
+    with pytest.raises(ConfigError, match=r"placement.max_memory: 'gpu' is not a device"):
+        checked_config(["placement.max_memory={gpu:1GiB}"])
