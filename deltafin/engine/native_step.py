@@ -13,7 +13,9 @@ spare room ([B, Hk, capacity, D]); the C code writes new positions past the view
 reallocated (the cache copied in) whenever the layers no longer hold the views this module gave them last
 (`BatchKV` replaced them when rows joined or left; a cache cropped by the prefix cache) or the room ran out,
 so a view handed out earlier (a row's cache given to the prefix cache) is never written: writes only go past
-its end, into the buffers it shares, or into new buffers.
+its end, into the buffers it shares, or into new buffers. One exception to the copy: a cache the prefix cache
+handed out (`prefix_cache.SOLE_OWNER`) is appended in place when its views have room behind them, since nothing
+else sees that storage; copying a reused 1.1k-token prompt's cache first was most of its TTFT under load.
 """
 
 from __future__ import annotations
