@@ -10,6 +10,12 @@ from typing import Any, Callable, Sequence
 
 from deltafin.engine.cache_layers import exact_length_only
 
+#: attribute set (True) on every cache `take` hands out: nothing else references its storage past its (cropped)
+#: length, so a forward may append there in place instead of copying the whole cache to new buffers (the native
+#: step does: deltafin.engine.native_step). True of every entry the engine gives back: a prompt's cache after the
+#: batch copied it, or a row's view into batch buffers the batch drops when the row leaves.
+SOLE_OWNER = "deltafin_sole_owner"
+
 
 class PrefixCache:
     """Holds up to `entries` caches (one row each) and the token ids each covers, most recent last.
@@ -41,6 +47,7 @@ class PrefixCache:
         surplus = len(ids) - shared
         if surplus:
             cache.crop(-surplus)  # transformers 5: a negative count removes that many trailing tokens
+        setattr(cache, SOLE_OWNER, True)
         return cache, shared
 
     def give_back(self, cache: Any, ids: list[int]) -> None:

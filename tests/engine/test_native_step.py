@@ -138,3 +138,84 @@ def test_a_cache_view_given_away_is_not_written_by_a_later_prefill(loaded_model)
         prefill(model, ids[:-4] + [28, 29, 30, 31], cache, len(ids) - 4)
     for (k, v), (k0, v0) in zip(kept, snapshot):
         assert torch.equal(k, k0) and torch.equal(v, v0)
+
+
+def test_a_repeated_long_prompt_runs_one_position_through_the_native_forward(loaded_model, monkeypatch):
+    """Issue 20's TTFT case on the default config: the engine reuses the prompt from the prefix cache, the
+    native forward runs exactly one prompt position, not a window of the prompt again, and appends it in
+    place: the ~1.1k cached positions are not copied to new buffers first (that copy, by torch's threads on a
+    busy 2-core machine, was most of a ~400 ms TTFT)."""
+    import asyncio
+
+    from deltafin.engine import EngineFront, GenerationJob
+    from deltafin.engine.local import LocalEngine
+    from deltafin.protocol.sampling import SamplingParams
+    from tests.engine.test_batching import chat_ids, collect
+
+    runs: list[tuple[int, int]] = []  # (cache length before, positions) of each native prefill call
+    native_prefill = NativeLlamaStep.prefill
+
+    def counted(self, ids, cache, logits_to_keep):
+        runs.append((cache.get_seq_length(), int(ids.shape[0])))
+        return native_prefill(self, ids, cache, logits_to_keep)
+
+    monkeypatch.setattr(NativeLlamaStep, "prefill", counted)
+    front = EngineFront(LocalEngine(loaded_model), max_waiting=4, timeout_s=120, memo_entries=0)
+    ids = chat_ids(front, "Summarise these notes. " + " ".join(f"Note {i}: ship {i * 7} came in." for i in range(40)))
+    assert len(ids) > 400
+    params = SamplingParams(max_tokens=3, temperature=0.0)
+    loop = asyncio.new_event_loop()
+    try:
+        first, _, _ = loop.run_until_complete(collect(front, [GenerationJob(ids, params)]))
+        assert sum(n for _, n in runs) == len(ids)  # the whole prompt, natively, in windows
+        runs.clear()
+        room = loaded_model.model.__dict__["_deltafin_native_step"]._prefill_room
+        copied = room.copied
+        front.engine.schedule.clear()
+        again, finished, _ = loop.run_until_complete(collect(front, [GenerationJob(ids, params)]))
+    finally:
+        loop.run_until_complete(front.engine.aclose())
+        loop.close()
+    assert finished[0].cached_tokens == len(ids) - 1
+    assert runs == [(len(ids) - 1, 1)]
+    assert [n for what, n in front.engine.schedule if what == "prefill"] == [1]
+    assert room.copied == copied  # the cached positions stayed where they were: no copy of the whole cache
+    assert again == first
+
+
+FORWARD_PROBE = (
+    "import hashlib, torch\n"
+    "from transformers import DynamicCache\n"
+    "from deltafin.engine import kernels\n"
+    "from deltafin.engine.generator import prefill\n"
+    "from tests.conftest import compose_config\n"
+    "from deltafin.engine.loader import load_model\n"
+    "c = compose_config([]); m = load_model(c.model, c.placement).model\n"
+    "cache = DynamicCache(config=m.config)\n"
+    "with torch.inference_mode():\n"
+    "    logits, _ = prefill(m, list(range(100, 147)), cache, 0, chunk=20)\n"
+    "h = hashlib.sha256(logits.numpy().tobytes())\n"
+    "for layer in cache.layers: h.update(layer.keys.contiguous().numpy().tobytes())\n"
+    "print(kernels.variant(), h.hexdigest())\n"
+)
+
+
+def test_every_variant_runs_the_native_forward_to_the_same_bits():
+    """A 47-token prompt in windows of 20 (attention over up to 47 columns, every layer), per CPU variant: the
+    logits and the cached keys."""
+    import os
+    import subprocess
+    import sys
+
+    from deltafin.engine import kernels
+
+    digests = {}
+    for variant in kernels.supported_variants():
+        env = {**os.environ, "DELTAFIN_KERNEL_VARIANT": variant}
+        done = subprocess.run([sys.executable, "-c", FORWARD_PROBE], capture_output=True, text=True, env=env,
+                              timeout=600)
+        assert done.returncode == 0, done.stderr[-2000:]
+        name, digest = done.stdout.strip().splitlines()[-1].split()
+        assert name == variant
+        digests[variant] = digest
+    assert len(digests) >= 2 and len(set(digests.values())) == 1, digests

@@ -126,7 +126,34 @@ static void write_kv(const llama_model *model, const attention_args *a, int64_t 
     memcpy(a->values[l] + at, row + A + (Hk + g) * D, sizeof(float) * D);
 }
 
-/* Attention of token t's query heads of kv group g over the columns it sees; outputs quantized per block. */
+/* Lanes of a score's dot product (see group_scores). */
+#define LANES 16
+
+/* scores[h * stride + c] = (query h . key c) * scale for the `group` query heads sharing these keys, columns
+   [0, columns); head_dim D is a multiple of 32. Each dot product is LANES partial sums (lane j: elements
+   i = j mod LANES, in order) added in a fixed tree: the same IEEE operations in every variant (no contraction,
+   no reassociation), which the compiler turns into vector code. A plain `dot += q[i] * k[i]` loop was a chain
+   of D dependent adds per column; at ~1k columns attention then cost more than all the matmuls of a decode
+   step (a repeated long prompt's TTFT, issue 20). */
+static void group_scores(const float *const *query, int64_t group, const float *keys, int64_t D, int64_t columns,
+                         float scale, float *scores, int64_t stride) {
+    for (int64_t c = 0; c < columns; c++) {
+        const float *k = keys + c * D;
+        for (int64_t h = 0; h < group; h++) {
+            const float *qh = query[h];
+            float acc[LANES];
+            for (int64_t j = 0; j < LANES; j++) acc[j] = qh[j] * k[j];
+            for (int64_t i = LANES; i < D; i += LANES)
+                for (int64_t j = 0; j < LANES; j++) acc[j] += qh[i + j] * k[i + j];
+            for (int64_t width = LANES / 2; width > 0; width /= 2)
+                for (int64_t j = 0; j < width; j++) acc[j] += acc[j + width];
+            scores[h * stride + c] = acc[0] * scale;
+        }
+    }
+}
+
+/* Attention of token t's query heads of kv group g over the columns it sees; outputs quantized per block.
+   `scores`: [group, columns] of this thread. */
 static void attend(const llama_model *model, const attention_args *a, int64_t l, float *qkv, float *attended,
                    qrows *q, float *scores, int64_t t, int64_t g) {
     const int64_t D = model->head_dim, Hq = model->heads, Hk = model->kv_heads, A = Hq * D, half = D / 2;
@@ -135,28 +162,33 @@ static void attend(const llama_model *model, const attention_args *a, int64_t l,
     const int64_t columns = a->mask ? a->width : a->kv_col[t] + 1;
     const float *keys = a->keys[l] + (a->kv_row[t] * Hk + g) * a->capacity * D;
     const float *values = a->values[l] + (a->kv_row[t] * Hk + g) * a->capacity * D;
-    for (int64_t head = g * group; head < (g + 1) * group; head++) {
-        float *query = qkv + t * a->qkv_width + head * D;
+    const float *queries[group];
+    for (int64_t h = 0; h < group; h++) {
+        float *query = qkv + t * a->qkv_width + (g * group + h) * D;
         rotate(query, D, a->cos + a->positions[t] * half, a->sin + a->positions[t] * half);
+        queries[h] = query;
+    }
+    /* Hidden columns are scored too (their scores are never read). */
+    group_scores(queries, group, keys, D, columns, model->scale, scores, columns);
+    for (int64_t h = 0; h < group; h++) {
+        const int64_t head = g * group + h;
+        float *own = scores + h * columns;
         float top = -INFINITY;
         for (int64_t c = 0; c < columns; c++) {
             if (visible && !visible[c]) continue;
-            float dot = 0.0f;
-            for (int64_t i = 0; i < D; i++) dot += query[i] * keys[c * D + i];
-            scores[c] = dot * model->scale;
-            top = scores[c] > top ? scores[c] : top;
+            top = own[c] > top ? own[c] : top;
         }
         float total = 0.0f;
         for (int64_t c = 0; c < columns; c++) {
             if (visible && !visible[c]) continue;
-            scores[c] = expf(scores[c] - top);
-            total += scores[c];
+            own[c] = expf(own[c] - top);
+            total += own[c];
         }
         float *out = attended + t * A + head * D;
         for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
         for (int64_t c = 0; c < columns; c++) {
             if (visible && !visible[c]) continue;
-            const float weight = scores[c] / total;
+            const float weight = own[c] / total;
             for (int64_t i = 0; i < D; i++) out[i] += weight * values[c * D + i];
         }
         for (int64_t blk = 0; blk < D / QK; blk++) quantize_block(out + blk * QK, q, t, A, head * (D / QK) + blk);
@@ -186,7 +218,8 @@ int deltafin_llama_forward(const llama_model *model, const int64_t *tokens, cons
     float *qkv = malloc(sizeof(float) * T * qkv_width);
     float *attended = malloc(sizeof(float) * T * A);
     float *gate_up = malloc(sizeof(float) * T * 2 * I);
-    float *scores = malloc(sizeof(float) * threads * columns);
+    const int64_t group = Hq / Hk;
+    float *scores = malloc(sizeof(float) * threads * group * columns);
     qrows q, gated;  /* a layer's quantized inputs; the gated MLP activations (written while q is read) */
     const int ok = qrows_alloc(&q, T, widest) & qrows_alloc(&gated, T, I) && x && h && qkv && attended && gate_up
                    && scores;
@@ -202,7 +235,7 @@ int deltafin_llama_forward(const llama_model *model, const int64_t *tokens, cons
         bar.threads = omp_get_num_threads();  /* the team may be smaller than asked; single's barrier publishes it */
         int phase = 0;
 #define SYNC() team_wait(&bar, &phase)
-        float *own_scores = scores + omp_get_thread_num() * columns;
+        float *own_scores = scores + omp_get_thread_num() * group * columns;
         #pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < T; t++)
             deltafin_ggml_dequantize(model->embed.data, (int)model->embed.type, H, model->embed.row_bytes,
