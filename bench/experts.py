@@ -26,7 +26,8 @@ experts, repeat every step, an easy 90% hit rate that real text does not give. T
   the warm bound; capped runs read the disk: compare them with the cold bound.
 - accelerate: `placement.device_map=auto` with `max_memory` = dense + the 1/8 pool and an offload folder.
   Its offloaded weights are memory-mapped files: without a cap they stay in the page cache once read, so the
-  uncapped run is nearly the resident speed; under the cap it reads them from disk every token.
+  uncapped run is nearly the resident speed; under the cap it reads them from disk every token (the offload
+  folder's pages are dropped before each run, like the checkpoint's).
 - capped: the process in a cgroup v1 memory group (`memory.limit_in_bytes`, root only) below the model's size;
   llama-server (same weights, f32 GGUF, mmap) under the same cap.
 """
@@ -231,8 +232,16 @@ class MemoryCap:
             self.path.rmdir()
 
 
+def model_files() -> list[Path]:
+    """Every file a variant may read the weights from: the checkpoint, accelerate's offload folder (without
+    dropping these, a capped offload run reads its weights from pages an earlier run left in the cache: a
+    cgroup v1 cap does not charge pages another group brought in) and the GGUF."""
+    extra = [*sorted(OFFLOAD.glob("*")), GGUF] if OFFLOAD.exists() else [GGUF]
+    return checkpoint_files() + [path for path in extra if path.is_file()]
+
+
 def run_child(spec: dict, cap: MemoryCap | None = None) -> dict:
-    drop_page_cache(checkpoint_files())
+    drop_page_cache(model_files())
     cmd = [sys.executable, __file__, "--child", json.dumps(spec)]
     print(f"-- {spec['name']}: {' '.join(spec['overrides'])}", flush=True)
     done = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=cap.join if cap else None,

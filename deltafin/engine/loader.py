@@ -137,12 +137,20 @@ def check_expert_pool(model_cfg: ModelConfig, placement: PlacementConfig, *, max
         path = cache_dir / _gguf_cache_key(path)
     if not (path / "config.json").is_file():
         return
+    try:
+        multimodal = architecture.text_model(architecture.read_config(path)) is not None
+    except ValueError as exc:
+        raise ModelLoadError(f"model.path: {exc}") from None
+    if multimodal:
+        raise ModelLoadError("placement.experts.pool_mb: the expert pool reads a text-only checkpoint; this one is "
+                             "multimodal (its language model under language_model.*): serve it with pool_mb=0")
     from deltafin.engine import experts as expert_pool
 
     try:
         expert_pool.check_pool(path, placement, dtype=_DTYPES[_dtype_name(model_cfg, placement)],
                                trust_remote_code=model_cfg.trust_remote_code, max_batch=max_batch)
-    except (expert_pool.PoolTooSmall, expert_pool.NotPoolable, expert_pool.CheckpointLayoutError, OSError) as exc:
+    except (expert_pool.PoolTooSmall, expert_pool.NotPoolable, expert_pool.CheckpointLayoutError, OSError,
+            ValueError) as exc:  # ValueError: a config transformers cannot read
         raise _pool_error(exc) from None
 
 

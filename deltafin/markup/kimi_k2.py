@@ -192,7 +192,9 @@ class KimiK2(ThinkMarkup):
     markers = (START, END, *SECTION_BEGIN, *SECTION_END, CALL_BEGIN, ARGS_BEGIN, CALL_END)
     # A tool section opened inside reasoning ends it (seen in the wild without </think>).
     call_openers = (*SECTION_BEGIN, CALL_BEGIN)
-    reasoning_excludes = (START, END, SECTION_BEGIN[0])
+    # Everything the parser reads as a call's start ends reasoning, so a forced output's reasoning may hold none
+    # of them (a random model wrote <|tool_call_section_begin|> there, and the parser made a call of it).
+    reasoning_excludes = (START, END, *call_openers)
 
     def tool_parser(self, tools: Sequence[Any], new_id: IdFactory) -> KimiK2ToolParser:
         return KimiK2ToolParser(tool_properties(tools), new_id)

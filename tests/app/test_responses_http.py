@@ -3,6 +3,8 @@ tools dropped and named (or refused), truncation, the refusals that name their f
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 from litestar.testing import TestClient
 from openai.types.responses import Response
@@ -109,24 +111,36 @@ def test_output_text_logprobs_when_included(client):
     assert "".join(lp.token for lp in part.logprobs) == part.text
 
 
+@pytest.fixture(scope="module")
+def short_context(config, loaded_model):
+    """The default model served with a 1,024-token context, so a history that overflows it prefills in
+    seconds, not minutes (the truncation logic reads only the engine's context length)."""
+    from deltafin.app.services import Services
+
+    loaded = dataclasses.replace(loaded_model, context_length=1024)
+    with TestClient(build_app(config, Services.from_engine(config, make_engine(loaded)))) as client:
+        yield client
+
+
 class TestTruncation:
-    LONG = "Tell me about the sea. " * 900  # ~5,400 tokens: two turns of it do not fit SmolLM2's 8,192
+    LONG = "Tell me about the sea. " * 100  # ~600 tokens: two turns of it do not fit a 1,024-token context
 
     def turns(self) -> list:
         return [{"role": "user", "content": self.LONG}, {"role": "assistant", "content": "The sea is large."},
                 {"role": "user", "content": self.LONG}, {"role": "assistant", "content": "It is deep."},
                 {"role": "user", "content": "Thanks. One word?"}]
 
-    def test_disabled_refuses_what_does_not_fit(self, client):
-        error = assert_openai_error(client.post(RESPONSES, json=ask(input=self.turns())), 400)
+    def test_disabled_refuses_what_does_not_fit(self, short_context):
+        error = assert_openai_error(short_context.post(RESPONSES, json=ask(input=self.turns())), 400)
         assert error["code"] == "context_length_exceeded"
 
-    def test_auto_drops_the_oldest_turns(self, client):
-        response = client.post(RESPONSES, json=ask(input=self.turns(), truncation="auto",
-                                                   instructions="Be brief."))
+    def test_auto_drops_the_oldest_turns(self, short_context):
+        response = short_context.post(RESPONSES, json=ask(input=self.turns(), truncation="auto",
+                                                          instructions="Be brief."))
         assert response.status_code == 200, response.text
         body = Response.model_validate(response.json())
-        assert body.truncation == "auto" and 5000 < body.usage.input_tokens < 8192
+        # the first long turn and its answer dropped, the second kept whole
+        assert body.truncation == "auto" and 500 < body.usage.input_tokens < 1024
 
 
 def test_schema_documents_the_responses_route(client):

@@ -15,12 +15,13 @@ import pytest
 from deltafin.engine.loader import resolve_model_path
 from tests.conftest import LiveServer, compose_config
 from deltafin.testing.llama_server import llama_server_binary, start_llama_server
+from tests.tiers import unavailable
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.llama_server]
 
 BINARY = llama_server_binary()
 if not BINARY.exists():
-    pytest.skip(f"llama-server not built ({BINARY}); run scripts/build-llama-server", allow_module_level=True)
+    unavailable("llama_server", f"llama-server not built ({BINARY}); run scripts/build-llama-server")
 
 HELLO = [{"role": "user", "content": "Say hello in one sentence."}]
 

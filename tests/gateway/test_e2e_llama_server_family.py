@@ -27,12 +27,13 @@ from tests.conftest import TINY_OVERRIDES, TINY_SPECS, LiveServer
 from tests.e2e.test_families import ARGUMENTS, KIMI_ID, QUESTION, TOOLS, client_model
 from tests.gateway.taught import taught_model
 from deltafin.testing.llama_server import llama_server_binary, start_llama_server
+from tests.tiers import unavailable
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.llama_server]
 
 BINARY = llama_server_binary()
 if not BINARY.exists():
-    pytest.skip(f"llama-server not built ({BINARY}); run scripts/build-llama-server", allow_module_level=True)
+    unavailable("llama_server", f"llama-server not built ({BINARY}); run scripts/build-llama-server")
 
 #: tiny model -> the markers of its tool-call syntax, each one control token of its vocabulary
 MARKERS = {

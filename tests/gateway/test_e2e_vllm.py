@@ -25,11 +25,12 @@ import pytest
 from deltafin.engine.loader import convert_gguf, default_cache_dir, resolve_model_path
 from tests.conftest import LiveServer, compose_config
 from deltafin.testing.vllm_server import VllmRouter, VllmServer, installed, running, served, stream_chat, vllm_python
+from tests.tiers import unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
 if not installed():
-    pytest.skip(f"vLLM not installed ({vllm_python()}); run scripts/install-vllm", allow_module_level=True)
+    unavailable("vllm", f"vLLM not installed ({vllm_python()}); run scripts/install-vllm")
 
 NAME = "smollm2"  # served name on vLLM and Deltafin alike
 HELLO = [{"role": "user", "content": "Say hello in one sentence."}]

@@ -18,11 +18,12 @@ from tests.conftest import TINY_OVERRIDES, LiveServer
 from tests.e2e.test_families import ARGUMENTS, QUESTION, TOOLS, client_model
 from tests.gateway.taught import taught_model
 from deltafin.testing.vllm_server import VllmServer, installed, vllm_python
+from tests.tiers import unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 
 if not installed():
-    pytest.skip(f"vLLM not installed ({vllm_python()}); run scripts/install-vllm", allow_module_level=True)
+    unavailable("vllm", f"vLLM not installed ({vllm_python()}); run scripts/install-vllm")
 
 #: a function the model was not taught to call, with a bounded integer argument (an untaught model's value ends)
 OFFSET = {"type": "object", "properties": {"offset": {"type": "integer", "minimum": -12, "maximum": 14}},

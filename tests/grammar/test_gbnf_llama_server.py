@@ -24,12 +24,12 @@ from tests.grammar.tools import NAMED, TIME, WEATHER
 from tests.markup.test_gbnf_families import SYNTAXES, special_tokens
 from tests.markup.test_tool_calls import parse, tools_for_parser
 from deltafin.testing.llama_server import llama_server_binary, start_llama_server
+from tests.tiers import unavailable
 
-pytestmark = pytest.mark.e2e
+pytestmark = [pytest.mark.e2e, pytest.mark.llama_server]
 
 if not llama_server_binary().exists():
-    pytest.skip(f"llama-server not built ({llama_server_binary()}); run scripts/build-llama-server",
-                allow_module_level=True)
+    unavailable("llama_server", f"llama-server not built ({llama_server_binary()}); run scripts/build-llama-server")
 
 MODES = {"named": ([WEATHER, TIME], NAMED, None), "required": ([WEATHER, TIME], "required", None),
          "one-call": ([WEATHER, TIME], "required", False)}

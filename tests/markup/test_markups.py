@@ -141,3 +141,11 @@ def test_a_markup_module_imports_no_other_markup(module):
     ours = {m for m in imported if m.startswith("deltafin.")}
     assert ours & (MARKUP_MODULES - {f"deltafin.markup.{module}"}) == set()
     assert {m for m in ours if not m.startswith("deltafin.markup")} <= {"deltafin.protocol.sampling"}
+
+
+@pytest.mark.parametrize("markup", [m for m in MARKUPS.values() if hasattr(m, "reasoning_excludes")],
+                         ids=lambda m: m.name)
+def test_a_forced_outputs_reasoning_holds_nothing_its_parser_reads_as_a_call(markup):
+    """The reasoning parser ends reasoning at any call opener; a forced output's grammar must keep them all out
+    of the reasoning block, or the parser reads a call the grammar never enforced."""
+    assert set(markup.call_openers) <= set(markup.reasoning_excludes)
