@@ -22,7 +22,7 @@ from transformers import DynamicCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tests.conftest import compose_config  # noqa: E402
+from deltafin.testing import compose_config  # noqa: E402
 
 from deltafin.engine.batch import BatchKV  # noqa: E402
 from deltafin.engine.fused_llama import fused_llama_step  # noqa: E402

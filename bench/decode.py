@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tests.conftest import LiveServer, compose_config  # noqa: E402
+from deltafin.testing import LiveServer, compose_config  # noqa: E402
 
 from deltafin.engine.loader import load_model  # noqa: E402
 

@@ -131,7 +131,7 @@ def child(spec: dict) -> dict:
     from deltafin.engine.loader import load_model
     from deltafin.engine.local import LocalEngine
     from deltafin.protocol.sampling import SamplingParams
-    from tests.conftest import compose_config
+    from deltafin.testing import compose_config
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as services.build_local_engine: only the engine thread runs torch's team
@@ -306,8 +306,8 @@ def ensure_gguf() -> None:
 def llama(tokens: int, reps: int, cap: MemoryCap | None, name: str) -> dict:
     import httpx
 
-    from tests.conftest import free_port
-    from tests.llama_server import llama_server_binary
+    from deltafin.testing import free_port
+    from deltafin.testing.llama_server import llama_server_binary
 
     binary = llama_server_binary()
     if not binary.exists():

@@ -45,8 +45,8 @@ import httpx
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import LiveServer, compose_config  # noqa: E402
-from tests.llama_server import start_llama_server  # noqa: E402
+from deltafin.testing import LiveServer, compose_config  # noqa: E402
+from deltafin.testing.llama_server import start_llama_server  # noqa: E402
 
 PROMPT = [{"role": "user", "content": "Write a long story about a dragon who learns to bake bread."}]
 
@@ -187,7 +187,7 @@ def in_process(tokens: int) -> None:
     from deltafin.engine import EngineFront
     from deltafin.engine.tokenizer_only import load_tokenizer_only
     from deltafin.engine.upstream.llama_server import LlamaServerAdapter
-    from tests.gateway.fakes import Fake, ScriptedBody, make_engine
+    from deltafin.testing.upstream_fakes import Fake, ScriptedBody, make_engine
 
     config = compose_config(["server.memo.entries=0"])
     bundle = load_tokenizer_only(config.model)
@@ -216,7 +216,7 @@ def in_process(tokens: int) -> None:
 def serve_paced_fake(pace_s: float) -> None:
     """A fake llama-server (`/completion`, `/health`) on a free loopback port that sends `n_predict` tokens
     `pace_s` apart, as a GPU upstream would; prints its URL. Runs until killed."""
-    from tests.gateway.fakes import Fake, ScriptedBody
+    from deltafin.testing.upstream_fakes import Fake, ScriptedBody
 
     def respond(body: dict, path: str):
         if path != "/completion":

@@ -20,7 +20,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import compose_config  # noqa: E402
+from deltafin.testing import compose_config  # noqa: E402
 
 
 def full_collection_ms(reps: int = 5) -> float:

@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tests.conftest import compose_config  # noqa: E402
+from deltafin.testing import compose_config  # noqa: E402
 
 from deltafin.engine import EngineFront, GenerationJob, TextDelta  # noqa: E402
 from deltafin.engine.loader import load_model  # noqa: E402

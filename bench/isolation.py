@@ -101,7 +101,7 @@ async def chunk_run(loaded, chunk: int, prompt_ids: tuple[int, ...], running_ids
 
 def chunks(args: argparse.Namespace) -> dict:
     from deltafin.engine.loader import load_model
-    from tests.conftest import compose_config
+    from deltafin.testing import compose_config
 
     import torch
 
@@ -152,7 +152,7 @@ def gil(args: argparse.Namespace) -> dict:
     import xgrammar as xgr
 
     from deltafin.engine.tokenizer_only import load_tokenizer_only
-    from tests.conftest import compose_config
+    from deltafin.testing import compose_config
 
     bundle = load_tokenizer_only(compose_config(args.overrides).model)
     info_of = lambda: xgr.TokenizerInfo.from_huggingface(  # noqa: E731
@@ -245,7 +245,7 @@ def hostile_bodies() -> list[dict]:
 
 
 def server(args: argparse.Namespace) -> dict:
-    from tests.conftest import LiveServer
+    from deltafin.testing import LiveServer
 
     live = LiveServer(args.overrides)
     try:

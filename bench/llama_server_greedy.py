@@ -27,7 +27,7 @@ def main() -> None:
     args = parser.parse_args()
 
     from deltafin.engine.tokenizer_only import load_tokenizer_only
-    from tests.conftest import compose_config
+    from deltafin.testing import compose_config
 
     tokenizer = load_tokenizer_only(compose_config().model).tokenizer
     rendered = tokenizer.apply_chat_template(gateway.PROMPT, add_generation_prompt=True, tokenize=True)

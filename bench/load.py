@@ -26,7 +26,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tests.conftest import LiveServer  # noqa: E402
+from deltafin.testing import LiveServer  # noqa: E402
 
 
 def rss_mb(pid: int | None) -> float | None:

@@ -19,7 +19,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from tests.conftest import compose_config  # noqa: E402
+from deltafin.testing import compose_config  # noqa: E402
 
 
 def main() -> None:

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/scale_out.py --streams 8 --tokens 64
 
-Boots replica A (core 0) and replica B (core 1) of the converted default model (tests/vllm_server.py: eager,
+Boots replica A (core 0) and replica B (core 1) of the converted default model (deltafin/testing/vllm_server.py: eager,
 256 MiB KV cache), vllm-router (`--policy round_robin`) over both, and two gateways: one on A alone, one on the
 router. Then, side by side in one run:
 1. `--streams` concurrent greedy streams of `--tokens` tokens through each gateway (aggregate tok/s; which replica
@@ -25,8 +25,8 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deltafin.engine.loader import convert_gguf, default_cache_dir, resolve_model_path  # noqa: E402
-from tests.conftest import LiveServer, compose_config  # noqa: E402
-from tests.vllm_server import VllmRouter, VllmServer, served, stream_chat  # noqa: E402
+from deltafin.testing import LiveServer, compose_config  # noqa: E402
+from deltafin.testing.vllm_server import VllmRouter, VllmServer, served, stream_chat  # noqa: E402
 
 
 NAME = "smollm2"

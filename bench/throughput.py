@@ -35,8 +35,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from tests.conftest import LiveServer, compose_config  # noqa: E402
-from tests.llama_server import llama_server_binary, start_llama_server  # noqa: E402
+from deltafin.testing import LiveServer, compose_config  # noqa: E402
+from deltafin.testing.llama_server import llama_server_binary, start_llama_server  # noqa: E402
 
 from deltafin.engine.loader import load_model, resolve_model_path  # noqa: E402
 

@@ -3,8 +3,8 @@ with a token-id prompt, each behind its own Deltafin gateway (`engine.api=genera
 
     .venv/bin/python bench/vllm_api.py --streams 16 --tokens 64 --reps 3
 
-The served model is the tiny Qwen3 of the vLLM tier (tests/gateway/taught.py), so the model's own compute is
-small and what differs, vLLM's per-token work outside the model (detokenizing, building OpenAI chunks), shows.
+The served model is the tiny Qwen3 of the vLLM tier with 32-wide heads (its weights untaught: the streams ignore
+EOS, so only the shapes matter), so the model's own compute is small and what differs, vLLM's per-token work outside the model (detokenizing, building OpenAI chunks), shows.
 Greedy streams with `ignore_eos`, both gateways alternately first; prints the wall time of each burst.
 """
 
@@ -21,9 +21,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from tests.conftest import TINY_OVERRIDES, LiveServer  # noqa: E402
-from tests.gateway.taught import taught_model  # noqa: E402
-from tests.vllm_server import VllmServer, stream_chat  # noqa: E402
+from deltafin.testing import TINY_OVERRIDES, TINY_SPECS, LiveServer  # noqa: E402
+from deltafin.testing.vllm_server import VllmServer, stream_chat  # noqa: E402
+from deltafin.tiny import write_tiny_model  # noqa: E402
+from deltafin.tiny.taught import reshape_heads  # noqa: E402
 
 
 async def burst(url: str, streams: int, tokens: int) -> float:
@@ -39,7 +40,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    model = taught_model("qwen3", Path(tempfile.mkdtemp()), head_dim=32)
+    family, variant = TINY_SPECS["qwen3"]
+    model = write_tiny_model(family, Path(tempfile.mkdtemp()) / "qwen3", variant=variant)
+    reshape_heads(model, 32)  # vLLM's CPU attention takes heads of 32 and up
     vllm = VllmServer(model, name="tiny-qwen3", max_model_len=1024, args=("--enable-scale-out",))
     gateways = {}
     try:

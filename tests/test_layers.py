@@ -21,7 +21,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "deltafin"
 
 #: The floors of docs/architecture.md, top first. A module may import its own floor and the floors below it.
 FLOORS: list[set[str]] = [
-    {"deltafin.__main__", "deltafin.cli", "deltafin.tiny"},  # entry points: the server, the tiny-model writer
+    # entry points: the server, the tiny-model writer; and what tests and bench use to run the server
+    {"deltafin.__main__", "deltafin.cli", "deltafin.tiny", "deltafin.testing"},
     {"deltafin.app"},  # ASGI wiring
     {"deltafin.serving"},  # one module per endpoint family
     {"deltafin.rules", "deltafin.families", "deltafin.engine"},

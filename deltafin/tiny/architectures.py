@@ -51,7 +51,7 @@ def qwen3(vocab: int) -> Any:
 #: layer after the attention one (its state then depends on what attention computed)
 _HYBRID_LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
 #: Kimi Linear's, in two layers: a KDA layer first, as in the real one, then MLA. Two, not four: training the
-#: tiny K3 (tests/e2e/scripted.py) runs transformers' reference KDA, about 0.1 s of CPU per layer per step
+#: tiny K3 (deltafin/tiny/taught.py) runs transformers' reference KDA, about 0.1 s of CPU per layer per step
 _KIMI_LAYERS = ["linear_attention", "full_attention"]
 
 

@@ -63,16 +63,15 @@ def test_a_stream_stalled_on_a_chunk_when_draining_begins_is_ended_at_the_grace(
 
     async def scenario():
         drain = Drain(grace_s=0.1)
-        loop = asyncio.get_running_loop()
-        loop.call_later(0.05, drain.begin)  # after the stream began waiting: the pass-through has to be interrupted
-        started = loop.time()
+        asyncio.get_running_loop().call_later(0.05, drain.begin)  # after the stream began waiting: it must be interrupted
         chunks = await collect(drain.stream(stalled()))
-        return chunks, loop.time() - started, asyncio.current_task().cancelling()
+        return chunks, asyncio.current_task().cancelling()
 
-    chunks, took, cancelling = asyncio.run(scenario())
+    # Interrupted at the grace's end, not after the upstream's 60 s: its next token never came through.
+    chunks, cancelling = asyncio.run(scenario())
     assert chunks[0] == b"data: 0\n\n" and chunks[-1] == b"data: [DONE]\n\n" and len(chunks) == 3
     assert json.loads(chunks[1][6:])["error"]["code"] == "server_shutting_down"
-    assert took < 1.0 and closed == [True] and cancelling == 0  # the drain's own cancellation is not left pending
+    assert closed == [True] and cancelling == 0  # the drain's own cancellation is not left pending
 
 
 def test_a_body_not_begun_when_the_grace_ended_is_still_closed():
@@ -98,15 +97,13 @@ def test_a_body_not_begun_when_the_grace_ended_is_still_closed():
 def test_guarded_work(admitted, expected):
     async def scenario():
         drain = Drain(grace_s=0.3)
-        loop = asyncio.get_running_loop()
-        started = loop.time()
-        loop.call_later(0.05, drain.begin)
+        asyncio.get_running_loop().call_later(0.05, drain.begin)
         with pytest.raises(ShuttingDownError):
             await drain.guard(asyncio.sleep(10), admitted=lambda: admitted, on_abandoned=lambda _: None)
-        return loop.time() - started
+        return drain.started.is_set(), drain.expired.is_set()
 
-    took = asyncio.run(scenario())
-    assert (took > 0.3) if admitted else (took < 0.2), (expected, took)
+    # refused once draining began; an admitted request only once the grace ended as well
+    assert asyncio.run(scenario()) == (True, admitted), expected
 
 
 def test_work_that_finishes_in_time_keeps_its_result():

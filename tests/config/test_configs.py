@@ -1,14 +1,25 @@
 """Every shipped config composes, validates and (for the rules) instantiates; bad ones fail in one line."""
 
 import pytest
+from omegaconf import OmegaConf
 
 from deltafin.config import CONF_DIR, ConfigError
+from deltafin.config.schema import PlacementConfig, ServerConfig
 from deltafin.rules import build_pipeline
 from tests.conftest import compose_config
 
 
 def shipped(group: str) -> list[str]:
     return sorted(p.stem for p in (CONF_DIR / group).glob("*.yaml"))
+
+
+def assert_composes_as_written(group: str, option: str, schema: type) -> None:
+    """`group=option` gives every key its file sets, and the schema's default to every key it does not."""
+    written = OmegaConf.to_container(OmegaConf.load(CONF_DIR / group / f"{option}.yaml"), resolve=True) or {}
+    composed = OmegaConf.to_container(getattr(compose_config([f"{group}={option}"]), group), resolve=True)
+    defaults = OmegaConf.to_container(OmegaConf.structured(schema()), resolve=True)
+    assert set(written) <= set(defaults), "a key the schema does not have"
+    assert composed == {**defaults, **written}
 
 
 class TestShippedConfigs:
@@ -18,15 +29,21 @@ class TestShippedConfigs:
         overrides = [f"model={model}", f"compat={compat}"]
         cfg = compose_config(overrides + (["model.path=/models/x"] if model != "smollm2" else []))
         pipeline = build_pipeline(cfg.compat.rules, cfg.model.family)
-        assert all(named.name in cfg.compat.rules for named in pipeline.rules)
+        # in config order, every rule unscoped or scoped to this family, each an instance of its `_target_`
+        rules = OmegaConf.to_container(cfg.compat.rules, resolve=True)
+        family = cfg.model.family
+        assert pipeline.names == [name for name, node in rules.items() if family in node.get("families", [family])]
+        for named in pipeline.rules:
+            kind = type(named.rule)
+            assert f"{kind.__module__}.{kind.__qualname__}" == rules[named.name]["_target_"]
 
     @pytest.mark.parametrize("placement", shipped("placement"))
     def test_placement_composes(self, placement):
-        assert compose_config([f"placement={placement}"]).placement.device
+        assert_composes_as_written("placement", placement, PlacementConfig)
 
     @pytest.mark.parametrize("server", shipped("server"))
     def test_server_composes(self, server):
-        assert compose_config([f"server={server}"]).server.port == 8000
+        assert_composes_as_written("server", server, ServerConfig)
 
     def test_default_is_the_embedded_model_on_cpu(self):
         cfg = compose_config()

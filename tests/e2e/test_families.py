@@ -12,7 +12,7 @@ from deltafin.prompt import build_chat_format
 from deltafin.protocol.chat import ChatMessage, FunctionCall, FunctionDefinition, ToolCall, ToolDefinition
 from deltafin.tiny import write_tiny_model
 from tests.conftest import TINY_FAMILIES, TINY_OVERRIDES, TINY_SPECS, LiveServer, tiny_config
-from tests.e2e.scripted import taught
+from deltafin.tiny.taught import taught
 
 pytestmark = pytest.mark.e2e
 

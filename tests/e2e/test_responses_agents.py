@@ -24,7 +24,7 @@ from deltafin.serving.responses.service import chat_request
 from deltafin.serving.responses.tools import served_tools
 from deltafin.tiny import write_tiny_model
 from tests.conftest import TINY_OVERRIDES, LiveServer, tiny_config
-from tests.e2e.scripted import teach
+from deltafin.tiny.taught import teach
 from tests.e2e.stand_in import stand_in
 
 pytestmark = pytest.mark.e2e

@@ -19,7 +19,7 @@ from transformers import AutoTokenizer
 from deltafin.tiny import write_tiny_model
 from tests.conftest import TINY_OVERRIDES, LiveServer
 from tests.e2e.codex_cli import codex_exec
-from tests.e2e.scripted import teach
+from deltafin.tiny.taught import teach
 from tests.e2e.stand_in import stand_in
 
 pytestmark = pytest.mark.e2e

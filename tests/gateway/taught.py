@@ -1,40 +1,27 @@
-"""Tiny family models taught one scripted tool call (tests/e2e/scripted.py), cached outside the repo, for the
-tiers that serve them through a foreign engine (llama-server, vLLM).
-
-Random weights give nearly flat logits, where small float differences between engines could flip a greedy pick;
-taught tokens win by a wide margin, and the tool call is then the model's own output, produced by that engine.
+"""Tiny family models taught one scripted tool call (deltafin/tiny/taught.py), cached outside the repo, for the
+tiers that serve them through a foreign engine (llama-server, vLLM): the tool call is then the model's own
+output, produced by that engine.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+from deltafin.testing import TINY_SPECS
 from deltafin.tiny import write_tiny_model
-from tests.conftest import TINY_SPECS
-from tests.e2e.scripted import taught
+from deltafin.tiny.taught import reshape_heads, taught
 from tests.e2e.test_families import QUESTION, SCRIPTS, render
 
 TEACH_LR = 1e-2  # converges in about 100 steps; teach's default needs 400
 
 
 def taught_model(name: str, root: Path, *, head_dim: int | None = None) -> Path:
-    """The tiny model taught the family's scripted tool call (cached by `tests.e2e.scripted.taught`).
+    """The tiny model taught the family's scripted tool call (cached by `deltafin.tiny.taught.taught`).
 
     `head_dim` re-initialises the tiny model with that attention head size first (vLLM's CPU attention takes
     32 and up; the tiny recipes use 16)."""
     family, variant = TINY_SPECS[name]
     fresh = write_tiny_model(family, root / "fresh", variant=variant)
     if head_dim is not None:
-        _reshape_heads(fresh, head_dim)
+        reshape_heads(fresh, head_dim)
     return taught(fresh, [(render(name, fresh, QUESTION), SCRIPTS[name][0])], lr=TEACH_LR)
-
-
-def _reshape_heads(folder: Path, head_dim: int) -> None:
-    """The same architecture class and config but for `head_dim`, fresh seeded weights, saved by transformers."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(folder)
-    config.head_dim = head_dim
-    torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(folder)

@@ -14,7 +14,7 @@ import pytest
 
 import tests.conftest as conftest
 from tests.conftest import LiveServer
-from tests.e2e.scripted import teach
+from deltafin.tiny.taught import teach
 from tests.e2e.test_families import ARGUMENTS, QUESTION, SCRIPTS, TOOLS, follow_up, render
 
 pytestmark = pytest.mark.e2e

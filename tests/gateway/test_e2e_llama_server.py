@@ -14,7 +14,7 @@ import pytest
 
 from deltafin.engine.loader import resolve_model_path
 from tests.conftest import LiveServer, compose_config
-from tests.llama_server import llama_server_binary, start_llama_server
+from deltafin.testing.llama_server import llama_server_binary, start_llama_server
 from tests.tiers import unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.llama_server]

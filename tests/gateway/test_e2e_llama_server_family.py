@@ -4,7 +4,7 @@ and a local Deltafin (the torch engine) on the same weights beside it. GLM-4.7 b
 (SERVED below). Skipped unless scripts/build-llama-server has built the binary (or DELTAFIN_LLAMA_SERVER
 names one).
 
-Each model is taught one scripted tool call first (tests/e2e/scripted.py): random weights give nearly flat
+Each model is taught one scripted tool call first (deltafin/tiny/taught.py): random weights give nearly flat
 logits, where the small float differences between torch and ggml (up to about 1e-3 in a logprob, with
 llama-server's f16 KV cache) could flip a greedy pick; taught tokens win by a wide margin, and the tool call
 is then the model's own output, produced by llama.cpp.
@@ -26,7 +26,7 @@ from deltafin.tiny.gguf import tiny_gguf
 from tests.conftest import TINY_OVERRIDES, TINY_SPECS, LiveServer
 from tests.e2e.test_families import ARGUMENTS, KIMI_ID, QUESTION, TOOLS, client_model
 from tests.gateway.taught import taught_model
-from tests.llama_server import llama_server_binary, start_llama_server
+from deltafin.testing.llama_server import llama_server_binary, start_llama_server
 from tests.tiers import unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.llama_server]

@@ -24,7 +24,7 @@ import pytest
 
 from deltafin.engine.loader import convert_gguf, default_cache_dir, resolve_model_path
 from tests.conftest import LiveServer, compose_config
-from tests.vllm_server import VllmRouter, VllmServer, installed, running, served, stream_chat, vllm_python
+from deltafin.testing.vllm_server import VllmRouter, VllmServer, installed, running, served, stream_chat, vllm_python
 from tests.tiers import unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]

@@ -17,7 +17,7 @@ import pytest
 from tests.conftest import TINY_OVERRIDES, LiveServer
 from tests.e2e.test_families import ARGUMENTS, QUESTION, TOOLS, client_model
 from tests.gateway.taught import taught_model
-from tests.vllm_server import VllmServer, installed, vllm_python
+from deltafin.testing.vllm_server import VllmServer, installed, vllm_python
 from tests.tiers import unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]

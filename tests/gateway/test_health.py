@@ -10,7 +10,7 @@ from deltafin.engine import GenerationJob
 from deltafin.engine.upstream import health as health_module
 from deltafin.engine.upstream.vllm import VllmAdapter
 from deltafin.protocol.sampling import SamplingParams
-from tests.gateway.fakes import Fake, ScriptedBody, collect, make_front
+from deltafin.testing.upstream_fakes import Fake, ScriptedBody, collect, make_front
 
 JOB = GenerationJob((1, 2, 3), SamplingParams(max_tokens=2, temperature=0.0))
 ANSWER = [{"choices": [{"index": 0, "token_ids": [5, 6], "finish_reason": "length"}]}]

@@ -15,7 +15,7 @@ from deltafin.engine.upstream.http1 import ChunkedDecoder, ConnectionBroken, Htt
 from deltafin.engine.upstream.llama_server import LlamaServerAdapter
 from deltafin.engine.upstream.wire import SseSplitter
 from deltafin.protocol.sampling import SamplingParams
-from tests.gateway.fakes import DROP, Fake, ScriptedBody, collect, make_front
+from deltafin.testing.upstream_fakes import DROP, Fake, ScriptedBody, collect, make_front
 
 CHUNKED = b"5\r\nhello\r\n1;ext=1\r\n \r\n6\r\nworld!\r\n0\r\nx-trailer: 1\r\n\r\n"
 

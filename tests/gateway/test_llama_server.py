@@ -11,7 +11,7 @@ from deltafin.engine.upstream.engine import UpstreamSettings
 from deltafin.engine.upstream.llama_server import LlamaServerAdapter
 from deltafin.errors import ContextLengthError
 from deltafin.protocol.sampling import SamplingParams
-from tests.gateway.fakes import Fake, ScriptedBody, collect, make_front
+from deltafin.testing.upstream_fakes import Fake, ScriptedBody, collect, make_front
 
 
 def job(max_tokens=64, **params):

@@ -10,7 +10,7 @@ from deltafin.app.services import Services
 from deltafin.engine import EngineFront
 from deltafin.engine.upstream.llama_server import LlamaServerAdapter
 from tests.conftest import compose_config
-from tests.gateway.fakes import Fake, ScriptedBody, make_engine
+from deltafin.testing.upstream_fakes import Fake, ScriptedBody, make_engine
 
 EVENTS = [{"content": "x", "tokens": [28], "stop": False},
           {"content": "", "tokens": [], "stop": True, "stop_type": "limit", "tokens_evaluated": 2, "timings": {"cache_n": 0}}]

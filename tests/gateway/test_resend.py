@@ -9,7 +9,7 @@ import asyncio
 from deltafin.engine import GenerationJob
 from deltafin.engine.upstream.vllm import VllmAdapter
 from deltafin.protocol.sampling import SamplingParams
-from tests.gateway.fakes import DROP, Fake, ScriptedBody, collect, make_front
+from deltafin.testing.upstream_fakes import DROP, Fake, ScriptedBody, collect, make_front
 from tests.gateway.test_vllm import generate_events, ids_of
 
 

@@ -10,7 +10,7 @@ from deltafin.engine import GenerationJob
 from deltafin.engine.upstream.sglang import SglangAdapter
 from deltafin.errors import ContextLengthError, UpstreamError
 from deltafin.protocol.sampling import SamplingParams
-from tests.gateway.fakes import Fake, ScriptedBody, collect, make_front
+from deltafin.testing.upstream_fakes import Fake, ScriptedBody, collect, make_front
 
 TEXT = "Hello there, world! How are you?"
 

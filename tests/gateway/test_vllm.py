@@ -10,7 +10,7 @@ from deltafin.engine import GenerationJob
 from deltafin.engine.upstream.vllm import COMPLETIONS, GENERATE, VllmAdapter
 from deltafin.errors import ContextLengthError, UpstreamBusyError, UpstreamError, UpstreamUnavailableError
 from deltafin.protocol.sampling import SamplingParams
-from tests.gateway.fakes import DROP, Fake, ScriptedBody, collect, make_front
+from deltafin.testing.upstream_fakes import DROP, Fake, ScriptedBody, collect, make_front
 
 TEXT = "Hello there, world! How are you?"
 

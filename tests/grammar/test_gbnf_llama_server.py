@@ -23,7 +23,7 @@ from tests.conftest import compose_config
 from tests.grammar.tools import NAMED, TIME, WEATHER
 from tests.markup.test_gbnf_families import SYNTAXES, special_tokens
 from tests.markup.test_tool_calls import parse, tools_for_parser
-from tests.llama_server import llama_server_binary, start_llama_server
+from deltafin.testing.llama_server import llama_server_binary, start_llama_server
 from tests.tiers import unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.llama_server]

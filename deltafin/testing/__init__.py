@@ -1,0 +1,110 @@
+"""What tests and benchmarks need to run the real server: the config `python -m deltafin` would serve, a free
+loopback port, and `LiveServer`, the server as a real process.
+
+It lives in the package, not under tests/, so bench/ can use it without the test suite (it needs the `test` or
+`bench` extra: httpx).
+It sits on the top floor beside the entry point (tests/test_layers.py): it starts the entry point as a process
+and composes config through it, and nothing in the server imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from deltafin.cli import checked_config
+from deltafin.config import DeltafinConfig
+from deltafin.families import FAMILIES
+
+#: the folder holding the deltafin package (the checkout, or site-packages): where servers are started from
+REPO = Path(__file__).resolve().parents[2]
+
+
+def compose_config(overrides: list[str] | None = None) -> DeltafinConfig:
+    """The config `python -m deltafin` would serve for these overrides (every check but the model path's)."""
+    return checked_config(overrides or [])
+
+
+#: tiny model name (the variant's, else the family's) -> (model.family, model.variant) it is written and served
+#: as: every registered family and variant with a tiny recipe, so a new family is tested without an edit here
+TINY_SPECS = {
+    variant or name: (name, variant)
+    for name, family in sorted(FAMILIES.items())
+    for variant in family.variants or (None,)
+    if family.tiny_recipe(variant) is not None
+}
+TINY_FAMILIES = tuple(TINY_SPECS)
+#: tiny model name -> the Hydra overrides that serve it (conf/model/FAMILY.yaml, plus the variant)
+TINY_OVERRIDES = {
+    name: [f"model={family}", *([f"model.variant={variant}"] if variant else [])]
+    for name, (family, variant) in TINY_SPECS.items()
+}
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+class LiveServer:
+    """`python -m deltafin` as a real process on a free loopback port, its output in a log file."""
+
+    def __init__(self, overrides: list[str]) -> None:
+        self.port = free_port()
+        self.base_url = f"http://127.0.0.1:{self.port}"
+        self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"deltafin-test-{self.port}.log"
+        self._log = open(self.log_path, "w")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", "deltafin", f"server.port={self.port}", *overrides],
+            cwd=REPO,
+            stdout=self._log,
+            stderr=subprocess.STDOUT,
+            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"},
+        )
+
+    def wait_ready(self, timeout: float = 240.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise RuntimeError(f"server exited early:\n{self.log_path.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{self.base_url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise RuntimeError(f"server not ready in {timeout} s:\n{self.log_path.read_text()[-3000:]}")
+
+    def log_lines(self) -> list[str]:
+        self._log.flush()
+        return self.log_path.read_text().splitlines()
+
+    def request_log(self, request_id: str, timeout: float = 5.0) -> dict:
+        """The access-log line of one request (written just after its response, so poll for it)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            for line in self.log_lines():
+                if line.startswith("{") and f'"request_id": "{request_id}"' in line and '"event": "request"' in line:
+                    return json.loads(line)
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no log line for request {request_id}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        try:
+            self.process.terminate()
+            try:
+                self.process.wait(timeout=15)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait(timeout=15)
+        finally:
+            self._log.close()
