@@ -27,7 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from bench.throughput import LONG_PROMPT  # noqa: E402
-from tests.conftest import LiveServer  # noqa: E402
+from deltafin.testing import LiveServer  # noqa: E402
 
 
 def first_content_ms(base_url: str, body: dict, request_id: str) -> float:

@@ -31,3 +31,12 @@ def unavailable(tier: str, reason: str) -> None:
     if tier in os.environ.get("DELTAFIN_REQUIRE_TIERS", "").split(","):
         pytest.fail(f"{reason} (DELTAFIN_REQUIRE_TIERS requires the {tier} tier)", pytrace=False)
     pytest.skip(reason, allow_module_level=True)
+
+
+def pytest_terminal_summary(terminalreporter) -> None:
+    """How many real servers this run booted (issue 17 counts them): each costs seconds of start-up."""
+    from deltafin.testing import LiveServer
+
+    if LiveServer.boots:
+        terminalreporter.write_line(f"deltafin server boots: {len(LiveServer.boots)} "
+                                    f"({len(set(LiveServer.boots))} distinct override sets)")

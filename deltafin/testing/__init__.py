@@ -16,6 +16,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import ClassVar
 
 import httpx
 
@@ -57,7 +58,11 @@ def free_port() -> int:
 class LiveServer:
     """`python -m deltafin` as a real process on a free loopback port, its output in a log file."""
 
+    #: the overrides of every server started in this process, in order (the test suite reports the count)
+    boots: ClassVar[list[tuple[str, ...]]] = []
+
     def __init__(self, overrides: list[str]) -> None:
+        LiveServer.boots.append(tuple(overrides))
         self.port = free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"deltafin-test-{self.port}.log"
