@@ -61,9 +61,10 @@ class LiveServer:
     #: the overrides of every server started in this process, in order (the test suite reports the count)
     boots: ClassVar[list[tuple[str, ...]]] = []
 
-    def __init__(self, overrides: list[str]) -> None:
+    def __init__(self, overrides: list[str], *, port: int | None = None) -> None:
+        """`port`: a chosen one (to restart a server where a gateway expects it), else a free one."""
         LiveServer.boots.append(tuple(overrides))
-        self.port = free_port()
+        self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"deltafin-test-{self.port}.log"
         self._log = open(self.log_path, "w")

@@ -12,7 +12,6 @@ import httpx
 import openai
 import pytest
 
-import tests.conftest as conftest
 from tests.conftest import LiveServer
 from deltafin.tiny.taught import teach
 from tests.e2e.test_families import ARGUMENTS, QUESTION, SCRIPTS, TOOLS, follow_up, render
@@ -23,13 +22,6 @@ HELLO = [{"role": "user", "content": "Say hello in one sentence."}]
 STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
 
 
-def server_on(port: int, overrides: list[str]) -> LiveServer:
-    """A LiveServer on a chosen port (to restart an upstream where the gateway expects it)."""
-    chosen, conftest.free_port = conftest.free_port, lambda: port
-    try:
-        return LiveServer(overrides)
-    finally:
-        conftest.free_port = chosen
 
 
 @pytest.fixture(scope="module")
@@ -161,7 +153,7 @@ class TestUpstreamDownAndBack:
         health = httpx.get(f"{gateway.base_url}/health", timeout=10)
         assert health.status_code == 503 and health.json()["status"] == "upstream_unavailable"
 
-        restarted = server_on(upstream.port, [])
+        restarted = LiveServer([], port=upstream.port)  # where the gateway expects it
         try:
             restarted.wait_ready()
             # ignore_eos: a sampled answer may otherwise end at EOS before 4 tokens.
