@@ -29,7 +29,7 @@ HEALTH_BOUND_S = 1.0
 #: ... or this many times the largest seen in the moments before it, on a machine loaded past those bounds
 LOAD_FACTOR = 3
 COMPILE_TIMEOUT_S = 3.0
-CHUNK = 128
+CHUNK = 64
 
 
 class Watch:
