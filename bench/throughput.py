@@ -11,7 +11,9 @@ long prompt) on the same GGUF file, each through its HTTP chat endpoint:
 - aggregate, `--streams` concurrent clients of `--tokens` tokens each (different prompts): total completion
   tokens over the wall time from the first request to the last answer;
 - TTFT of a repeated ~1.1k-token prompt: streamed, client side (request sent to the first content chunk),
-  median of 5 after one warm-up; both servers reuse the prompt's KV cache (prefix cache / `cache_prompt`).
+  median of 5 after one warm-up; both servers reuse the prompt's KV cache (prefix cache / `cache_prompt`);
+- TTFT of a new prompt (`--fresh-copies` copies of the same notes, each request's message starting with a new
+  word): median of 3, the whole prompt prefilled each time.
 With `--extras`: aggregate at 1 and 4 streams, transformers `generate` on a padded batch (dequantized float32,
 in this process), `placement.quantize=int8` / `int4` single streams (on the dequantized weights), and the TTFT of
 a new request beside 7 decoding.
@@ -59,16 +61,21 @@ def chat(base_url: str, i: int, tokens: int, extra: dict | None = None) -> int:
     return response.json()["usage"]["completion_tokens"]
 
 
-def ttft(base_url: str, content: str, reps: int = 5) -> tuple[float, int]:
+def ttft(base_url: str, content: str, reps: int = 5, fresh: bool = False) -> tuple[float, int]:
     """(median seconds from sending a streamed chat request to its first content chunk, prompt tokens); the
-    first request warms the server's cache of this prompt."""
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": 4, "temperature": 0}
-    warm = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=600)
+    first request warms the server's cache of this prompt. `fresh`: every request's user message starts with
+    a new word instead, so only the chat template's short system preamble can come from a cache: the whole
+    prompt is prefilled each time."""
+    def body() -> dict:
+        text = f"Request {uuid.uuid4().hex[:8]}. {content}" if fresh else content
+        return {"messages": [{"role": "user", "content": text}], "max_tokens": 4, "temperature": 0}
+
+    warm = httpx.post(f"{base_url}/v1/chat/completions", json=body(), timeout=600)
     warm.raise_for_status()
     times = []
     for _ in range(reps):
         started = time.perf_counter()
-        with httpx.stream("POST", f"{base_url}/v1/chat/completions", json={**body, "stream": True},
+        with httpx.stream("POST", f"{base_url}/v1/chat/completions", json={**body(), "stream": True},
                           timeout=600) as response:
             lines = response.iter_lines()
             for line in lines:
@@ -87,6 +94,7 @@ def side(base_url: str, args: argparse.Namespace, streams: list[int]) -> dict[st
     for n in streams:
         out[f"{n} streams"] = aggregate(base_url, n, args.tokens)
     out["ttft_s"], out["prompt_tokens"] = ttft(base_url, LONG_PROMPT)
+    out["fresh_ttft_s"], out["fresh_prompt_tokens"] = ttft(base_url, LONG_PROMPT * args.fresh_copies, reps=3, fresh=True)
     return out
 
 
@@ -187,6 +195,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--extras", action="store_true", help="generate, int8/int4, TTFT beside seven")
+    parser.add_argument("--fresh-copies", type=int, default=1,
+                        help="the new-prompt TTFT's prompt: this many copies of the ~1.1k-token notes")
     args = parser.parse_args()
     config = compose_config()
     threads = torch.get_num_threads()
@@ -215,7 +225,7 @@ def main() -> None:
 
     print(f"single stream {args.single_tokens} tokens, {args.streams} streams x {args.tokens} tokens, "
           f"torch threads: {threads}, load average: {os.getloadavg()[0]:.1f}")
-    print("figures: " + json.dumps({k: {n: round(v, 4 if n == "ttft_s" else 1) for n, v in r.items()}
+    print("figures: " + json.dumps({k: {n: round(v, 4 if n.endswith("ttft_s") else 1) for n, v in r.items()}
                                     for k, r in rows.items()}))
     own, llama = rows["deltafin (default)"], rows.get("llama-server -np 8")
     if llama:
@@ -226,6 +236,8 @@ def main() -> None:
               f"{own[key] / llama[key]:.2f}x (target >= 1.5x)")
         print(f"TTFT, repeated {own['prompt_tokens']:.0f}-token prompt: deltafin {own['ttft_s'] * 1000:.1f} ms, "
               f"llama-server {llama['ttft_s'] * 1000:.1f} ms: {own['ttft_s'] / llama['ttft_s']:.2f}x (target <= 1.0x)")
+        print(f"TTFT, new {own['fresh_prompt_tokens']:.0f}-token prompt: deltafin {own['fresh_ttft_s'] * 1000:.1f} ms, "
+              f"llama-server {llama['fresh_ttft_s'] * 1000:.1f} ms: {own['fresh_ttft_s'] / llama['fresh_ttft_s']:.2f}x")
 
 
 if __name__ == "__main__":

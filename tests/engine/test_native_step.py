@@ -61,12 +61,18 @@ def test_greedy_tokens_equal_the_module_tree_over_the_same_blocks(loaded_model, 
     ids = loaded_model.tokenizer("The capital of France is").input_ids
     native, native_logits = greedy(model, decode_step_for(model), ids, rows)
     tree, tree_logits = greedy(model, tree_step, ids, rows, native_prefill=False)
-    assert native == tree
+    # Greedy tokens agree up to the first near tie: where the tree's top two logits are within float noise of
+    # each other (measured: the tree itself chose differently for three identical rows at such a step), the
+    # two float orders may pick either, and the contexts differ from there on.
+    margins = [float((top := logits.topk(2, dim=-1).values)[:, 0].sub(top[:, 1]).min()) for logits in tree_logits]
+    decided = next((i for i, margin in enumerate(margins) if margin < 0.1), len(margins))
+    assert decided >= 8, margins
+    assert native[:decided] == tree[:decided]
     # Float order differs (attention, norms), and a last-bit difference can move an 8-bit activation code by
     # one: the logits agree about as closely as either agrees with the float32 model (measured on prefill:
     # mean |diff| 0.18, max 0.85, against float32 0.15-0.24 / 0.94-1.16 for both), not bit for bit; over 16
     # decode steps the cached keys carry the difference along (mean up to 0.46 measured).
-    diffs = [(a - b).abs() for a, b in zip(native_logits, tree_logits)]
+    diffs = [(a - b).abs() for a, b in zip(native_logits[:decided], tree_logits[:decided])]
     assert max(float(d.mean()) for d in diffs) < 0.7 and max(float(d.max()) for d in diffs) < 2.5
 
 

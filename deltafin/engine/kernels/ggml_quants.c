@@ -182,6 +182,31 @@ static inline __m256i sum8(const __m256i *p) {
     const __m256i ab = _mm256_hadd_epi32(a, b), cd = _mm256_hadd_epi32(c, d);
     return _mm256_add_epi32(_mm256_permute2x128_si256(ab, cd, 0x20), _mm256_permute2x128_si256(ab, cd, 0x31));
 }
+
+#ifdef DELTAFIN_VARIANT_AVX512
+static inline __m512i dot_ss512(__m512i a, __m512i s) {
+    /* signed x signed as vpdpbusd's unsigned x signed: |a| times s with a's sign moved onto s */
+    const __mmask64 negative = _mm512_movepi8_mask(a);
+    const __m512i magnitude = _mm512_abs_epi8(a);
+    const __m512i signed_s = _mm512_mask_sub_epi8(s, negative, _mm512_setzero_si512(), s);
+    return _mm512_dpbusd_epi32(_mm512_setzero_si512(), magnitude, signed_s);
+}
+
+/* Four registers, each the 8 int32 partial sums of two blocks (blocks 2j, 2j + 1) -> the 8 blocks' totals in
+   block order. Integer sums are exact in any order, so this gives sum8's result with 12 operations, not 21. */
+static inline __m256i sum8_pairs(const __m512i *p) {
+    /* 128-bit quarters: p[j] = [2j lo, 2j hi, 2j+1 lo, 2j+1 hi] -> per quarter q, block (j-th pair's) 4 sums */
+    const __m512i t0 = _mm512_add_epi32(_mm512_shuffle_i32x4(p[0], p[1], 0x88), _mm512_shuffle_i32x4(p[0], p[1], 0xDD));
+    const __m512i t1 = _mm512_add_epi32(_mm512_shuffle_i32x4(p[2], p[3], 0x88), _mm512_shuffle_i32x4(p[2], p[3], 0xDD));
+    /* t0 quarters: blocks 0, 1, 2, 3; t1: blocks 4, 5, 6, 7 (4 partial sums each) */
+    const __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi32(t0, t1), _mm512_unpackhi_epi32(t0, t1));
+    /* per quarter q: [a0 + a2, b0 + b2, a1 + a3, b1 + b3] with a = block q, b = block q + 4 */
+    const __m512i w = _mm512_add_epi32(u, _mm512_shuffle_epi32(u, _MM_PERM_BADC));
+    /* per quarter q: lane 0 = block q's total, lane 1 = block q + 4's */
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 0, 0, 0, 0, 0, 0, 0, 0);
+    return _mm512_castsi512_si256(_mm512_permutexvar_epi32(order, w));
+}
+#endif
 #endif
 
 /* ---- one weight row against M activation rows ---- */
@@ -252,16 +277,34 @@ static inline __attribute__((always_inline)) void group_simd(const int type, con
     __m256i codes[LANES];
     for (int j = 0; j < LANES; j++)
         codes[j] = j < count ? block_codes(type, row + (g + j) * f->bytes) : _mm256_setzero_si256();
+#ifdef DELTAFIN_VARIANT_AVX512
+    __m512i pairs[LANES / 2];  /* blocks 2j and 2j + 1 in one register, for a full group */
+    if (count == LANES)
+        for (int j = 0; j < LANES / 2; j++) pairs[j] = _mm512_inserti64x4(_mm512_castsi256_si512(codes[2 * j]), codes[2 * j + 1], 1);
+#endif
     for (int64_t i = 0; i < mcount; i++) {
         const int64_t m = m_first + i;
         const int8_t *xq = x->q + m * k + g * QK;
-        __m256i p[LANES];
-        for (int j = 0; j < LANES; j++) {
-            if (j >= count) { p[j] = _mm256_setzero_si256(); continue; }
-            const __m256i v = _mm256_loadu_si256((const __m256i *)(xq + j * QK));
-            p[j] = type == GGML_Q8_0 ? dot_ss(codes[j], v) : dot_us(codes[j], v);
+        __m256i dots;
+#ifdef DELTAFIN_VARIANT_AVX512
+        if (count == LANES) {
+            __m512i p[LANES / 2];
+            for (int j = 0; j < LANES / 2; j++) {
+                const __m512i v = _mm512_loadu_si512((const void *)(xq + 2 * j * QK));
+                p[j] = type == GGML_Q8_0 ? dot_ss512(pairs[j], v) : _mm512_dpbusd_epi32(_mm512_setzero_si512(), pairs[j], v);
+            }
+            dots = sum8_pairs(p);
+        } else
+#endif
+        {
+            __m256i p[LANES];
+            for (int j = 0; j < LANES; j++) {
+                if (j >= count) { p[j] = _mm256_setzero_si256(); continue; }
+                const __m256i v = _mm256_loadu_si256((const __m256i *)(xq + j * QK));
+                p[j] = type == GGML_Q8_0 ? dot_ss(codes[j], v) : dot_us(codes[j], v);
+            }
+            dots = sum8(p);
         }
-        const __m256i dots = sum8(p);
         __m256 vdx;
         __m256i s;
         if (count == LANES) {

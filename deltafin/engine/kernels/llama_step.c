@@ -126,72 +126,189 @@ static void write_kv(const llama_model *model, const attention_args *a, int64_t 
     memcpy(a->values[l] + at, row + A + (Hk + g) * D, sizeof(float) * D);
 }
 
-/* Lanes of a score's dot product (see group_scores). */
+/* Lanes of a score's dot product and of the softmax's denominator (see group_scores, attend). */
 #define LANES 16
 
-/* scores[h * stride + c] = (query h . key c) * scale for the `group` query heads sharing these keys, columns
-   [0, columns); head_dim D is a multiple of 32. Each dot product is LANES partial sums (lane j: elements
-   i = j mod LANES, in order) added in a fixed tree: the same IEEE operations in every variant (no contraction,
-   no reassociation), which the compiler turns into vector code. A plain `dot += q[i] * k[i]` loop was a chain
-   of D dependent adds per column; at ~1k columns attention then cost more than all the matmuls of a decode
-   step (a repeated long prompt's TTFT, issue 20). */
-static void group_scores(const float *const *query, int64_t group, const float *keys, int64_t D, int64_t columns,
-                         float scale, float *scores, int64_t stride) {
-    for (int64_t c = 0; c < columns; c++) {
-        const float *k = keys + c * D;
+#ifdef DELTAFIN_VARIANT_AVX512
+/* The LANES partial sums of q . k (one column): the loop of group_scores in one register. */
+static inline __attribute__((always_inline)) __m512 lane_sums(const float *q, const float *k, int64_t D) {
+    __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
+    for (int64_t i = LANES; i < D; i += LANES)
+        acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i)));
+    return acc;
+}
+
+/* The tree of group_scores (lane l += lane l + width, width 8, 4, 2, 1) for sixteen columns' lane sums at once:
+   each step adds two shuffled vectors holding the pairs of several columns, so the 16 trees take 45 vector
+   operations instead of 16 horizontal reductions. The same additions as the plain loop (a + b = b + a in IEEE),
+   so the same bits. Column c ends in lane 4 * (c % 4) + c / 4; returned in column order. */
+static inline __m512 tree16(const __m512 *a) {
+    __m512 r8[8], r4[4], r2[2];
+    for (int m = 0; m < 8; m++)  /* [A lanes 0-7 | B lanes 0-7] + [A lanes 8-15 | B lanes 8-15] */
+        r8[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0x44),
+                              _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], 0xEE));
+    for (int m = 0; m < 4; m++)  /* 128-bit blocks: [A0-3 B0-3 C0-3 D0-3] + [A4-7 B4-7 C4-7 D4-7] */
+        r4[m] = _mm512_add_ps(_mm512_shuffle_f32x4(r8[2 * m], r8[2 * m + 1], 0x88),
+                              _mm512_shuffle_f32x4(r8[2 * m], r8[2 * m + 1], 0xDD));
+    for (int m = 0; m < 2; m++)  /* in each block: [x0 x1 | y0 y1] + [x2 x3 | y2 y3] */
+        r2[m] = _mm512_add_ps(_mm512_shuffle_ps(r4[2 * m], r4[2 * m + 1], 0x44),
+                              _mm512_shuffle_ps(r4[2 * m], r4[2 * m + 1], 0xEE));
+    const __m512 last = _mm512_add_ps(_mm512_shuffle_ps(r2[0], r2[1], 0x88), _mm512_shuffle_ps(r2[0], r2[1], 0xDD));
+    return _mm512_permutexvar_ps(_mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15), last);
+}
+#endif
+
+/* scores[h * stride + j] = (query h . key of column cols[j]) * scale for the `group` query heads sharing these
+   keys, j in [0, count) (cols NULL: column j itself); head_dim D is a multiple of 32. Each dot product is LANES
+   partial sums (lane j: elements i = j mod LANES, in order) added in a fixed tree: the same IEEE operations in
+   every variant (no contraction, no reassociation), which the compiler turns into vector code. A plain
+   `dot += q[i] * k[i]` loop was a chain of D dependent adds per column; at ~1k columns attention then cost more
+   than all the matmuls of a decode step (a repeated long prompt's TTFT, issue 20). */
+static void group_scores(const float *const *query, int64_t group, const float *keys, const int64_t *cols,
+                         int64_t D, int64_t count, float scale, float *scores, int64_t stride) {
+    int64_t first = 0;
+#ifdef DELTAFIN_VARIANT_AVX512
+    for (; first + LANES <= count; first += LANES) {
+        const float *k[LANES];
+        for (int c = 0; c < LANES; c++) k[c] = keys + (cols ? cols[first + c] : first + c) * D;
+        for (int64_t h = 0; h < group; h++) {
+            __m512 sums[LANES];
+            if (D == 64)  /* the common head sizes as constants: the loop unrolled, q kept in registers */
+                for (int c = 0; c < LANES; c++) sums[c] = lane_sums(query[h], k[c], 64);
+            else if (D == 128)
+                for (int c = 0; c < LANES; c++) sums[c] = lane_sums(query[h], k[c], 128);
+            else
+                for (int c = 0; c < LANES; c++) sums[c] = lane_sums(query[h], k[c], D);
+            _mm512_storeu_ps(scores + h * stride + first, _mm512_mul_ps(tree16(sums), _mm512_set1_ps(scale)));
+        }
+    }
+#endif
+    for (int64_t j = first; j < count; j++) {
+        const float *k = keys + (cols ? cols[j] : j) * D;
         for (int64_t h = 0; h < group; h++) {
             const float *qh = query[h];
             float acc[LANES];
-            for (int64_t j = 0; j < LANES; j++) acc[j] = qh[j] * k[j];
+            for (int64_t l = 0; l < LANES; l++) acc[l] = qh[l] * k[l];
             for (int64_t i = LANES; i < D; i += LANES)
-                for (int64_t j = 0; j < LANES; j++) acc[j] += qh[i + j] * k[i + j];
+                for (int64_t l = 0; l < LANES; l++) acc[l] += qh[i + l] * k[i + l];
             for (int64_t width = LANES / 2; width > 0; width /= 2)
-                for (int64_t j = 0; j < width; j++) acc[j] += acc[j + width];
-            scores[h * stride + c] = acc[0] * scale;
+                for (int64_t l = 0; l < width; l++) acc[l] += acc[l + width];
+            scores[h * stride + j] = acc[0] * scale;
         }
     }
 }
 
+/* e^x for x <= 0 (a score minus its row's maximum), within 1 ulp (checked over [-87, 0] in steps of 1e-6):
+   Cephes' expf (x = n ln2 + r, |r| <= ln2 / 2, a degree-7 polynomial, times 2^n), 0 below -87. Why not libm's
+   expf: it is a call per score that the compiler cannot vectorize, and with the scores themselves it was a
+   third of a long prompt's prefill. Plain IEEE operations (n rounded by the 1.5 * 2^23 trick, not nearbyintf),
+   so every variant gives the same bits, vectorized or not. */
+static inline float exp_nonpositive(float x) {
+    const float big = 12582912.0f;  /* 1.5 * 2^23: adding and subtracting it rounds to an integer */
+    const float clamped = x < -87.0f ? -87.0f : x;
+    const float n = (clamped * 1.44269504088896341f + big) - big;
+    float r = clamped - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    const float z = r * r;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * z + r;
+    p = p + 1.0f;
+    const float two_n = fp32_from_bits((uint32_t)((int32_t)n + 127) << 23);  /* n >= -126: a normal power of two */
+    return x < -87.0f ? 0.0f : p * two_n;
+}
+
 /* Attention of token t's query heads of kv group g over the columns it sees; outputs quantized per block.
-   `scores`: [group, columns] of this thread. */
+   `work`: this thread's [group, columns] scores; `cols`: its [columns] room for a decode step's visible columns.
+
+   A token's result never depends on where its columns sit: a decode step's visible columns (its row's mask;
+   left padding hidden) are gathered first, and everything after runs over the j-th visible column, in order.
+   So a row gets the same bits alone and left-padded in a batch, and a token the same bits in a decode step and
+   in a prefill window. Work per score is vector code: the scores, e^x, the denominator (LANES partial sums in
+   a fixed tree), the weights and the weighted sum of the values. */
 static void attend(const llama_model *model, const attention_args *a, int64_t l, float *qkv, float *attended,
-                   qrows *q, float *scores, int64_t t, int64_t g) {
+                   qrows *q, float *work, int64_t *cols, int64_t t, int64_t g) {
     const int64_t D = model->head_dim, Hq = model->heads, Hk = model->kv_heads, A = Hq * D, half = D / 2;
     const int64_t group = Hq / Hk;
-    const int64_t *visible = a->mask ? a->mask + a->kv_row[t] * a->width : NULL;
     const int64_t columns = a->mask ? a->width : a->kv_col[t] + 1;
     const float *keys = a->keys[l] + (a->kv_row[t] * Hk + g) * a->capacity * D;
     const float *values = a->values[l] + (a->kv_row[t] * Hk + g) * a->capacity * D;
+    int64_t count = columns;
+    if (!a->mask) {
+        cols = NULL;
+    } else {
+        const int64_t *visible = a->mask + a->kv_row[t] * a->width;
+        count = 0;
+        for (int64_t c = 0; c < columns; c++)
+            if (visible[c]) cols[count++] = c;
+    }
     const float *queries[group];
     for (int64_t h = 0; h < group; h++) {
         float *query = qkv + t * a->qkv_width + (g * group + h) * D;
         rotate(query, D, a->cos + a->positions[t] * half, a->sin + a->positions[t] * half);
         queries[h] = query;
     }
-    /* Hidden columns are scored too (their scores are never read). */
-    group_scores(queries, group, keys, D, columns, model->scale, scores, columns);
+    group_scores(queries, group, keys, cols, D, count, model->scale, work, columns);
     for (int64_t h = 0; h < group; h++) {
-        const int64_t head = g * group + h;
-        float *own = scores + h * columns;
+        float *restrict own = work + h * columns;
         float top = -INFINITY;
-        for (int64_t c = 0; c < columns; c++) {
-            if (visible && !visible[c]) continue;
-            top = own[c] > top ? own[c] : top;
+        for (int64_t j = 0; j < count; j++) top = own[j] > top ? own[j] : top;
+        for (int64_t j = 0; j < count; j++) own[j] = exp_nonpositive(own[j] - top);
+        float lanes[LANES] = {0};
+        int64_t j = 0;
+        for (; j + LANES <= count; j += LANES)
+            for (int64_t k = 0; k < LANES; k++) lanes[k] += own[j + k];
+        for (int64_t k = 0; j + k < count; k++) lanes[k] += own[j + k];
+        for (int64_t width = LANES / 2; width > 0; width /= 2)
+            for (int64_t k = 0; k < width; k++) lanes[k] += lanes[k + width];
+        const float total = lanes[0];
+        for (j = 0; j < count; j++) own[j] = own[j] / total;
+    }
+    /* out[i] = sum over j of weight[j] * value[j][i], in order of j, sixteen elements at a time: the sixteen
+       partial outputs stay in a register instead of a store and a load per column. */
+#ifdef DELTAFIN_VARIANT_AVX512
+    /* Eight (head, sixteen elements) outputs at a time, so eight independent chains of additions interleave
+       (one output's chain alone waits on each addition's latency); the same operations per element. */
+    const int64_t pieces = group * (D / LANES);
+    for (int64_t p0 = 0; p0 + 8 <= pieces; p0 += 8) {
+        __m512 acc[8];
+        const float *w[8];
+        int64_t off[8];
+        for (int p = 0; p < 8; p++) {
+            acc[p] = _mm512_setzero_ps();
+            w[p] = work + ((p0 + p) / (D / LANES)) * columns;
+            off[p] = ((p0 + p) % (D / LANES)) * LANES;
         }
-        float total = 0.0f;
-        for (int64_t c = 0; c < columns; c++) {
-            if (visible && !visible[c]) continue;
-            own[c] = expf(own[c] - top);
-            total += own[c];
+        for (int64_t j = 0; j < count; j++) {
+            const float *v = values + (cols ? cols[j] : j) * D;
+            for (int p = 0; p < 8; p++)
+                acc[p] = _mm512_add_ps(acc[p], _mm512_mul_ps(_mm512_set1_ps(w[p][j]), _mm512_loadu_ps(v + off[p])));
         }
-        float *out = attended + t * A + head * D;
-        for (int64_t i = 0; i < D; i++) out[i] = 0.0f;
-        for (int64_t c = 0; c < columns; c++) {
-            if (visible && !visible[c]) continue;
-            const float weight = own[c] / total;
-            for (int64_t i = 0; i < D; i++) out[i] += weight * values[c * D + i];
+        for (int p = 0; p < 8; p++)
+            _mm512_storeu_ps(attended + t * A + g * group * D + (p0 + p) * LANES, acc[p]);
+    }
+    const int64_t done = pieces - pieces % 8;  /* pieces [0, done) are written */
+#else
+    const int64_t done = 0;
+#endif
+    for (int64_t h = 0; h < group; h++) {
+        float *restrict out = attended + t * A + (g * group + h) * D;
+        const float *own = work + h * columns;
+        for (int64_t i0 = 0; i0 < D; i0 += LANES) {
+            if (h * (D / LANES) + i0 / LANES < done) continue;
+            float acc[LANES] = {0};
+            for (int64_t j = 0; j < count; j++) {
+                const float *restrict v = values + (cols ? cols[j] : j) * D + i0;
+                const float weight = own[j];
+                for (int64_t k = 0; k < LANES; k++) acc[k] += weight * v[k];
+            }
+            for (int64_t k = 0; k < LANES; k++) out[i0 + k] = acc[k];
         }
-        for (int64_t blk = 0; blk < D / QK; blk++) quantize_block(out + blk * QK, q, t, A, head * (D / QK) + blk);
+        for (int64_t blk = 0; blk < D / QK; blk++) quantize_block(out + blk * QK, q, t, A, (g * group + h) * (D / QK) + blk);
     }
 }
 
@@ -220,11 +337,12 @@ int deltafin_llama_forward(const llama_model *model, const int64_t *tokens, cons
     float *gate_up = malloc(sizeof(float) * T * 2 * I);
     const int64_t group = Hq / Hk;
     float *scores = malloc(sizeof(float) * threads * group * columns);
+    int64_t *cols = malloc(sizeof(int64_t) * threads * columns);
     qrows q, gated;  /* a layer's quantized inputs; the gated MLP activations (written while q is read) */
     const int ok = qrows_alloc(&q, T, widest) & qrows_alloc(&gated, T, I) && x && h && qkv && attended && gate_up
-                   && scores;
+                   && scores && cols;
     if (!ok) {
-        free(x); free(h); free(qkv); free(attended); free(gate_up); free(scores); qrows_free(&q); qrows_free(&gated);
+        free(x); free(h); free(qkv); free(attended); free(gate_up); free(scores); free(cols); qrows_free(&q); qrows_free(&gated);
         return -1;
     }
     const attention_args args = {positions, kv_row, kv_col, mask, width, capacity, qkv_width, keys, values, cos, sin};
@@ -236,6 +354,7 @@ int deltafin_llama_forward(const llama_model *model, const int64_t *tokens, cons
         int phase = 0;
 #define SYNC() team_wait(&bar, &phase)
         float *own_scores = scores + omp_get_thread_num() * group * columns;
+        int64_t *own_cols = cols + omp_get_thread_num() * columns;
         #pragma omp for schedule(static) nowait
         for (int64_t t = 0; t < T; t++)
             deltafin_ggml_dequantize(model->embed.data, (int)model->embed.type, H, model->embed.row_bytes,
@@ -259,15 +378,16 @@ int deltafin_llama_forward(const llama_model *model, const int64_t *tokens, cons
                 #pragma omp for schedule(static) nowait
                 for (int64_t task = 0; task < T * Hk; task++) {
                     write_kv(model, &args, l, qkv, task / Hk, task % Hk);
-                    attend(model, &args, l, qkv, attended, &q, own_scores, task / Hk, task % Hk);
+                    attend(model, &args, l, qkv, attended, &q, own_scores, own_cols, task / Hk, task % Hk);
                 }
             } else {
                 #pragma omp for schedule(static) nowait
                 for (int64_t task = 0; task < T * Hk; task++) write_kv(model, &args, l, qkv, task / Hk, task % Hk);
                 SYNC();
-                #pragma omp for schedule(static) nowait
+                /* interleaved: a later token sees more columns, so halves of the window are unequal work */
+                #pragma omp for schedule(static, 1) nowait
                 for (int64_t task = 0; task < T * Hk; task++)
-                    attend(model, &args, l, qkv, attended, &q, own_scores, task / Hk, task % Hk);
+                    attend(model, &args, l, qkv, attended, &q, own_scores, own_cols, task / Hk, task % Hk);
             }
             SYNC();
             {
@@ -322,6 +442,6 @@ int deltafin_llama_forward(const llama_model *model, const int64_t *tokens, cons
         }
 #undef SYNC
     }
-    free(x); free(h); free(qkv); free(attended); free(gate_up); free(scores); qrows_free(&q); qrows_free(&gated);
+    free(x); free(h); free(qkv); free(attended); free(gate_up); free(scores); free(cols); qrows_free(&q); qrows_free(&gated);
     return 0;
 }
