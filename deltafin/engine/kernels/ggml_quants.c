@@ -278,24 +278,27 @@ static inline __attribute__((always_inline)) void group_simd(const int type, con
     for (int j = 0; j < LANES; j++)
         codes[j] = j < count ? block_codes(type, row + (g + j) * f->bytes) : _mm256_setzero_si256();
 #ifdef DELTAFIN_VARIANT_AVX512
-    __m512i pairs[LANES / 2];  /* blocks 2j and 2j + 1 in one register, for a full group */
-    if (count == LANES)
-        for (int j = 0; j < LANES / 2; j++) pairs[j] = _mm512_inserti64x4(_mm512_castsi256_si512(codes[2 * j]), codes[2 * j + 1], 1);
+    /* blocks 2j and 2j + 1 in one register (codes past `count` are 0, so whatever activations sit beside the
+       row's last block add nothing: qrows_alloc leaves 64 bytes of room past the last row) */
+    const int npairs = (count + 1) / 2;
+    __m512i pairs[LANES / 2];
+    for (int j = 0; j < npairs; j++) pairs[j] = _mm512_inserti64x4(_mm512_castsi256_si512(codes[2 * j]), codes[2 * j + 1], 1);
 #endif
     for (int64_t i = 0; i < mcount; i++) {
         const int64_t m = m_first + i;
         const int8_t *xq = x->q + m * k + g * QK;
         __m256i dots;
 #ifdef DELTAFIN_VARIANT_AVX512
-        if (count == LANES) {
+        {
             __m512i p[LANES / 2];
             for (int j = 0; j < LANES / 2; j++) {
+                if (j >= npairs) { p[j] = _mm512_setzero_si512(); continue; }
                 const __m512i v = _mm512_loadu_si512((const void *)(xq + 2 * j * QK));
                 p[j] = type == GGML_Q8_0 ? dot_ss512(pairs[j], v) : _mm512_dpbusd_epi32(_mm512_setzero_si512(), pairs[j], v);
             }
             dots = sum8_pairs(p);
-        } else
-#endif
+        }
+#else
         {
             __m256i p[LANES];
             for (int j = 0; j < LANES; j++) {
@@ -305,6 +308,7 @@ static inline __attribute__((always_inline)) void group_simd(const int type, con
             }
             dots = sum8(p);
         }
+#endif
         __m256 vdx;
         __m256i s;
         if (count == LANES) {
@@ -339,7 +343,8 @@ static inline __attribute__((always_inline)) void row_times_body(const int type,
     for (int64_t mc = 0; mc < rows; mc += ROW_CHUNK) {
         const int64_t mcount = rows - mc < ROW_CHUNK ? rows - mc : ROW_CHUNK;
         float acc[ROW_CHUNK][LANES];
-        memset(acc, 0, sizeof(acc[0]) * (size_t)mcount);
+        for (int64_t i = 0; i < mcount; i++)  /* a plain loop: memset's `rep stos` start-up cost was 4% of a prefill */
+            for (int j = 0; j < LANES; j++) acc[i][j] = 0.0f;
         int64_t g = 0;
 #ifdef DELTAFIN_SIMD
         for (; g + LANES <= nb; g += LANES) group_simd(type, &f, row, k, x, mc, mcount, g, LANES, acc);
