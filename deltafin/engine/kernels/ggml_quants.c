@@ -131,9 +131,14 @@ static inline void unpack_codes(int type, const uint8_t *b, int16_t *u) {
      Q6_K:        the codes are taken signed (q - 32, -32..31) and the block's two 16-value scales go into the
                   integer part: dot = sc_a * sum_{i<16} (q-32)*v + sc_b * sum_{i>=16} (q-32)*v (exact int32:
                   at most 2 * 128 * 16 * 32 * 127 in magnitude), term = (d * dx) * float(dot).
-   Both are the same IEEE operations in every variant, as for the other formats; only the unpacking of the
-   codes differs (portable: bytes, k_codes; SIMD: registers, k_codes_simd). Dequantization gives gguf's values
-   exactly: (d * sc_j) * u - dmin * m_j, and (d * scale) * (q - 32), both products exact in float. */
+   Both are the same IEEE operations in every variant, as for the other formats. What differs is only how the
+   exact integers and the (exact) scale products are obtained: portable C unpacks bytes (k_scales, k_codes);
+   the SIMD builds unpack a super-block's codes and scales straight into registers (k_codes_simd,
+   k_scales_simd), AVX-512 takes two blocks per vpdpbusd (and multiplies Q6_K's per-4-values sums by their
+   scale), AVX2 applies Q6_K's scales in vpmaddwd. Dequantization gives gguf's values exactly:
+   (d * sc_j) * u - dmin * m_j, and (d * scale) * (q - 32), both products exact in float.
+   Measured (one thread, 2048 x 1536, this 2-core AVX-512 machine, best of 15): one row Q4_K 0.13 ms, Q5_K
+   0.16, Q6_K 0.19, against Q4_1 0.17 and Q8_0 0.16; 16 rows 1.08 / 1.08 / 1.31 against 1.10 / 1.19. */
 
 /* Scale and min of sub-block j (ggml's get_scale_min_k4). */
 static inline void k_scale_min(const uint8_t *s, int j, int *sc, int *m) {
@@ -272,6 +277,29 @@ static inline void k_codes_simd(int type, const uint8_t *b, __m256i *codes) {
             codes[j] = _mm256_or_si256(codes[j], _mm256_and_si256(moved, bit4));
         }
     }
+}
+
+/* k_scales in registers (the same floats: the same IEEE products, the sign flipped as by unary minus): dw, mw
+   per block; Q6_K: d in every lane, mw 0, and the 16 integer scales as int32 (sc_low: 0-7, sc_high: 8-15). */
+static inline void k_scales_simd(int type, const uint8_t *b, __m256 *dw, __m256 *mw, __m256i *sc_low, __m256i *sc_high) {
+    if (type == GGML_Q6_K) {
+        *dw = _mm256_set1_ps(half_to_float(read_u16(b + 208)));
+        *mw = _mm256_setzero_ps();
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(b + 192));
+        *sc_low = _mm256_cvtepi8_epi32(bytes);
+        *sc_high = _mm256_cvtepi8_epi32(_mm_srli_si128(bytes, 8));
+        return;
+    }
+    /* k_scale_min for the 8 sub-blocks at once, four bytes per word */
+    const uint32_t a0 = read_u32(b + 4), a1 = read_u32(b + 8), a2 = read_u32(b + 12);
+    const uint32_t sc_first = a0 & 0x3F3F3F3Fu, sc_last = (a2 & 0x0F0F0F0Fu) | ((a0 >> 2) & 0x30303030u);
+    const uint32_t m_first = a1 & 0x3F3F3F3Fu, m_last = ((a2 >> 4) & 0x0F0F0F0Fu) | ((a1 >> 2) & 0x30303030u);
+    const __m256i sc = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)(((uint64_t)sc_last << 32) | sc_first)));
+    const __m256i m = _mm256_cvtepu8_epi32(_mm_cvtsi64_si128((long long)(((uint64_t)m_last << 32) | m_first)));
+    *dw = _mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(b))), _mm256_cvtepi32_ps(sc));
+    *mw = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(half_to_float(read_u16(b + 2))), _mm256_cvtepi32_ps(m)),
+                        _mm256_set1_ps(-0.0f));
+    *sc_low = *sc_high = _mm256_setzero_si256();
 }
 
 /* unsigned u8 x signed s8, 32 pairs -> 8 int32 partial sums */
@@ -477,27 +505,54 @@ static inline __attribute__((always_inline)) void row_times_k_body(const int typ
         memset(acc, 0, sizeof(acc[0]) * (size_t)mcount);
         for (int64_t sb = 0; sb < nsb; sb++) {
             const uint8_t *b = row + sb * f.bytes;
-            float dw[LANES], mw[LANES];
-            int32_t sc16[16];
-            k_scales(type, b, dw, mw, sc16);
 #ifdef DELTAFIN_SIMD
-            __m256i codes[LANES], scales[LANES];
+            __m256 vdw, vmw;
+            __m256i sc_low, sc_high;
+            k_scales_simd(type, b, &vdw, &vmw, &sc_low, &sc_high);
+            __m256i codes[LANES];
             k_codes_simd(type, b, codes);
+#ifdef DELTAFIN_VARIANT_AVX512
+            __m512i pairs[LANES / 2], pair_scales[LANES / 2];  /* blocks 2j and 2j + 1 in one register */
+            for (int j = 0; j < LANES / 2; j++)
+                pairs[j] = _mm512_inserti64x4(_mm512_castsi256_si512(codes[2 * j]), codes[2 * j + 1], 1);
+            if (type == GGML_Q6_K) {  /* int32 lanes 4g .. 4g + 3 of pair j: 16-value group 4j + g */
+                const __m512i all = _mm512_inserti64x4(_mm512_castsi256_si512(sc_low), sc_high, 1);
+                for (int j = 0; j < LANES / 2; j++)
+                    pair_scales[j] = _mm512_permutexvar_epi32(
+                        _mm512_add_epi32(_mm512_set1_epi32(4 * j), _mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3)), all);
+            }
+#else
+            __m256i scales[LANES];  /* int16 lanes 0-7 of block j: 16-value group 2j, lanes 8-15: 2j + 1 */
             if (type == GGML_Q6_K)
                 for (int j = 0; j < LANES; j++) {
-                    const int32_t a = sc16[2 * j], c = sc16[2 * j + 1];
-                    scales[j] = _mm256_setr_epi32(a, a, a, a, c, c, c, c);  /* int32 lanes 0-3: values 0-15 */
+                    const __m256i wide = _mm256_permutevar8x32_epi32(j < 4 ? sc_low : sc_high,
+                        _mm256_add_epi32(_mm256_set1_epi32(2 * (j % 4)), _mm256_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1)));
+                    scales[j] = _mm256_packs_epi32(wide, wide);  /* per 128-bit half: its scale 8 times */
                 }
-            const __m256 vdw = _mm256_loadu_ps(dw), vmw = _mm256_loadu_ps(mw);
+#endif
             for (int64_t i = 0; i < mcount; i++) {
                 const int64_t m = mc + i;
                 const int8_t *xq = x->q + m * k + sb * QK_K;
+#ifdef DELTAFIN_VARIANT_AVX512
+                __m512i p[LANES / 2];
+                for (int j = 0; j < LANES / 2; j++) {
+                    const __m512i v = _mm512_loadu_si512((const void *)(xq + 2 * j * QK));
+                    p[j] = type == GGML_Q6_K ? _mm512_mullo_epi32(dot_ss512(pairs[j], v), pair_scales[j])
+                                             : _mm512_dpbusd_epi32(_mm512_setzero_si512(), pairs[j], v);
+                }
+                const __m256i dots = sum8_pairs(p);
+#else
                 __m256i p[LANES];
                 for (int j = 0; j < LANES; j++) {
                     const __m256i v = _mm256_loadu_si256((const __m256i *)(xq + j * QK));
-                    p[j] = type == GGML_Q6_K ? _mm256_mullo_epi32(dot_ss(codes[j], v), scales[j]) : dot_us(codes[j], v);
+                    if (type == GGML_Q6_K)  /* |pair| <= 2 * 32 * 127, times a scale <= 128, two summed: exact */
+                        p[j] = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_sign_epi8(codes[j], codes[j]),
+                                                                      _mm256_sign_epi8(v, codes[j])), scales[j]);
+                    else
+                        p[j] = dot_us(codes[j], v);
                 }
                 const __m256i dots = sum8(p);
+#endif
                 const __m256 vdx = _mm256_loadu_ps(x->d + m * nb + sb * LANES);
                 __m256 term = _mm256_mul_ps(_mm256_mul_ps(vdw, vdx), _mm256_cvtepi32_ps(dots));
                 if (f.has_min) {
@@ -507,6 +562,9 @@ static inline __attribute__((always_inline)) void row_times_k_body(const int typ
                 _mm256_storeu_ps(acc[i], _mm256_add_ps(_mm256_loadu_ps(acc[i]), term));
             }
 #else
+            float dw[LANES], mw[LANES];
+            int32_t sc16[16];
+            k_scales(type, b, dw, mw, sc16);
             int8_t codes[LANES][QK];
             for (int j = 0; j < LANES; j++) k_codes(type, b, j, codes[j]);
             for (int64_t i = 0; i < mcount; i++) {
