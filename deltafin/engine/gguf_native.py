@@ -35,8 +35,10 @@ log = structlog.get_logger("deltafin.engine")
 #: bumped when the cached skeleton folder changes meaning
 SKELETON_FORMAT = 2
 ARCHITECTURES = ("llama",)
-#: ggml type ids served natively (ggml_quants.c); float ones (F32 / F16 / BF16) are for norms
-NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0"}
+#: ggml type ids served natively (ggml_quants.c); float ones (F32 / F16 / BF16) are for norms. The K-quants
+#: (12-14) come in super-blocks of 256 values: a matrix in one of them needs an input width in multiples of 256
+#: (llama.cpp stores other widths in another type, as Q4_K_M files do).
+NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 _PROJECTIONS = {
     "attn_q": ("self_attn", "q_proj"), "attn_k": ("self_attn", "k_proj"), "attn_v": ("self_attn", "v_proj"),
     "attn_output": ("self_attn", "o_proj"), "ffn_gate": ("mlp", "gate_proj"), "ffn_up": ("mlp", "up_proj"),
@@ -60,7 +62,8 @@ def unsupported(gguf: Path) -> str | None:
     """Why `gguf` cannot be served natively here (the loader then dequantizes it), or None."""
     from deltafin.engine.kernels import ggml
 
-    if ggml() is None:
+    library = ggml()
+    if library is None:
         return "the C kernels are unavailable (no compiler, or DELTAFIN_KERNELS=0)"
     reader = _reader(gguf)
     architecture = _architecture(reader)
@@ -68,8 +71,13 @@ def unsupported(gguf: Path) -> str | None:
         return f"architecture {architecture!r} has no native decode step"
     for tensor in reader.tensors:
         if tensor.name.rsplit(".", 2)[-2] in (*_PROJECTIONS, "token_embd", "output"):
-            if int(tensor.tensor_type) not in NATIVE_TYPES:
+            kind = int(tensor.tensor_type)
+            if kind not in NATIVE_TYPES:
                 return f"tensor {tensor.name} is {tensor.tensor_type.name}, not one of {', '.join(NATIVE_TYPES.values())}"
+            values = int(library.deltafin_ggml_block_values(kind))
+            if int(tensor.shape[0]) % values:
+                return (f"tensor {tensor.name} is {tensor.tensor_type.name} with rows of {int(tensor.shape[0])} values, "
+                        f"not a multiple of its {values}-value blocks")
     return None
 
 

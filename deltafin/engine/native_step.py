@@ -201,6 +201,8 @@ class NativeLlamaStep:
             room.values.data_ptr(), self._cos.data_ptr(), self._sin.data_ptr(), logits.data_ptr(), first,
             torch.get_num_threads(),
         )
+        if failed == -2:  # the loader (gguf_native.unsupported) refuses such files first
+            raise ValueError("the native forward refused the model: a width is not whole blocks of its matrix's type")
         if failed:
             raise MemoryError(f"the native forward failed ({failed}): out of memory for its work buffers")
         return logits

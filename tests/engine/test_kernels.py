@@ -5,6 +5,7 @@ every CPU variant, and the run-time dispatcher."""
 
 from __future__ import annotations
 
+import inspect
 import os
 import subprocess
 import sys
@@ -89,11 +90,41 @@ def test_turned_off_the_layer_falls_back():
 FORMATS = ["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"]
 
 
+#: K-quants: super-blocks of 256 values (gguf has no quantizer for them: random blocks, see `kquant_blocks`)
+K_FORMATS = ["Q4_K", "Q5_K", "Q6_K"]
+
+
+def kquant_blocks(name: str, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """`n` rows of width `k` (a multiple of 256) of random K-quant super-blocks, uint8 [n, k / 256 * bytes]:
+    random codes, scales and mins, with the half scales (d, and dmin for Q4_K / Q5_K) set to small finite
+    halves of either sign."""
+    import gguf
+
+    qtype = gguf.GGMLQuantizationType[name]
+    size = gguf.GGML_QUANT_SIZES[qtype][1]
+    rng = np.random.default_rng(seed)
+    blocks = rng.integers(0, 256, size=(n, k // 256, size), dtype=np.uint8)
+
+    def halves() -> np.ndarray:
+        value = rng.uniform(1e-3, 0.05, size=(n, k // 256)) * rng.choice([-1.0, 1.0], size=(n, k // 256))
+        return value.astype(np.float16)[..., None].view(np.uint8)
+
+    if name == "Q6_K":
+        blocks[..., 208:210] = halves()
+    else:
+        blocks[..., 0:2] = halves()
+        blocks[..., 2:4] = halves()
+    return blocks.reshape(n, -1)
+
+
 def ggml_layer(name: str, n: int, k: int, seed: int = 0) -> tuple[GGMLLinear, np.ndarray]:
     """A GGMLLinear of `n` random rows of width `k` in format `name`, and gguf's float64 dequantization of it."""
     import gguf
 
     qtype = gguf.GGMLQuantizationType[name]
+    if name in K_FORMATS:
+        blocks = kquant_blocks(name, n, k, seed)
+        return GGMLLinear(torch.from_numpy(blocks), int(qtype), k), gguf.quants.dequantize(blocks, qtype).astype(np.float64)
     weights = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     blocks = gguf.quants.quantize(weights, qtype)
     return GGMLLinear(torch.from_numpy(blocks.copy()), int(qtype), k), gguf.quants.dequantize(blocks, qtype).astype(np.float64)
@@ -133,6 +164,46 @@ def test_matmul_matches_dequantize_then_matmul(name, n, blocks, rows):
     assert (np.abs(got - plain) <= bound * 1.0001 + 1e-6).all()
 
 
+@pytest.mark.parametrize("name", K_FORMATS)
+def test_kquant_dequantization_matches_the_gguf_package(name):
+    import gguf
+
+    layer, reference = ggml_layer(name, 7, 256 * 3, seed=1)
+    got = layer.dequantized().numpy()
+    assert np.array_equal(got.astype(np.float64), reference)
+    assert np.array_equal(got, reference.astype(np.float32))  # and bit for bit as float32 (signs of zeros aside)
+    assert kernels.ggml().deltafin_ggml_block_values(int(gguf.GGMLQuantizationType[name])) == 256
+    assert kernels.ggml().deltafin_ggml_block_bytes(int(gguf.GGMLQuantizationType[name])) == \
+        gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][1]
+
+
+@pytest.mark.parametrize("name", K_FORMATS)
+@pytest.mark.parametrize("n, superblocks, rows", [(37, 3, 5), (1, 1, 1), (8, 1, 21), (33, 6, 17)])
+def test_kquant_matmul_matches_dequantize_then_matmul(name, n, superblocks, rows):
+    """Odd output counts, one and several super-blocks, rows across the 16-row chunk."""
+    layer, weights = ggml_layer(name, n, 256 * superblocks, seed=n + superblocks)
+    torch.manual_seed(rows)
+    x = torch.randn(rows, layer.in_features)
+    got = layer(x).double().numpy()
+    codes, scales = reference_activations(x.numpy())
+    quantized_x = codes * np.repeat(scales.astype(np.float64), 32, axis=1)
+    exact = quantized_x @ weights.T
+    assert np.abs(got - exact).max() <= 1e-5 * np.abs(exact).max()
+
+
+def test_kquant_widths_must_be_whole_superblocks():
+    import gguf
+
+    library = kernels.ggml()
+    blocks = kquant_blocks("Q4_K", 2, 256)
+    out = torch.empty(2, 128)
+    x = torch.randn(2, 128)
+    ids = torch.arange(2)
+    qtype = int(gguf.GGMLQuantizationType.Q4_K)
+    assert library.deltafin_ggml_matmul(x.data_ptr(), 2, blocks.ctypes.data, qtype, 2, 128, 72, None, out.data_ptr(), 1) == -1
+    assert library.deltafin_ggml_dequantize(blocks.ctypes.data, qtype, 128, 72, ids.data_ptr(), 2, out.data_ptr()) == -1
+
+
 def test_activations_are_quantized_as_llama_cpp_does():
     torch.manual_seed(1)
     x = torch.randn(3, 96) * torch.tensor([1.0, 1e-3, 30.0])[:, None]
@@ -146,9 +217,9 @@ def test_activations_are_quantized_as_llama_cpp_does():
     assert np.array_equal(s.numpy(), codes.reshape(3, 3, 32).sum(axis=2))
 
 
-@pytest.mark.parametrize("name", FORMATS)
+@pytest.mark.parametrize("name", FORMATS + K_FORMATS)
 def test_ggml_rows_get_the_same_bits_alone_and_in_a_batch(name):
-    layer, _ = ggml_layer(name, 45, 32 * 18)
+    layer, _ = ggml_layer(name, 45, 256 * 3 if name in K_FORMATS else 32 * 18)
     x = torch.randn(19, layer.in_features)
     together = layer(x)
     alone = torch.cat([layer(x[i : i + 1]) for i in range(x.shape[0])])
@@ -171,13 +242,19 @@ VARIANT_PROBE = (
     "    w = np.random.default_rng(0).standard_normal((37, 32 * 19)).astype(np.float32)\n"
     "    layer = GGMLLinear(torch.from_numpy(gguf.quants.quantize(w, t).copy()), int(t), 32 * 19)\n"
     "    torch.manual_seed(0); h.update(layer(torch.randn(21, 32 * 19)).numpy().tobytes())\n"
+    "for name in ('Q4_K', 'Q5_K', 'Q6_K'):\n"
+    "    t = gguf.GGMLQuantizationType[name]\n"
+    "    layer = GGMLLinear(torch.from_numpy(kquant_blocks(name, 37, 256 * 3, seed=5)), int(t), 256 * 3)\n"
+    "    torch.manual_seed(0); x = torch.randn(21, 256 * 3)\n"
+    "    h.update(layer(x).numpy().tobytes()); h.update(layer.dequantized().numpy().tobytes())\n"
     "print(kernels.variant(), kernels.ggml().deltafin_kernel_variant(), h.hexdigest())\n"
 )
 
 
 def probe(variant: str) -> list[str]:
     env = {**os.environ, "DELTAFIN_KERNEL_VARIANT": variant}
-    done = subprocess.run([sys.executable, "-c", VARIANT_PROBE], capture_output=True, text=True, env=env, timeout=300)
+    code = "import numpy as np\n" + inspect.getsource(kquant_blocks) + VARIANT_PROBE
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     return done.stdout.strip().splitlines()[-1].split()  # the last line: logging may come before
 

@@ -14,8 +14,10 @@ sources, the compiler and the flags, then loaded with ctypes. Where no compiler 
 the accessors return None.
 
 Libraries:
-- `ggml` (`ggml_quants.c` + `llama_step.c`): GGUF block-quantized matmul (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0),
-  dequantization, and whole Llama forward passes (a batch's decode step, a prefill window). The same bits in every variant (see ggml_quants.c).
+- `ggml` (`ggml_quants.c` + `llama_step.c`): GGUF block-quantized matmul (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0 and
+  the K-quants Q4_K, Q5_K, Q6_K, whose 256-value super-blocks need widths in multiples of 256), dequantization,
+  and whole Llama forward passes (a batch's decode step, a prefill window). The same bits in every variant (see
+  ggml_quants.c).
 - `int8_matvec`: the int8 weight-only kernel of `placement.quantize=int8`.
 """
 
@@ -154,6 +156,7 @@ def ggml() -> ctypes.CDLL | None:
     _int(library.deltafin_ggml_quantize_activations, None, [P, I64, I64, P, P, P])
     _int(library.deltafin_ggml_supported, I32, [I32])
     _int(library.deltafin_ggml_block_bytes, I64, [I32])
+    _int(library.deltafin_ggml_block_values, I64, [I32])
     _int(library.deltafin_kernel_variant, I32, [])
     _int(library.deltafin_llama_forward, I32, [P, P, P, P, P, P, I64, I64, I64, P, P, P, P, P, I64, I32])
     log.info("kernel_variant", variant=variant(), cpu_features=cpu_features())

@@ -116,6 +116,24 @@ typedef struct {
     const float *cos, *sin;
 } attention_args;
 
+/* Every matrix's input width is whole blocks of its type (a K-quant's: super-blocks of 256), and the type is known. */
+static int matrices_fit(const llama_model *model) {
+    const qmatrix *all[2] = {&model->embed, &model->head};
+    for (int i = 0; i < 2; i++) {
+        const int64_t values = deltafin_ggml_block_values((int)all[i]->type);
+        if (!values || all[i]->cols % values) return 0;
+    }
+    for (int64_t l = 0; l < model->layers; l++) {
+        const llama_layer *L = model->layer + l;
+        const qmatrix *m[7] = {&L->q, &L->k, &L->v, &L->o, &L->gate, &L->up, &L->down};
+        for (int i = 0; i < 7; i++) {
+            const int64_t values = deltafin_ggml_block_values((int)m[i]->type);
+            if (!values || m[i]->cols % values) return 0;
+        }
+    }
+    return 1;
+}
+
 /* Token t's rotated key and its value into the cache of kv head g. */
 static void write_kv(const llama_model *model, const attention_args *a, int64_t l, float *qkv, int64_t t, int64_t g) {
     const int64_t D = model->head_dim, A = model->heads * D, Hk = model->kv_heads, half = D / 2;
@@ -329,7 +347,7 @@ int deltafin_llama_forward(const llama_model *model, const int64_t *tokens, cons
     const int64_t widest = I > H ? (I > A ? I : A) : (H > A ? H : A);
     int64_t columns = width;
     for (int64_t t = 0; !mask && t < T; t++) columns = kv_col[t] + 1 > columns ? kv_col[t] + 1 : columns;
-    if (H % QK || I % QK || D % QK) return -2;
+    if (H % QK || I % QK || D % QK || !matrices_fit(model)) return -2;
     float *x = malloc(sizeof(float) * T * H);
     float *h = malloc(sizeof(float) * T * widest);
     float *qkv = malloc(sizeof(float) * T * qkv_width);
