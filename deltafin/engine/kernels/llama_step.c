@@ -145,13 +145,13 @@ static void write_kv(const llama_model *model, const attention_args *a, int64_t 
 }
 
 /* Lanes of a score's dot product and of the softmax's denominator (see group_scores, attend). */
-#define LANES 16
+#define ATTN_LANES 16
 
 #ifdef DELTAFIN_VARIANT_AVX512
-/* The LANES partial sums of q . k (one column): the loop of group_scores in one register. */
+/* The ATTN_LANES partial sums of q . k (one column): the loop of group_scores in one register. */
 static inline __attribute__((always_inline)) __m512 lane_sums(const float *q, const float *k, int64_t D) {
     __m512 acc = _mm512_mul_ps(_mm512_loadu_ps(q), _mm512_loadu_ps(k));
-    for (int64_t i = LANES; i < D; i += LANES)
+    for (int64_t i = ATTN_LANES; i < D; i += ATTN_LANES)
         acc = _mm512_add_ps(acc, _mm512_mul_ps(_mm512_loadu_ps(q + i), _mm512_loadu_ps(k + i)));
     return acc;
 }
@@ -177,8 +177,8 @@ static inline __m512 tree16(const __m512 *a) {
 #endif
 
 /* scores[h * stride + j] = (query h . key of column cols[j]) * scale for the `group` query heads sharing these
-   keys, j in [0, count) (cols NULL: column j itself); head_dim D is a multiple of 32. Each dot product is LANES
-   partial sums (lane j: elements i = j mod LANES, in order) added in a fixed tree: the same IEEE operations in
+   keys, j in [0, count) (cols NULL: column j itself); head_dim D is a multiple of 32. Each dot product is ATTN_LANES
+   partial sums (lane j: elements i = j mod ATTN_LANES, in order) added in a fixed tree: the same IEEE operations in
    every variant (no contraction, no reassociation), which the compiler turns into vector code. A plain
    `dot += q[i] * k[i]` loop was a chain of D dependent adds per column; at ~1k columns attention then cost more
    than all the matmuls of a decode step (a repeated long prompt's TTFT, issue 20). */
@@ -186,17 +186,17 @@ static void group_scores(const float *const *query, int64_t group, const float *
                          int64_t D, int64_t count, float scale, float *scores, int64_t stride) {
     int64_t first = 0;
 #ifdef DELTAFIN_VARIANT_AVX512
-    for (; first + LANES <= count; first += LANES) {
-        const float *k[LANES];
-        for (int c = 0; c < LANES; c++) k[c] = keys + (cols ? cols[first + c] : first + c) * D;
+    for (; first + ATTN_LANES <= count; first += ATTN_LANES) {
+        const float *k[ATTN_LANES];
+        for (int c = 0; c < ATTN_LANES; c++) k[c] = keys + (cols ? cols[first + c] : first + c) * D;
         for (int64_t h = 0; h < group; h++) {
-            __m512 sums[LANES];
+            __m512 sums[ATTN_LANES];
             if (D == 64)  /* the common head sizes as constants: the loop unrolled, q kept in registers */
-                for (int c = 0; c < LANES; c++) sums[c] = lane_sums(query[h], k[c], 64);
+                for (int c = 0; c < ATTN_LANES; c++) sums[c] = lane_sums(query[h], k[c], 64);
             else if (D == 128)
-                for (int c = 0; c < LANES; c++) sums[c] = lane_sums(query[h], k[c], 128);
+                for (int c = 0; c < ATTN_LANES; c++) sums[c] = lane_sums(query[h], k[c], 128);
             else
-                for (int c = 0; c < LANES; c++) sums[c] = lane_sums(query[h], k[c], D);
+                for (int c = 0; c < ATTN_LANES; c++) sums[c] = lane_sums(query[h], k[c], D);
             _mm512_storeu_ps(scores + h * stride + first, _mm512_mul_ps(tree16(sums), _mm512_set1_ps(scale)));
         }
     }
@@ -205,11 +205,11 @@ static void group_scores(const float *const *query, int64_t group, const float *
         const float *k = keys + (cols ? cols[j] : j) * D;
         for (int64_t h = 0; h < group; h++) {
             const float *qh = query[h];
-            float acc[LANES];
-            for (int64_t l = 0; l < LANES; l++) acc[l] = qh[l] * k[l];
-            for (int64_t i = LANES; i < D; i += LANES)
-                for (int64_t l = 0; l < LANES; l++) acc[l] += qh[i + l] * k[i + l];
-            for (int64_t width = LANES / 2; width > 0; width /= 2)
+            float acc[ATTN_LANES];
+            for (int64_t l = 0; l < ATTN_LANES; l++) acc[l] = qh[l] * k[l];
+            for (int64_t i = ATTN_LANES; i < D; i += ATTN_LANES)
+                for (int64_t l = 0; l < ATTN_LANES; l++) acc[l] += qh[i + l] * k[i + l];
+            for (int64_t width = ATTN_LANES / 2; width > 0; width /= 2)
                 for (int64_t l = 0; l < width; l++) acc[l] += acc[l + width];
             scores[h * stride + j] = acc[0] * scale;
         }
@@ -246,7 +246,7 @@ static inline float exp_nonpositive(float x) {
    A token's result never depends on where its columns sit: a decode step's visible columns (its row's mask;
    left padding hidden) are gathered first, and everything after runs over the j-th visible column, in order.
    So a row gets the same bits alone and left-padded in a batch, and a token the same bits in a decode step and
-   in a prefill window. Work per score is vector code: the scores, e^x, the denominator (LANES partial sums in
+   in a prefill window. Work per score is vector code: the scores, e^x, the denominator (ATTN_LANES partial sums in
    a fixed tree), the weights and the weighted sum of the values. */
 static void attend(const llama_model *model, const attention_args *a, int64_t l, float *qkv, float *attended,
                    qrows *q, float *work, int64_t *cols, int64_t t, int64_t g) {
@@ -276,12 +276,12 @@ static void attend(const llama_model *model, const attention_args *a, int64_t l,
         float top = -INFINITY;
         for (int64_t j = 0; j < count; j++) top = own[j] > top ? own[j] : top;
         for (int64_t j = 0; j < count; j++) own[j] = exp_nonpositive(own[j] - top);
-        float lanes[LANES] = {0};
+        float lanes[ATTN_LANES] = {0};
         int64_t j = 0;
-        for (; j + LANES <= count; j += LANES)
-            for (int64_t k = 0; k < LANES; k++) lanes[k] += own[j + k];
+        for (; j + ATTN_LANES <= count; j += ATTN_LANES)
+            for (int64_t k = 0; k < ATTN_LANES; k++) lanes[k] += own[j + k];
         for (int64_t k = 0; j + k < count; k++) lanes[k] += own[j + k];
-        for (int64_t width = LANES / 2; width > 0; width /= 2)
+        for (int64_t width = ATTN_LANES / 2; width > 0; width /= 2)
             for (int64_t k = 0; k < width; k++) lanes[k] += lanes[k + width];
         const float total = lanes[0];
         for (j = 0; j < count; j++) own[j] = own[j] / total;
@@ -291,15 +291,15 @@ static void attend(const llama_model *model, const attention_args *a, int64_t l,
 #ifdef DELTAFIN_VARIANT_AVX512
     /* Eight (head, sixteen elements) outputs at a time, so eight independent chains of additions interleave
        (one output's chain alone waits on each addition's latency); the same operations per element. */
-    const int64_t pieces = group * (D / LANES);
+    const int64_t pieces = group * (D / ATTN_LANES);
     for (int64_t p0 = 0; p0 + 8 <= pieces; p0 += 8) {
         __m512 acc[8];
         const float *w[8];
         int64_t off[8];
         for (int p = 0; p < 8; p++) {
             acc[p] = _mm512_setzero_ps();
-            w[p] = work + ((p0 + p) / (D / LANES)) * columns;
-            off[p] = ((p0 + p) % (D / LANES)) * LANES;
+            w[p] = work + ((p0 + p) / (D / ATTN_LANES)) * columns;
+            off[p] = ((p0 + p) % (D / ATTN_LANES)) * ATTN_LANES;
         }
         for (int64_t j = 0; j < count; j++) {
             const float *v = values + (cols ? cols[j] : j) * D;
@@ -307,7 +307,7 @@ static void attend(const llama_model *model, const attention_args *a, int64_t l,
                 acc[p] = _mm512_add_ps(acc[p], _mm512_mul_ps(_mm512_set1_ps(w[p][j]), _mm512_loadu_ps(v + off[p])));
         }
         for (int p = 0; p < 8; p++)
-            _mm512_storeu_ps(attended + t * A + g * group * D + (p0 + p) * LANES, acc[p]);
+            _mm512_storeu_ps(attended + t * A + g * group * D + (p0 + p) * ATTN_LANES, acc[p]);
     }
     const int64_t done = pieces - pieces % 8;  /* pieces [0, done) are written */
 #else
@@ -316,15 +316,15 @@ static void attend(const llama_model *model, const attention_args *a, int64_t l,
     for (int64_t h = 0; h < group; h++) {
         float *restrict out = attended + t * A + (g * group + h) * D;
         const float *own = work + h * columns;
-        for (int64_t i0 = 0; i0 < D; i0 += LANES) {
-            if (h * (D / LANES) + i0 / LANES < done) continue;
-            float acc[LANES] = {0};
+        for (int64_t i0 = 0; i0 < D; i0 += ATTN_LANES) {
+            if (h * (D / ATTN_LANES) + i0 / ATTN_LANES < done) continue;
+            float acc[ATTN_LANES] = {0};
             for (int64_t j = 0; j < count; j++) {
                 const float *restrict v = values + (cols ? cols[j] : j) * D + i0;
                 const float weight = own[j];
-                for (int64_t k = 0; k < LANES; k++) acc[k] += weight * v[k];
+                for (int64_t k = 0; k < ATTN_LANES; k++) acc[k] += weight * v[k];
             }
-            for (int64_t k = 0; k < LANES; k++) out[i0 + k] = acc[k];
+            for (int64_t k = 0; k < ATTN_LANES; k++) out[i0 + k] = acc[k];
         }
         for (int64_t blk = 0; blk < D / QK; blk++) quantize_block(out + blk * QK, q, t, A, (g * group + h) * (D / QK) + blk);
     }
