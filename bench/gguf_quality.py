@@ -37,6 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from deltafin.testing import compose_config  # noqa: E402
+from deltafin.testing.kquant_files import requantize_k  # noqa: E402
 from deltafin.testing.llama_server import llama_server_binary, start_llama_server  # noqa: E402
 
 from deltafin.engine.loader import load_model, resolve_model_path  # noqa: E402
@@ -154,8 +155,6 @@ def main() -> None:
     rows = {}
     for name in args.formats:
         if name.endswith("_K"):
-            from bench.kquants import requantize_k
-
             gguf = requantize_k(source, args.out / f"{source.stem}-{name}-Q8_0.gguf", name, rest="Q8_0")
         else:
             gguf = source if name == "Q4_1" else requantize(source, args.out / f"{source.stem}-{name}.gguf", name)

@@ -1,5 +1,5 @@
 """A GGUF file with K-quant matrices (Q4_K, Q6_K) served natively: the default model with every matrix whose
-input width is a multiple of 256 (ffn_down) re-quantized by bench/kquants.py's simple quantizers (Q4_K in
+input width is a multiple of 256 (ffn_down) re-quantized by deltafin.testing.kquant_files' simple quantizers (Q4_K in
 even layers, Q6_K in odd ones, as Q4_K_M files mix them), the others kept in their own blocks. It loads without the dequantizing fallback, runs the native C forward, and stays
 close to the file it came from. The kernels themselves are tested in test_kernels.py."""
 
@@ -10,7 +10,7 @@ import types
 import pytest
 import torch
 
-from bench.kquants import requantize_k
+from deltafin.testing.kquant_files import requantize_k
 from deltafin.engine import gguf_native
 from deltafin.engine.loader import load_model, resolve_model_path
 from deltafin.engine.native_step import NativeLlamaStep
