@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from deltafin.testing import compose_config  # noqa: E402
-from deltafin.testing.kquant_files import requantize_k  # noqa: E402
+from deltafin.testing.kquant_files import requantize_k, rewrite_gguf  # noqa: E402
 from deltafin.testing.llama_server import llama_server_binary, start_llama_server  # noqa: E402
 
 from deltafin.engine.loader import load_model, resolve_model_path  # noqa: E402
@@ -56,31 +56,15 @@ def requantize(source: Path, target: Path, name: str) -> Path:
     """`source` GGUF with every 2-D weight requantized to `name` from its float32 values; metadata copied."""
     import gguf
 
-    if target.exists():
-        return target
     qtype = gguf.GGMLQuantizationType[name]
-    reader = gguf.GGUFReader(str(source))
-    arch = bytes(reader.fields["general.architecture"].parts[-1]).decode()
-    writer = gguf.GGUFWriter(str(target) + ".tmp", arch)
-    for field in reader.fields.values():
-        if field.name.startswith("GGUF.") or field.name == "general.architecture":
-            continue
-        value_type = field.types[0]
-        sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
-        writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
-    for tensor in reader.tensors:
+
+    def convert(tensor):
         values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-        if values.ndim == 2 and tensor.tensor_type not in (gguf.GGMLQuantizationType.F32,):
-            data = gguf.quants.quantize(values, qtype)
-            writer.add_tensor(tensor.name, data, raw_shape=data.shape, raw_dtype=qtype)
-        else:
-            writer.add_tensor(tensor.name, values)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    os.rename(str(target) + ".tmp", target)
-    return target
+        if values.ndim == 2 and tensor.tensor_type != gguf.GGMLQuantizationType.F32:
+            return gguf.quants.quantize(values, qtype), qtype
+        return values, None
+
+    return rewrite_gguf(source, target, convert)
 
 
 def reference(float_model, tokens: int) -> list[tuple[list[int], int, torch.Tensor]]:

@@ -87,10 +87,10 @@ def quantize_k(w: np.ndarray, name: str) -> np.ndarray:
             "Q6_K": lambda: quantize_q6_k(w)}[name]()
 
 
-def requantize_k(source: Path, target: Path, name: str, rest: str = "Q8_0", odd_layers: str | None = None) -> Path:
-    """`source` GGUF with every matrix of input width a multiple of 256 in K-quant `name` (`odd_layers`: that
-    K-quant instead in odd-numbered layers, as Q4_K_M files mix Q4_K and Q6_K), the other matrices in `rest` (a
-    gguf-quantizable type name, or "keep": their blocks as they are); metadata copied."""
+def rewrite_gguf(source: Path, target: Path, convert) -> Path:
+    """`source` GGUF written to `target` with its metadata, each tensor as `convert(tensor)` gives it: (data, its
+    ggml type, or None for float32 values). Written under a temporary name and renamed; an existing `target` is
+    kept as it is."""
     import gguf
 
     if target.exists():
@@ -105,27 +105,37 @@ def requantize_k(source: Path, target: Path, name: str, rest: str = "Q8_0", odd_
         sub_type = field.types[-1] if value_type == gguf.GGUFValueType.ARRAY else None
         writer.add_key_value(field.name, field.contents(), value_type, sub_type=sub_type)
     for tensor in reader.tensors:
-        matrix = len(tensor.shape) == 2 and tensor.tensor_type != gguf.GGMLQuantizationType.F32
-        if matrix and int(tensor.shape[0]) % QK_K == 0:
-            odd = tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) % 2 == 1
-            chosen = odd_layers if odd and odd_layers else name
-            qtype = gguf.GGMLQuantizationType[chosen]
-            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-            data = quantize_k(values, chosen)
-            writer.add_tensor(tensor.name, data, raw_shape=data.shape, raw_dtype=qtype)
-        elif matrix and rest == "keep":
-            data = np.asarray(tensor.data)
-            writer.add_tensor(tensor.name, data, raw_shape=data.shape, raw_dtype=tensor.tensor_type)
-        elif matrix:
-            values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
-            other = gguf.GGMLQuantizationType[rest]
-            data = gguf.quants.quantize(values, other)
-            writer.add_tensor(tensor.name, data, raw_shape=data.shape, raw_dtype=other)
+        data, qtype = convert(tensor)
+        if qtype is None:
+            writer.add_tensor(tensor.name, data)
         else:
-            writer.add_tensor(tensor.name, gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32))
+            writer.add_tensor(tensor.name, data, raw_shape=data.shape, raw_dtype=qtype)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
     os.rename(str(target) + ".tmp", target)
     return target
+
+
+def requantize_k(source: Path, target: Path, name: str, rest: str = "Q8_0", odd_layers: str | None = None) -> Path:
+    """`source` GGUF with every matrix of input width a multiple of 256 in K-quant `name` (`odd_layers`: that
+    K-quant instead in odd-numbered layers, as Q4_K_M files mix Q4_K and Q6_K), the other matrices in `rest` (a
+    gguf-quantizable type name, or "keep": their blocks as they are); metadata copied."""
+    import gguf
+
+    def convert(tensor):
+        matrix = len(tensor.shape) == 2 and tensor.tensor_type != gguf.GGMLQuantizationType.F32
+        if matrix and rest == "keep" and int(tensor.shape[0]) % QK_K:
+            return np.asarray(tensor.data), tensor.tensor_type
+        values = gguf.quants.dequantize(tensor.data, tensor.tensor_type).astype(np.float32)
+        if not matrix:
+            return values, None
+        if int(tensor.shape[0]) % QK_K == 0:
+            odd = tensor.name.startswith("blk.") and int(tensor.name.split(".")[1]) % 2 == 1
+            chosen = odd_layers if odd and odd_layers else name
+            return quantize_k(values, chosen), gguf.GGMLQuantizationType[chosen]
+        other = gguf.GGMLQuantizationType[rest]
+        return gguf.quants.quantize(values, other), other
+
+    return rewrite_gguf(source, target, convert)
