@@ -1,7 +1,7 @@
 """Loads a Llama-architecture GGUF file with its weights kept in the file's own quantization (the default for
 GGUF models, `model.gguf_weights: native`).
 
-The quantized blocks are copied from the memory-mapped file (the `gguf` package's reader) into 64-byte-aligned
+The quantized blocks are copied from the memory-mapped file (deltafin/engine/gguf_tensors.py) into 64-byte-aligned
 torch buffers, one weight row per line, and served by `GGMLLinear` / `GGMLEmbedding` (deltafin/engine/qlinear.py):
 no float copy of a weight matrix is ever made. The model skeleton is transformers' own class built on the meta
 device, so prefill, the KV cache and everything else that runs the module tree work unchanged; the decode step
@@ -30,6 +30,8 @@ import structlog
 import torch
 from torch import nn
 
+from deltafin.engine.gguf_tensors import GGUFTensors, read_tensors
+
 log = structlog.get_logger("deltafin.engine")
 
 #: bumped when the cached skeleton folder changes meaning
@@ -46,16 +48,9 @@ _PROJECTIONS = {
 }
 
 
-@functools.lru_cache(maxsize=2)  # `unsupported` then `load_native` parse the same file once (seconds for a vocab)
-def _reader(gguf: Path) -> Any:
-    from gguf import GGUFReader
-
-    return GGUFReader(str(gguf))
-
-
-def _architecture(reader: Any) -> str:
-    field = reader.fields.get("general.architecture")
-    return bytes(field.parts[field.data[0]]).decode() if field is not None else "?"
+@functools.lru_cache(maxsize=2)  # `unsupported` then `load_native` read the same file once
+def _reader(gguf: Path) -> GGUFTensors:
+    return read_tensors(gguf)
 
 
 def unsupported(gguf: Path) -> str | None:
@@ -66,7 +61,7 @@ def unsupported(gguf: Path) -> str | None:
     if library is None:
         return "the C kernels are unavailable (no compiler, or DELTAFIN_KERNELS=0)"
     reader = _reader(gguf)
-    architecture = _architecture(reader)
+    architecture = reader.architecture
     if architecture not in ARCHITECTURES:
         return f"architecture {architecture!r} has no native decode step"
     for tensor in reader.tensors:

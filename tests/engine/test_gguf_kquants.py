@@ -60,10 +60,9 @@ def test_a_kquant_matrix_of_a_width_not_in_whole_superblocks_is_refused(monkeypa
     """A file as llama.cpp never writes it (it stores such a matrix in another type): a reader's stand-in."""
     import gguf
 
-    field = types.SimpleNamespace(parts=[b"llama"], data=[0])
     tensor = types.SimpleNamespace(name="blk.0.attn_q.weight", tensor_type=gguf.GGMLQuantizationType.Q4_K,
                                    shape=[576, 576])
-    reader = types.SimpleNamespace(fields={"general.architecture": field}, tensors=[tensor])
+    reader = types.SimpleNamespace(architecture="llama", tensors=[tensor])
     monkeypatch.setattr(gguf_native, "_reader", lambda path: reader)
     reason = gguf_native.unsupported("nowhere.gguf")
     assert reason is not None and "576" in reason and "256" in reason

@@ -1,0 +1,65 @@
+"""deltafin.engine.gguf_tensors against the `gguf` package's own reader: the same tensors, types, shapes and bytes,
+on the default model's file and on a K-quant file the repo writes (other types, another alignment of values)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from gguf import GGUFReader
+
+from deltafin.engine.gguf_tensors import read_tensors
+from deltafin.engine.loader import resolve_model_path
+from deltafin.testing import compose_config
+
+
+def assert_same_as_gguf_reader(path):
+    ours, theirs = read_tensors(path), GGUFReader(str(path))
+    field = theirs.fields["general.architecture"]
+    assert ours.architecture == bytes(field.parts[field.data[0]]).decode()
+    assert [t.name for t in ours.tensors] == [t.name for t in theirs.tensors]
+    for mine, reference in zip(ours.tensors, theirs.tensors):
+        assert mine.tensor_type == reference.tensor_type and list(mine.shape) == list(reference.shape)
+        assert mine.data.dtype == reference.data.dtype and mine.data.shape == reference.data.shape
+        assert np.array_equal(np.asarray(mine.data), np.asarray(reference.data)), mine.name
+
+
+def test_the_default_models_file_reads_as_the_gguf_package_reads_it():
+    assert_same_as_gguf_reader(resolve_model_path(compose_config().model.path))
+
+
+def test_every_metadata_type_and_a_custom_alignment_read_as_the_gguf_package_reads_them(tmp_path):
+    """Metadata of each value type (arrays of numbers, strings and arrays included) is stepped over exactly, and
+    tensors of float and block types land where the file's own alignment puts them."""
+    import gguf
+
+    path = tmp_path / "mixed.gguf"
+    writer = gguf.GGUFWriter(str(path), "qwen3")
+    writer.add_custom_alignment(64)
+    for add, value in [("add_uint8", 7), ("add_int8", -7), ("add_uint16", 700), ("add_int16", -700),
+                       ("add_uint32", 70000), ("add_int32", -70000), ("add_float32", 0.5), ("add_bool", True),
+                       ("add_uint64", 2**40), ("add_int64", -(2**40)), ("add_float64", 0.25), ("add_string", "é ok")]:
+        getattr(writer, add)(f"test.{add}", value)
+    writer.add_array("test.numbers", [1, 2, 3])
+    writer.add_array("test.strings", ["a", "", "long " * 50])
+    writer.add_array("test.nested", [[1, 2], [3]])
+    rng = np.random.default_rng(0)
+    writer.add_tensor("f32", rng.standard_normal((3, 5)).astype(np.float32))
+    writer.add_tensor("f16", rng.standard_normal((7,)).astype(np.float16))
+    rows = rng.standard_normal((4, 256)).astype(np.float32)
+    for kind in (gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_0):
+        blocks = gguf.quants.quantize(rows, kind)
+        writer.add_tensor(kind.name.lower(), blocks, raw_shape=blocks.shape, raw_dtype=kind)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    assert_same_as_gguf_reader(path)
+    assert read_tensors(path).architecture == "qwen3"
+
+
+@pytest.mark.parametrize("damage", [b"GGUX", b"GGUF\x09\x00\x00\x00"])
+def test_a_file_that_is_not_a_gguf_v2_or_v3_is_a_value_error(tmp_path, damage):
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(damage + b"\0" * 64)
+    with pytest.raises(ValueError):
+        read_tensors(path)
