@@ -14,6 +14,7 @@ import os
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import ClassVar
@@ -23,6 +24,7 @@ import httpx
 from deltafin.cli import checked_config
 from deltafin.config import DeltafinConfig
 from deltafin.families import FAMILIES
+from deltafin.testing.zygote import ForkedProcess, Zygote
 
 #: the folder holding the deltafin package (the checkout, or site-packages): where servers are started from
 REPO = Path(__file__).resolve().parents[2]
@@ -60,21 +62,31 @@ class LiveServer:
 
     #: the overrides of every server started in this process, in order (the test suite reports the count)
     boots: ClassVar[list[tuple[str, ...]]] = []
+    #: set by the test suite: servers are forked from a zygote that has done the imports (deltafin.testing.zygote),
+    #: started on first use
+    fork_from_zygote: ClassVar[bool] = False
+    _zygote: ClassVar[Zygote | None] = None
+    _zygote_lock: ClassVar[threading.Lock] = threading.Lock()
 
-    def __init__(self, overrides: list[str], *, port: int | None = None) -> None:
-        """`port`: a chosen one (to restart a server where a gateway expects it), else a free one."""
+    def __init__(self, overrides: list[str], *, port: int | None = None, cold: bool = False) -> None:
+        """`port`: a chosen one (to restart a server where a gateway expects it), else a free one. `cold`: a
+        fresh interpreter even where a zygote is set (a test of the process's own memory, say)."""
         LiveServer.boots.append(tuple(overrides))
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"deltafin-test-{self.port}.log"
         self._log = open(self.log_path, "w")
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "deltafin", f"server.port={self.port}", *overrides],
-            cwd=REPO,
-            stdout=self._log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"},
-        )
+        argv = [f"server.port={self.port}", *overrides]
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
+        self.process: subprocess.Popen | ForkedProcess
+        if LiveServer.fork_from_zygote and not cold:
+            with LiveServer._zygote_lock:
+                if LiveServer._zygote is None:
+                    LiveServer._zygote = Zygote(REPO, env)
+            self.process = LiveServer._zygote.start(argv, env=env, cwd=REPO, log=self.log_path)
+        else:
+            self.process = subprocess.Popen([sys.executable, "-m", "deltafin", *argv], cwd=REPO, stdout=self._log,
+                                            stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float = 240.0) -> None:
         deadline = time.monotonic() + timeout

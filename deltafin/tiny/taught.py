@@ -49,11 +49,12 @@ def teach(model_dir: Path, examples: list[tuple[list[int], str]], *, steps: int 
     model.save_pretrained(model_dir)
 
 
-def taught(model_dir: Path, examples: list[tuple[list[int], str]], *, lr: float = 3e-3) -> Path:
+def taught(model_dir: Path, examples: list[tuple[list[int], str]], *, lr: float = 3e-3, steps: int = 400) -> Path:
     """`model_dir` (an untaught tiny model) taught `examples`, from ~/.cache/deltafin/tiny-taught when it was
     taught before: the key is the untaught model's bytes, the examples and this module's code, so a new recipe,
     tokenizer, prompt render or teaching setting teaches again. `model_dir` itself is left untaught."""
-    digest = hashlib.sha256((json.dumps([[list(ids), reply] for ids, reply in examples]) + repr(lr)).encode())
+    setting = repr(lr) + ("" if steps == 400 else f" steps={steps}")  # (400: the key models taught before had)
+    digest = hashlib.sha256((json.dumps([[list(ids), reply] for ids, reply in examples]) + setting).encode())
     digest.update(inspect.getsource(teach).encode())
     for path in sorted(p for p in model_dir.iterdir() if p.is_file()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
@@ -67,7 +68,7 @@ def taught(model_dir: Path, examples: list[tuple[list[int], str]], *, lr: float 
     staging = root / f".{cached.name}.{os.getpid()}"
     shutil.copytree(model_dir, staging)
     try:
-        teach(staging, examples, lr=lr)
+        teach(staging, examples, lr=lr, steps=steps)
         staging.rename(cached)  # one step: a concurrent session never sees a half-taught model
     except OSError:
         if not cached.exists():

@@ -24,7 +24,7 @@ from deltafin.serving.responses.service import chat_request
 from deltafin.serving.responses.tools import served_tools
 from deltafin.tiny import write_tiny_model
 from tests.conftest import TINY_OVERRIDES, LiveServer, tiny_config
-from deltafin.tiny.taught import teach
+from deltafin.tiny.taught import taught
 from tests.e2e.stand_in import stand_in
 
 pytestmark = pytest.mark.e2e
@@ -107,7 +107,7 @@ def server(tmp_path_factory):
     # Four prompts sharing long prefixes: trained until the loss is negligible (teach stops early once it is).
     examples = [(prompt_ids(fmt, tokenizer.chat_template, config, body), reply)
                 for bodies in turns for body, reply in zip(bodies, (CALL, ANSWER))]
-    teach(path, examples, steps=800)
+    path = taught(path, examples, steps=800)
     live = LiveServer([*TINY_OVERRIDES["qwen3"], f"model.path={path}", *THINKING_OFF])
     try:
         live.wait_ready()
