@@ -71,6 +71,11 @@ def default_cache_dir() -> Path:
     return Path(base) / "deltafin"
 
 
+def cache_dir_of(model_cfg: ModelConfig) -> Path:
+    """`model.cache_dir`, or the default: where converted and quantized weights are kept."""
+    return Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
+
+
 #: the layout convert_gguf writes, part of the cache key: a folder an older Deltafin wrote (no `architectures`,
 #: the tied embedding stored as `lm_head.weight` only) is never reused
 CONVERTED_LAYOUT = "hf-2"
@@ -133,7 +138,7 @@ def check_expert_pool(model_cfg: ModelConfig, placement: PlacementConfig, *, max
         return
     path = resolve_model_path(model_cfg.path)
     if path.is_file() and path.suffix == ".gguf":  # checkable once converted (the cached folder)
-        cache_dir = Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
+        cache_dir = cache_dir_of(model_cfg)
         path = cache_dir / _gguf_cache_key(path)
     if not (path / "config.json").is_file():
         return
@@ -168,7 +173,7 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig, *, max_batch:
     started = time.perf_counter()
     path = resolve_model_path(model_cfg.path)
     if path.is_file() and path.suffix == ".gguf":
-        cache_dir = Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
+        cache_dir = cache_dir_of(model_cfg)
         native = _load_gguf_native(path, cache_dir, model_cfg, placement, started)
         if native is not None:
             return native
@@ -200,6 +205,7 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig, *, max_batch:
             model, experts = expert_pool.load_pooled_model(
                 folder, placement, dtype=_DTYPES[dtype_name], trust_remote_code=model_cfg.trust_remote_code,
                 max_batch=max_batch,
+                cache_dir=cache_dir_of(model_cfg),
             )
         except (expert_pool.PoolTooSmall, expert_pool.NotPoolable, expert_pool.CheckpointLayoutError) as exc:
             raise _pool_error(exc) from None
@@ -219,7 +225,7 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig, *, max_batch:
         problem = quantize.supported(placement.quantize, next(model.parameters()).device)
         if problem:
             raise ModelLoadError(problem)
-        cache_dir = Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
+        cache_dir = cache_dir_of(model_cfg)
         quantize.quantize_model(model, placement.quantize, source=folder, cache_dir=cache_dir)
     context_length = model_cfg.context_length or getattr(model.config, "max_position_embeddings", None) or 2048
     seconds = time.perf_counter() - started

@@ -48,12 +48,19 @@ def _targets(model: nn.Module, mode: str) -> dict[str, nn.Linear]:
     return found
 
 
-def _cache_file(source: Path, mode: str, cache_dir: Path) -> Path:
-    digest = hashlib.sha256(f"{mode}:{INT4_GROUP}:{COMPUTE}:{FORMAT}".encode())
+def source_key(source: Path, *parts: object) -> str:
+    """A short digest of a checkpoint folder's identity (its safetensors files' names, sizes and times) and
+    `parts` (what a cached derivative depends on besides the weights): the key of a cache file."""
+    digest = hashlib.sha256(":".join(str(part) for part in parts).encode())
     for file in sorted(source.glob("*.safetensors")):
         stat = file.stat()
         digest.update(f"{file.name}:{stat.st_size}:{int(stat.st_mtime)}".encode())
-    return cache_dir / "quantized" / f"{source.name}-{mode}-{digest.hexdigest()[:12]}.safetensors"
+    return digest.hexdigest()[:12]
+
+
+def _cache_file(source: Path, mode: str, cache_dir: Path) -> Path:
+    key = source_key(source, mode, INT4_GROUP, COMPUTE, FORMAT)
+    return cache_dir / "quantized" / f"{source.name}-{mode}-{key}.safetensors"
 
 
 def quantize_model(model: nn.Module, mode: str, *, source: Path, cache_dir: Path) -> nn.Module:

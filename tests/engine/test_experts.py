@@ -61,9 +61,9 @@ def resident(folder):
     return AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
-def pooled(folder, *overrides: str, pool_mb: int = 1, max_batch: int = 2):
+def pooled(folder, *overrides: str, pool_mb: int = 1, max_batch: int = 2, cache_dir=None):
     return load_pooled_model(folder, placement(*overrides, pool_mb=pool_mb), dtype=torch.float32,
-                             trust_remote_code=False, max_batch=max_batch)
+                             trust_remote_code=False, max_batch=max_batch, cache_dir=cache_dir)
 
 
 _RESIDENT_TOKENS: dict[tuple[str, int], torch.Tensor] = {}
@@ -232,12 +232,40 @@ class TestGreedyTokens:
             small_pool.close()
             large_pool.close()
 
+    @pytest.mark.parametrize("direct_io", ["true", "false"])
+    def test_int8_copy_on_disk_gives_the_tokens_of_quantizing_each_miss(self, moe, tmp_path, direct_io):
+        """With a cache folder, an int8 pool reads its misses from the int8 copy of the experts (written once,
+        a quarter of the float32 bytes per miss), and computes what quantizing the checkpoint's bytes gives."""
+        folder = moe("qwen3_moe")
+        setting = f"placement.experts.direct_io={direct_io}"
+        on_fill, on_fill_pool = pooled(folder, "placement.quantize=int8")
+        from_copy, copy_pool = pooled(folder, "placement.quantize=int8", setting, cache_dir=tmp_path)
+        try:
+            assert type(on_fill_pool.source).__name__ == "CheckpointSource"
+            copy = copy_pool.source
+            assert type(copy).__name__ == "Int8Copy" and copy.path.parent == tmp_path / "experts"
+            written = copy.path.stat().st_mtime_ns
+            tokens = greedy(from_copy)
+            assert torch.equal(tokens, greedy(on_fill))
+            stats = copy_pool.stats()
+            assert stats.bytes_read == (stats.misses + stats.prefetch_reads) * copy.stride
+            assert copy.stride * 3 < pooled_slot_bytes(torch.float32)
+        finally:
+            on_fill_pool.close()
+            copy_pool.close()
+        again, again_pool = pooled(folder, "placement.quantize=int8", setting, cache_dir=tmp_path)
+        try:
+            assert again_pool.source.path.stat().st_mtime_ns == written  # read, not written again
+            assert torch.equal(greedy(again), tokens)
+        finally:
+            again_pool.close()
+
     def test_a_failed_read_fails_that_call_and_the_pool_recovers(self, moe, monkeypatch):
         folder = moe("qwen3_moe")
         model, pool = pooled(folder)
         try:
             reference = resident_greedy(folder, new_tokens=4)
-            original = pool._reader.read_into
+            original = pool.source.reader.read_into
             calls = {"n": 0}
 
             def flaky(piece, buffer):
@@ -246,7 +274,7 @@ class TestGreedyTokens:
                     raise OSError("disk gone")
                 return original(piece, buffer)
 
-            monkeypatch.setattr(pool._reader, "read_into", flaky)
+            monkeypatch.setattr(pool.source.reader, "read_into", flaky)
             with pytest.raises(OSError, match="disk gone"):
                 greedy(model, new_tokens=4)
             assert all(pins == 0 for pins in pool._pins)
@@ -285,8 +313,9 @@ class TestSizing:
 
     def test_int8_slots_are_a_quarter_and_a_bit(self):
         int8 = self.plan(48, quantize="int8")
-        assert int8.slot_bytes == 512 * 256 + 256 * 256 + 4 * (512 + 256)  # weights + float32 row scales
-        assert int8.slots == 48 * MIB // int8.slot_bytes == 252  # against 64 float32 slots
+        record = 512 * 256 + 256 * 256 + 4 * (512 + 256)  # weights + float32 row scales
+        assert int8.slot_bytes == -(-record // 4096) * 4096  # a whole number of pages (direct reads)
+        assert int8.slots == 48 * MIB // int8.slot_bytes == 250  # against 64 float32 slots
 
 
 class TestStartupChecks:

@@ -43,12 +43,15 @@ def check_pool(folder: Path, placement: Any, *, dtype: torch.dtype, trust_remote
 
 
 def load_pooled_model(folder: Path, placement: Any, *, dtype: torch.dtype, trust_remote_code: bool,
-                      max_batch: int) -> tuple[Any, ExpertPool]:
-    """The model with its dense weights loaded and its routed experts served by a new pool."""
+                      max_batch: int, cache_dir: Path | None = None) -> tuple[Any, ExpertPool]:
+    """The model with its dense weights loaded and its routed experts served by a new pool. With int8 slots,
+    `placement.experts.quantized_copy` and a `cache_dir`, misses read the int8 copy of the experts there
+    (written at the first boot); otherwise they read the checkpoint."""
     from deltafin.engine.experts.forward import attach
     from deltafin.engine.experts.model import load_dense, router_of
     from deltafin.engine.experts.policy import make_policy
     from deltafin.engine.experts.slots import slots_class
+    from deltafin.engine.experts.store import CheckpointSource, open_int8_copy
 
     model, experts, index, shape = load_dense(folder, dtype=dtype, trust_remote_code=trust_remote_code)
     settings = placement.experts
@@ -56,15 +59,19 @@ def load_pooled_model(folder: Path, placement: Any, *, dtype: torch.dtype, trust
                      quantize=placement.quantize, max_batch=max_batch)
     slots = slots_class(placement.quantize)(plan.slots, index.gate_up_shape, index.down_shape, dtype,
                                             torch.device(placement.device))
+    if slots.kind == "int8" and settings.quantized_copy and cache_dir is not None:
+        source: Any = open_int8_copy(folder, index, slots, cache_dir, direct=settings.direct_io)
+    else:
+        source = CheckpointSource(index)
     policy = make_policy(settings.policy, plan.slots, half_life=LFRU_HALF_LIFE_PASSES * len(index.layers))
-    pool = ExpertPool(index, slots, policy, slot_bytes=plan.slot_bytes,
+    pool = ExpertPool(index, slots, source, policy, slot_bytes=plan.slot_bytes,
                       routers=[router_of(model, name) for name in index.layers],
                       prefetch=settings.prefetch, readers=settings.readers)
     attach(model, experts, pool)
     log.info("expert_pool", slots=plan.slots, slot_mib=round(plan.slot_bytes / (1 << 20), 3),
              pool_mib=round(plan.pool_bytes / (1 << 20), 1), experts=plan.total_experts,
              experts_mib=round(index.total_bytes / (1 << 20), 1), policy=settings.policy, prefetch=settings.prefetch,
-             format=slots.kind)
+             format=slots.kind, source=type(source).__name__, direct_io=getattr(source, "direct", False))
     return model, pool
 
 

@@ -26,7 +26,7 @@ import torch
 
 from deltafin.engine.experts.checkpoint import ExpertIndex
 from deltafin.engine.experts.policy import EvictionPolicy
-from deltafin.engine.experts.reader import MISS, PREFETCH, ExpertReader, ReadQueue
+from deltafin.engine.experts.reader import MISS, PREFETCH, ReadQueue
 
 log = structlog.get_logger("deltafin.engine")
 
@@ -72,6 +72,7 @@ class ExpertPool:
         self,
         index: ExpertIndex,
         slots: Any,
+        source: Any,
         policy: EvictionPolicy,
         *,
         slot_bytes: int,
@@ -86,7 +87,8 @@ class ExpertPool:
         self.prefetch = prefetch
         #: routers[layer]: the router of MoE layer `layer` (None: that layer is never prefetched)
         self._routers = list(routers)
-        self._reader = ExpertReader(index.files)
+        #: where a miss reads from (`store.CheckpointSource` or `store.Int8Copy`)
+        self.source = source
         self._queue = ReadQueue(readers)
         count = slots.count
         self._where: dict[Key, int] = {}
@@ -114,7 +116,7 @@ class ExpertPool:
 
     def close(self) -> None:
         self._queue.close()
-        self._reader.close()
+        self.source.close()
 
     # One experts call.
 
@@ -267,9 +269,8 @@ class ExpertPool:
 
     def _start_read(self, slot: int, key: Key, priority: int) -> None:
         layer, expert = key
-        pieces = self.index.pieces[layer][expert]
-        self._loading[slot] = self._queue.submit(priority, lambda: self.slots.fill(slot, pieces, self._reader))
-        self.bytes_read += self.index.nbytes(layer, expert)
+        self._loading[slot] = self._queue.submit(priority, lambda: self.source.fill(self.slots, slot, layer, expert))
+        self.bytes_read += self.source.nbytes(layer, expert)
 
     # Prefetch.
 

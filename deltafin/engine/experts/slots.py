@@ -24,6 +24,8 @@ from deltafin.engine.experts.reader import ExpertReader
 
 #: bytes a slot's int8 tensors are aligned to (the int8 kernel's vector loads fault on unaligned rows)
 _ALIGN = 64
+#: an int8 slot (a record) starts and ends on a page: what a direct read's memory, offset and length need
+_PAGE = 4096
 
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
@@ -66,6 +68,10 @@ class FloatSlots:
 
 
 class Int8Slots:
+    """One slot is one record: int8 gate_up and down with their float32 row scales, each tensor 64-byte aligned,
+    the record page-aligned (`_PAGE`), so the int8 copy of the experts on disk (`store.Int8Copy`), which holds
+    the same records, is read into a slot in one direct (O_DIRECT) read, with no copy and no conversion."""
+
     kind = "int8"
 
     def __init__(self, count: int, gate_up_shape: tuple[int, int], down_shape: tuple[int, int],
@@ -73,8 +79,8 @@ class Int8Slots:
         self.count = count
         self.gate_up_shape, self.down_shape = tuple(gate_up_shape), tuple(down_shape)
         self.stride = Int8Slots.slot_bytes(gate_up_shape, down_shape, dtype)
-        self._memory = torch.empty(count * self.stride + _ALIGN, dtype=torch.uint8, device=device)
-        self._base = (-self._memory.data_ptr()) % _ALIGN
+        self._memory = torch.empty(count * self.stride + _PAGE, dtype=torch.uint8, device=device)
+        self._base = (-self._memory.data_ptr()) % _PAGE
         self.modules: list[tuple[Any, Any] | None] = [None] * count
         self._scratch = threading.local()
 
@@ -92,13 +98,18 @@ class Int8Slots:
     @staticmethod
     def slot_bytes(gate_up_shape: Sequence[int], down_shape: Sequence[int], dtype: torch.dtype) -> int:
         name, size, at = Int8Slots._layout(gate_up_shape, down_shape)[-1]
-        return at + -(-size // _ALIGN) * _ALIGN
+        return -(-(at + size) // _PAGE) * _PAGE
 
-    def _views(self, slot: int) -> dict[str, torch.Tensor]:
+    def record(self, slot: int) -> torch.Tensor:
+        """The slot's bytes, uint8 [stride] (page-aligned)."""
         start = self._base + slot * self.stride
+        return self._memory[start : start + self.stride]
+
+    def views(self, record: torch.Tensor) -> dict[str, torch.Tensor]:
+        """The four tensors of a record (a slot's, or a buffer of the same layout)."""
         views = {}
         for name, size, at in self._layout(self.gate_up_shape, self.down_shape):
-            raw = self._memory[start + at : start + at + size]
+            raw = record[at : at + size]
             shape = self.gate_up_shape if name == "q_gate_up" else self.down_shape if name == "q_down" else (-1,)
             views[name] = raw.view(torch.int8).view(shape) if name.startswith("q_") else raw.view(torch.float32)
         return views
@@ -109,15 +120,29 @@ class Int8Slots:
             scratch = self._scratch.pair = (torch.empty(self.gate_up_shape), torch.empty(self.down_shape))
         return scratch
 
-    def fill(self, slot: int, pieces: Sequence[Piece], reader: ExpertReader) -> None:
+    def encode(self, pieces: Sequence[Piece], reader: ExpertReader, record: torch.Tensor) -> None:
+        """Read an expert's float pieces from the checkpoint and quantize them into `record`."""
         gate_up, down = self._float_scratch()
         for piece in pieces:
             whole = gate_up if piece.part == "gate_up_proj" else down
             target = whole[piece.rows[0] : piece.rows[1]]
             target.copy_(reader.read(piece).view(target.shape))
-        views = self._views(slot)
+        views = self.views(record)
         int8.quantize_into(gate_up, views["q_gate_up"], views["s_gate_up"])
         int8.quantize_into(down, views["q_down"], views["s_down"])
+
+    def fill(self, slot: int, pieces: Sequence[Piece], reader: ExpertReader) -> None:
+        """Quantize an expert read from the checkpoint into its slot."""
+        self.encode(pieces, reader, self.record(slot))
+        self.bind(slot)
+
+    def load(self, slot: int, read: Callable[[memoryview], None]) -> None:
+        """Fill the slot with a record `read` writes (from the int8 copy on disk)."""
+        read(_bytes_of(self.record(slot)))
+        self.bind(slot)
+
+    def bind(self, slot: int) -> None:
+        views = self.views(self.record(slot))
         self.modules[slot] = (int8.linear(views["q_gate_up"], views["s_gate_up"]),
                               int8.linear(views["q_down"], views["s_down"]))
 
