@@ -14,16 +14,56 @@ A tier whose component is missing skips, saying how to get it; CI names the tier
 from __future__ import annotations
 
 import os
+import re
+from pathlib import Path
 
 import pytest
 
 TIERS = ("fast", "e2e", "llama_server", "vllm", "gpu", "wheel")
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+#: tiers whose tests start real servers: under pytest-xdist their modules run as one unit, in file order, on one
+#: worker (`TierScheduling`)
+SERVER_TIERS = ("e2e", "llama_server", "vllm", "gpu")
+_MODULE_MARK = re.compile(r"^pytestmark\s*=.*\bpytest\.mark\.(%s)\b" % "|".join(SERVER_TIERS), re.MULTILINE)
+
+
+def server_modules(root: Path) -> frozenset[str]:
+    """Test modules (as node ids name them) whose module-level `pytestmark` names a server tier. Read from the
+    files, because xdist's controller schedules by node id alone; `pytest_collection_modifyitems` checks every
+    collected test against it, so the two cannot drift."""
+    return frozenset(path.relative_to(root).as_posix() for path in (root / "tests").rglob("test_*.py")
+                     if _MODULE_MARK.search(path.read_text()))
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    servers = server_modules(config.rootpath)
     for item in items:
         if not any(item.get_closest_marker(tier) for tier in TIERS[1:]):
             item.add_marker(pytest.mark.fast)
+        serves = any(item.get_closest_marker(tier) for tier in SERVER_TIERS)
+        if serves != (item.nodeid.split("::")[0] in servers):
+            raise pytest.UsageError(f"{item.nodeid}: a server tier is marked on a test, not its module's "
+                                    f"pytestmark (tests/tiers.py schedules server tiers by module)")
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log):
+    """`scripts/test` runs two pytest-xdist workers: the server tiers' modules are one unit of work, so their
+    servers start from one zygote, their event-ordered tests keep their order and never run beside each other,
+    and that unit, the longest, starts first (scopes go out largest first); every other module is a unit of its
+    own, so its fixtures are built once. (xdist's own `loadgroup` cannot do this with pytest 9, whose node ids
+    it can no longer suffix.)"""
+    from xdist.scheduler import LoadScopeScheduling
+
+    servers = server_modules(config.rootpath)
+
+    class TierScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            module = nodeid.split("::")[0]
+            return "server tiers" if module in servers else module
+
+    return TierScheduling(config, log)
 
 
 def unavailable(tier: str, reason: str) -> None:
@@ -33,10 +73,26 @@ def unavailable(tier: str, reason: str) -> None:
     pytest.skip(reason, allow_module_level=True)
 
 
+#: servers started by pytest-xdist's workers, reported to the controller as each worker ends
+_WORKER_BOOTS: list[tuple[str, ...]] = []
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    from deltafin.testing import LiveServer
+
+    if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the count to the controller
+        session.config.workeroutput["deltafin_boots"] = [list(boot) for boot in LiveServer.boots]
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error) -> None:
+    _WORKER_BOOTS.extend(tuple(boot) for boot in getattr(node, "workeroutput", {}).get("deltafin_boots", []))
+
+
 def pytest_terminal_summary(terminalreporter) -> None:
     """How many real servers this run booted (issue 17 counts them): each costs seconds of start-up."""
     from deltafin.testing import LiveServer
 
-    if LiveServer.boots:
-        terminalreporter.write_line(f"deltafin server boots: {len(LiveServer.boots)} "
-                                    f"({len(set(LiveServer.boots))} distinct override sets)")
+    boots = [*LiveServer.boots, *_WORKER_BOOTS]
+    if boots and not hasattr(terminalreporter.config, "workeroutput"):
+        terminalreporter.write_line(f"deltafin server boots: {len(boots)} ({len(set(boots))} distinct override sets)")

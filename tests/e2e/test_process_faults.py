@@ -28,7 +28,9 @@ LONG = {"prompt": "Once upon a time", "max_tokens": 3000, "ignore_eos": True, "t
 
 @pytest.fixture(scope="module")
 def server():
-    live = LiveServer(LIMITS)
+    # A fresh interpreter (not forked from the zygote): the last test checks what the whole process printed,
+    # imports included, then stops it with SIGTERM.
+    live = LiveServer(LIMITS, cold=True)
     try:
         live.wait_ready()
         yield live
@@ -187,10 +189,10 @@ def test_every_log_line_is_json(server):
     assert not [r for r in records if r["level"] in ("error", "critical")]
 
 
-def test_sigterm_drains_and_exits_zero():
-    live = LiveServer(LIMITS)
+def test_sigterm_drains_and_exits_zero(server):
+    """The module's last test: it stops the module's server."""
+    live = server
     try:
-        live.wait_ready()
         base = live.base_url
         events: list[str] = []
         queued: dict = {}
@@ -226,8 +228,8 @@ def test_sigterm_drains_and_exits_zero():
         assert json.loads(events[-2])["error"]["code"] == "server_shutting_down"
         assert rc == 0
         assert time.monotonic() - started < 15
-        # From start to stop, stdout and stderr hold JSON log lines only (no progress bar at load, none of
-        # triton's "nanobind: leaked" lines at exit).
+        # From start to stop (every test of this module in between), stdout and stderr hold JSON log lines only
+        # (no progress bar at load, none of triton's "nanobind: leaked" lines at exit).
         lines = live.log_lines()
         assert lines and all(isinstance(json.loads(line), dict) for line in lines), lines[:5]
         assert any("Uvicorn running on http://127.0.0.1:" in line for line in lines)

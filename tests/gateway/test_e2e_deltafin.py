@@ -13,7 +13,7 @@ import openai
 import pytest
 
 from tests.conftest import LiveServer
-from deltafin.tiny.taught import teach
+from deltafin.tiny.taught import taught
 from tests.e2e.test_families import ARGUMENTS, QUESTION, SCRIPTS, TOOLS, follow_up, render
 
 pytestmark = pytest.mark.e2e
@@ -174,8 +174,9 @@ def glm_pair(tmp_path_factory):
 
     path = write_tiny_model("glm", tmp_path_factory.mktemp(family) / "model", variant="glm47")
     turn1, turn2 = SCRIPTS[family]
-    teach(path, [(render(family, path, QUESTION), turn1),
-                 (render(family, path, follow_up("call_any", json.dumps(ARGUMENTS))), turn2)])
+    # The examples of tests/e2e/test_families.py's GLM-4.7: taught once, cached
+    path = taught(path, [(render(family, path, QUESTION), turn1),
+                         (render(family, path, follow_up("call_any", json.dumps(ARGUMENTS))), turn2)])
     model = ["model=glm", "model.variant=glm47", f"model.path={path}"]
     upstream = LiveServer(model)
     gateway = LiveServer([*model, "compat=para", "engine=vllm", f"engine.url={upstream.base_url}"])
