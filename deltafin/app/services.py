@@ -86,6 +86,8 @@ def build_local_engine(config: DeltafinConfig) -> EngineClient:
     threads = config.placement.num_threads or torch.get_num_threads()
     torch.set_num_threads(1)
     loaded = load_model(config.model, config.placement, max_batch=config.engine.max_batch)
+    if loaded.experts is not None and config.placement.num_threads is None:
+        threads = loaded.experts.compute_threads(threads)  # a core for the expert reads' copies
     return LocalEngine(
         loaded,
         threads=threads,

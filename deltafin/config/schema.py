@@ -244,7 +244,9 @@ class PlacementConfig:
     # line's dict into a null Optional[dict], and GPU indices are ints)
     max_memory: Any = checked(_device_memory, default=None)
     offload_folder: Optional[str] = None  # where accelerate offloads weights that fit nowhere else
-    num_threads: Optional[int] = ranged(None, 1, 4096)  # torch threads of the engine; null = torch's default
+    # torch threads of the engine; null = torch's default (one fewer beside an expert pool whose reads copy
+    # through the page cache: docs/experts.md)
+    num_threads: Optional[int] = ranged(None, 1, 4096)
     compile: bool = False  # torch.compile the batched decode step (static shapes per batch bucket)
     quantize: Quantize = Quantize.none  # weight-only quantized linear layers at load (CPU kernels; cached)
     experts: ExpertsConfig = field(default_factory=ExpertsConfig)  # the expert pool of a MoE (docs/experts.md)

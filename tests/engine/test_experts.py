@@ -242,6 +242,8 @@ class TestGreedyTokens:
         from_copy, copy_pool = pooled(folder, "placement.quantize=int8", setting, cache_dir=tmp_path)
         try:
             assert type(on_fill_pool.source).__name__ == "CheckpointSource"
+            assert on_fill_pool.compute_threads(2) == 1 and on_fill_pool.compute_threads(1) == 1  # a core to copy
+            assert copy_pool.compute_threads(2) == (2 if copy_pool.source.direct else 1)
             copy = copy_pool.source
             assert type(copy).__name__ == "Int8Copy" and copy.path.parent == tmp_path / "experts"
             written = copy.path.stat().st_mtime_ns
