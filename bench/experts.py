@@ -3,7 +3,7 @@ accelerate's disk offload, every expert resident and llama.cpp, with and without
 cap below the model's size.
 
     .venv/bin/python bench/experts.py                  # everything (generates the model and its GGUF once)
-    .venv/bin/python bench/experts.py --only pool      # a subset: bandwidth pool resident accelerate llama capped
+    .venv/bin/python bench/experts.py --only pool      # a subset: bandwidth pool int8 resident accelerate llama capped
     .venv/bin/python bench/experts.py --cleanup        # delete the generated model, GGUF and offload folder
 
 The model: Qwen3-MoE (the real transformers class; llama.cpp's converter reads it too), 8 layers of 64 experts
@@ -30,6 +30,11 @@ experts, repeat every step, an easy 90% hit rate that real text does not give. T
   folder's pages are dropped before each run, like the checkpoint's).
 - capped: the process in a cgroup v1 memory group (`memory.limit_in_bytes`, root only) below the model's size;
   llama-server (same weights, f32 GGUF, mmap) under the same cap.
+- int8: `placement.quantize=int8` with the 1/8 pool's MiB (about half of the experts as int8), misses read from
+  the int8 copy of the experts (written to WORK/cache by the first such run) with O_DIRECT: their I/O bound is
+  that file's O_DIRECT read bandwidth, capped or not.
+- "from disk": /proc/self/io read_bytes per token, what the block layer read for the process (page-cache hits
+  are not in it): what a variant really takes from the disk, whatever it asked for.
 """
 
 from __future__ import annotations
@@ -54,6 +59,8 @@ WORK = Path(os.environ.get("DELTAFIN_BENCH_DIR", "/tmp/deltafin-bench-experts"))
 MODEL = WORK / "qwen3-moe-4.8g-uniform"
 GGUF = WORK / "qwen3-moe-4.8g-uniform-f32.gguf"
 OFFLOAD = WORK / "offload"
+#: model.cache_dir of every variant: the int8 copy of the experts (placement.quantize=int8) is written here
+CACHE = WORK / "cache"
 LOCK = "/tmp/deltafin-bench.lock"
 CGROUP_ROOT = Path("/sys/fs/cgroup/memory")
 PROMPT = "The quick brown fox jumps over the lazy dog. What is the weather in Paris today? It is sunny and warm."
@@ -118,7 +125,27 @@ def read_bandwidth(limit: int = 3 << 30) -> dict[str, float]:
     with bench_lock():
         cold = once()
         warm = once()
-    return {"cold_bytes_per_s": cold, "warm_bytes_per_s": warm}
+        direct = direct_read_bandwidth()
+    return {"cold_bytes_per_s": cold, "warm_bytes_per_s": warm, **direct}
+
+
+def direct_read_bandwidth() -> dict[str, float]:
+    """Sequential O_DIRECT read of the int8 copy of the experts (what the int8 pool reads, bypassing the page
+    cache), one thread, 8 MiB reads into page-aligned memory; {} before a run has written the copy."""
+    import mmap
+
+    copies = sorted((CACHE / "experts").glob("*.bin"))
+    if not copies:
+        return {}
+    buffer = mmap.mmap(-1, 8 * MIB)  # page-aligned, as O_DIRECT wants
+    fd = os.open(copies[0], os.O_RDONLY | os.O_DIRECT)
+    done, started = 0, time.perf_counter()
+    try:
+        while got := os.preadv(fd, [buffer], done):
+            done += got
+    finally:
+        os.close(fd)
+    return {"direct_bytes_per_s": done / (time.perf_counter() - started)}
 
 
 # --- one variant, in its own process -------------------------------------------------------------------------
@@ -135,10 +162,13 @@ def child(spec: dict) -> dict:
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # as services.build_local_engine: only the engine thread runs torch's team
-    config = compose_config(["model=qwen3", f"model.path={MODEL}", "model.name=moe", *spec["overrides"]])
+    config = compose_config(["model=qwen3", f"model.path={MODEL}", "model.name=moe", f"model.cache_dir={CACHE}",
+                             *spec["overrides"]])
     started = time.perf_counter()
     loaded = load_model(config.model, config.placement, max_batch=config.engine.max_batch)
     load_s = time.perf_counter() - started
+    if loaded.experts is not None:  # as services.build_local_engine
+        threads = loaded.experts.compute_threads(threads)
     engine = LocalEngine(loaded, max_batch=config.engine.max_batch, threads=threads)
     front = EngineFront(engine, max_waiting=4, timeout_s=3600, memo_entries=0)
     prompts = [loaded.tokenizer(f"{i}. {PROMPT}").input_ids for i in range(spec["reps"] + 1)]
@@ -154,10 +184,12 @@ def child(spec: dict) -> dict:
                 count += len(event.token_ids)
                 if first is None:
                     first, first_stats, first_cpu = time.perf_counter(), pool.stats() if pool else None, _cpu()
+                    first_disk = _disk_read()
             elif isinstance(event, Finished):
                 end, end_stats, end_cpu = time.perf_counter(), pool.stats() if pool else None, _cpu()
+                end_disk = _disk_read()
                 timings = event.timings
-        result = {"tokens": count, "decode_s": end - first, "cpu_s": end_cpu - first_cpu}
+        result = {"tokens": count, "decode_s": end - first, "cpu_s": end_cpu - first_cpu, "disk": end_disk - first_disk}
         if pool:
             result.update(hits=end_stats.hits - first_stats.hits, misses=end_stats.misses - first_stats.misses,
                           decode_bytes=timings.get("expert_decode_bytes", 0.0),
@@ -177,7 +209,9 @@ def child(spec: dict) -> dict:
     decode_s = sum(r["decode_s"] for r in runs)
     out = {"name": spec["name"], "load_s": load_s, "tokens_per_s": steps / decode_s, "status": _status(),
            # CPU time of the whole process (engine and reader threads) per token: less bent by a busy machine
-           "cpu_s_per_token": sum(r["cpu_s"] for r in runs) / steps}
+           "cpu_s_per_token": sum(r["cpu_s"] for r in runs) / steps,
+           # bytes this process had the block layer read (page-cache misses), per token: what came off the disk
+           "disk_bytes_per_token": sum(r["disk"] for r in runs) / steps}
     if pool:
         lookups = sum(r["hits"] + r["misses"] for r in runs)
         stats = pool.stats()
@@ -195,6 +229,14 @@ def child(spec: dict) -> dict:
 def _cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_SELF)
     return usage.ru_utime + usage.ru_stime
+
+
+def _disk_read() -> int:
+    """Bytes this process caused to be read from storage (/proc/self/io read_bytes: page-cache hits excluded)."""
+    for line in Path("/proc/self/io").read_text().splitlines():
+        if line.startswith("read_bytes:"):
+            return int(line.split()[1])
+    return 0
 
 
 def _status() -> dict[str, int]:
@@ -236,7 +278,7 @@ def model_files() -> list[Path]:
     """Every file a variant may read the weights from: the checkpoint, accelerate's offload folder (without
     dropping these, a capped offload run reads its weights from pages an earlier run left in the cache: a
     cgroup v1 cap does not charge pages another group brought in) and the GGUF."""
-    extra = [*sorted(OFFLOAD.glob("*")), GGUF] if OFFLOAD.exists() else [GGUF]
+    extra = [*sorted(OFFLOAD.glob("*")), *sorted((CACHE / "experts").glob("*.bin")), GGUF]
     return checkpoint_files() + [path for path in extra if path.is_file()]
 
 
@@ -257,7 +299,9 @@ def run_child(spec: dict, cap: MemoryCap | None = None) -> dict:
     return result
 
 
-def pool_spec(fraction: float, *, prefetch: bool, tokens: int, reps: int, name: str | None = None) -> dict:
+def pool_spec(fraction: float, *, prefetch: bool, tokens: int, reps: int, int8: bool = False, prefix: str = "") -> dict:
+    """A pool of `fraction` of the float32 experts' bytes; `int8`: the same MiB of int8 slots (about four times
+    the experts), misses read from the int8 copy of the experts with O_DIRECT."""
     import torch
 
     from deltafin.engine.experts.slots import FloatSlots
@@ -265,9 +309,10 @@ def pool_spec(fraction: float, *, prefetch: bool, tokens: int, reps: int, name: 
     s = shape()
     slot = FloatSlots.slot_bytes((2 * s.intermediate, s.hidden), (s.hidden, s.intermediate), torch.float32)
     pool_mb = int(fraction * s.layers * s.experts * slot / MIB)
-    return {"name": name or f"pool 1/{round(1 / fraction)} {'prefetch' if prefetch else 'no prefetch'}",
-            "overrides": [f"placement.experts.pool_mb={pool_mb}", f"placement.experts.prefetch={str(prefetch).lower()}"],
-            "tokens": tokens, "reps": reps}
+    name = f"{prefix}pool 1/{round(1 / fraction)}{' int8' if int8 else ''} {'prefetch' if prefetch else 'no prefetch'}"
+    return {"name": name, "tokens": tokens, "reps": reps,
+            "overrides": [f"placement.experts.pool_mb={pool_mb}", f"placement.experts.prefetch={str(prefetch).lower()}",
+                          *(["placement.quantize=int8"] if int8 else [])]}
 
 
 def offload_spec(tokens: int) -> dict:
@@ -358,7 +403,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=2)
     parser.add_argument("--offload-tokens", type=int, default=4, help="accelerate's offload reads every weight per token")
     parser.add_argument("--cap-gib", type=float, default=2.0, help="memory cap of the capped runs (model: 4.9 GB)")
-    parser.add_argument("--only", nargs="+", default=["bandwidth", "pool", "resident", "accelerate", "llama", "capped"])
+    parser.add_argument("--only", nargs="+",
+                        default=["bandwidth", "pool", "int8", "resident", "accelerate", "llama", "capped"])
     parser.add_argument("--out", type=Path, default=WORK / "results.json")
     parser.add_argument("--cleanup", action="store_true")
     parser.add_argument("--report", action="store_true", help="print the table of the results file and stop")
@@ -388,6 +434,10 @@ def main() -> None:
         for fraction in (1 / 8, 1 / 4, 1 / 2):
             for prefetch in (True, False):
                 keep(run_child(pool_spec(fraction, prefetch=prefetch, tokens=t, reps=r)))
+    if "int8" in args.only:
+        for prefetch in (True, False):
+            keep(run_child(pool_spec(1 / 8, prefetch=prefetch, tokens=t, reps=r, int8=True)))
+        keep({"name": "bandwidth", **results.get("bandwidth", {}), **direct_read_bandwidth()})
     if "resident" in args.only:
         keep(run_child({"name": "resident", "overrides": [], "tokens": t, "reps": r}))
     if "accelerate" in args.only:
@@ -399,9 +449,9 @@ def main() -> None:
     if "capped" in args.only:
         cap = MemoryCap(int(args.cap_gib * (1 << 30)))
         try:
-            for fraction, prefetch in ((1 / 8, True), (1 / 8, False), (1 / 4, True)):
-                keep(run_child(pool_spec(fraction, prefetch=prefetch, tokens=t, reps=r,
-                                         name=f"capped pool 1/{round(1 / fraction)} {'prefetch' if prefetch else 'no prefetch'}"), cap))
+            for fraction, prefetch, int8 in ((1 / 8, True, False), (1 / 8, False, False), (1 / 4, True, False),
+                                             (1 / 8, True, True), (1 / 8, False, True)):
+                keep(run_child(pool_spec(fraction, prefetch=prefetch, tokens=t, reps=r, int8=int8, prefix="capped "), cap))
             keep(llama(t, r, cap, "capped llama-server"))
             keep(run_child({**offload_spec(args.offload_tokens), "name": "capped accelerate offload"}, cap))
             keep(run_child({"name": "capped resident", "overrides": [], "tokens": t, "reps": r}, cap))
@@ -413,36 +463,42 @@ def main() -> None:
 def report(results: dict) -> None:
     """Tokens/s of every variant beside its I/O bound, and the ratios the targets name."""
     band = results.get("bandwidth", {})
-    print("\n| variant | tok/s | CPU s/token | hit rate | read/token | waited/token | I/O bound tok/s | of bound | RssAnon |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n| variant | tok/s | CPU s/token | hit rate | read/token | from disk/token | waited/token | I/O bound tok/s "
+          "| of bound | RssAnon |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     for name, result in results.items():
         if name == "bandwidth":
             continue
         if "tokens_per_s" not in result:
             print(f"| {name} | failed: {result.get('failed')} {' '.join(result.get('error', []))} "
-                  f"{json.dumps(result.get('cap', ''))} |||||||")
+                  f"{json.dumps(result.get('cap', ''))} ||||||||")
             continue
         cpu = result.get("cpu_s_per_token")
         cells = [name, f"{result['tokens_per_s']:.3f}", f"{cpu:.2f}" if cpu else ""]
+        disk = result.get("disk_bytes_per_token")
+        disk_cell = f"{disk / MIB:.0f} MiB" if disk is not None else ""
         if "bytes_per_token" in result:
             per_token = result["bytes_per_token"]
-            key = "cold_bytes_per_s" if name.startswith("capped") else "warm_bytes_per_s"
+            # the int8 pool reads its copy with O_DIRECT: always the disk, whatever the page cache holds
+            key = "direct_bytes_per_s" if " int8 " in name else "cold_bytes_per_s" if name.startswith("capped") else "warm_bytes_per_s"
             bound = band.get(key, 0) / per_token if per_token else float("inf")
-            cells += [f"{result['hit_rate']:.1%}", f"{per_token / MIB:.0f} MiB", f"{result['wait_s_per_token']:.3f} s",
+            cells += [f"{result['hit_rate']:.1%}", f"{per_token / MIB:.0f} MiB", disk_cell, f"{result['wait_s_per_token']:.3f} s",
                       f"{bound:.2f} ({key.split('_')[0]})", f"{result['tokens_per_s'] / bound:.0%}" if bound else ""]
         else:
-            cells += ["", "", "", "", ""]
+            cells += ["", "", disk_cell, "", "", ""]
         anon = result.get("status", {}).get("RssAnon")
         cells.append(f"{anon / MIB:.0f} MiB" if anon else "")
         print("| " + " | ".join(cells) + " |")
     if band:
         print(f"\nsequential read of the checkpoint: cold {band['cold_bytes_per_s'] / MIB:.0f} MiB/s, "
-              f"warm {band['warm_bytes_per_s'] / MIB:.0f} MiB/s")
+              f"warm {band['warm_bytes_per_s'] / MIB:.0f} MiB/s; of the int8 copy with O_DIRECT: "
+              f"{band.get('direct_bytes_per_s', 0) / MIB:.0f} MiB/s")
     for prefix in ("", "capped "):
         offload = results.get(f"{prefix}accelerate offload", {}).get("tokens_per_s")
-        pool = results.get(f"{prefix}pool 1/8 prefetch", {}).get("tokens_per_s")
-        if offload and pool:
-            print(f"{prefix}pool 1/8 / {prefix}accelerate offload: {pool / offload:.1f}x (target >= 10x)")
+        for variant in ("pool 1/8 prefetch", "pool 1/8 no prefetch", "pool 1/8 int8 prefetch", "pool 1/8 int8 no prefetch"):
+            pool = results.get(f"{prefix}{variant}", {}).get("tokens_per_s")
+            if offload and pool:
+                print(f"{prefix}{variant} / {prefix}accelerate offload: {pool / offload:.1f}x (target >= 10x)")
     print(f"load average now: {os.getloadavg()[0]:.1f} (2 cores; figures taken on a busy machine are indicative)")
 
 
