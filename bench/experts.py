@@ -160,14 +160,14 @@ def child(spec: dict) -> dict:
     from deltafin.protocol.sampling import SamplingParams
     from deltafin.testing import compose_config
 
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # as services.build_local_engine: only the engine thread runs torch's team
     config = compose_config(["model=qwen3", f"model.path={MODEL}", "model.name=moe", f"model.cache_dir={CACHE}",
                              *spec["overrides"]])
+    threads = config.placement.num_threads or torch.get_num_threads()
+    torch.set_num_threads(1)  # as services.build_local_engine: only the engine thread runs torch's team
     started = time.perf_counter()
     loaded = load_model(config.model, config.placement, max_batch=config.engine.max_batch)
     load_s = time.perf_counter() - started
-    if loaded.experts is not None:  # as services.build_local_engine
+    if loaded.experts is not None and config.placement.num_threads is None:  # as services.build_local_engine
         threads = loaded.experts.compute_threads(threads)
     engine = LocalEngine(loaded, max_batch=config.engine.max_batch, threads=threads)
     front = EngineFront(engine, max_waiting=4, timeout_s=3600, memo_entries=0)
