@@ -262,6 +262,15 @@ class TestGreedyTokens:
         finally:
             again_pool.close()
 
+    def test_an_unwritable_cache_folder_quantizes_each_miss_instead(self, moe, tmp_path):
+        blocked = tmp_path / "not-a-folder"
+        blocked.write_text("")
+        model, pool = pooled(moe("qwen3_moe"), "placement.quantize=int8", cache_dir=blocked)
+        try:
+            assert type(pool.source).__name__ == "CheckpointSource"
+        finally:
+            pool.close()
+
     def test_a_failed_read_fails_that_call_and_the_pool_recovers(self, moe, monkeypatch):
         folder = moe("qwen3_moe")
         model, pool = pooled(folder)

@@ -59,9 +59,13 @@ def load_pooled_model(folder: Path, placement: Any, *, dtype: torch.dtype, trust
                      quantize=placement.quantize, max_batch=max_batch)
     slots = slots_class(placement.quantize)(plan.slots, index.gate_up_shape, index.down_shape, dtype,
                                             torch.device(placement.device))
+    source: Any = None
     if slots.kind == "int8" and settings.quantized_copy and cache_dir is not None:
-        source: Any = open_int8_copy(folder, index, slots, cache_dir, direct=settings.direct_io)
-    else:
+        try:
+            source = open_int8_copy(folder, index, slots, cache_dir, direct=settings.direct_io)
+        except OSError as exc:  # a read-only or full cache folder: serve, quantizing each miss instead
+            log.warning("expert_int8_copy_unavailable", cache_dir=str(cache_dir), error=str(exc))
+    if source is None:
         source = CheckpointSource(index)
     policy = make_policy(settings.policy, plan.slots, half_life=LFRU_HALF_LIFE_PASSES * len(index.layers))
     pool = ExpertPool(index, slots, source, policy, slot_bytes=plan.slot_bytes,
