@@ -3,7 +3,7 @@
 A server's start is ~10 s on 2 cores, three quarters of it imports (torch, transformers, xgrammar, litestar,
 Hydra) that are the same for every server of a test run. The zygote is a Python process running `serve()`: it
 imports them once, then forks a child per server; the child runs `deltafin.cli.main(argv)` exactly as
-`python -m deltafin argv` would (its own process, its own log file, signals and exit codes of its own), and
+`python -m deltafin argv` would (its own process, its own log file, signals and exit code), and
 starts in ~2 s. Nothing else is shared: the zygote never runs torch or opens a model, so a child starts from
 the same state a fresh interpreter reaches after its imports.
 
@@ -120,7 +120,7 @@ def _run_child(argv: list[str], env: dict[str, str], cwd: str, log: str) -> None
     """In the forked child: become `python -m deltafin argv`, then exit with its code."""
     code = 1
     try:
-        os.setpgid(0, 0)  # its own process group, as a process started for it would be relative to the zygote
+        # The zygote's process group (the test run's), as a server started by Popen would be: Ctrl-C stops them all.
         fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         os.dup2(fd, 1)
         os.dup2(fd, 2)
