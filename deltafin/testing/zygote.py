@@ -1,10 +1,10 @@
 """Start test servers by forking one process that has already imported the server's code.
 
-A server's start is ~10 s on 2 cores, three quarters of it imports (torch, transformers, xgrammar, litestar,
+A server's start was ~11 s on 2 cores, most of it imports (torch, transformers, xgrammar, litestar,
 Hydra) that are the same for every server of a test run. The zygote is a Python process running `serve()`: it
 imports them once, then forks a child per server; the child runs `deltafin.cli.main(argv)` exactly as
 `python -m deltafin argv` would (its own process, its own log file, signals and exit code), and
-starts in ~2 s. Nothing else is shared: the zygote never runs torch or opens a model, so a child starts from
+is ready in ~4 s (the model's load, and the grammar workers' fork server, a fresh interpreter of its own). Nothing else is shared: the zygote never runs torch or opens a model, so a child starts from
 the same state a fresh interpreter reaches after its imports.
 
 Forking is safe here because the zygote stays single-threaded: it only imports, reads requests from stdin and

@@ -64,7 +64,8 @@ def test_health_follows_generations_at_once(bundle):
         probes = upstream.probes
         down, took = await timed(front.readiness)
         # Known from the failed generation itself: no probe, no wait, no second of stale "ok".
-        assert not down.ready and "503" in down.detail and took < 0.05 and upstream.probes == probes
+        assert not down.ready and "503" in down.detail and upstream.probes == probes
+        assert took < 0.5  # no probe's timeout waited for (generous: the suite shares two cores)
         upstream.state = "up"
         assert (await collect(front, JOB)).finished is not None
         assert (await front.readiness()).ready

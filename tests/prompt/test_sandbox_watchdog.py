@@ -22,7 +22,9 @@ def test_a_render_past_its_budget_is_interrupted():
     with pytest.raises(TemplateTimeout):
         with _watchdog(0.1):
             spin(5)
-    assert time.monotonic() - started < 1
+    # Interrupted long before the render's own end (how late after 0.1 s depends on the machine's load: the
+    # watchdog thread needs the GIL from a spinning thread, and the suite runs two workers on two cores).
+    assert time.monotonic() - started < 4
 
 
 def test_a_shorter_deadline_armed_later_fires_before_a_longer_one():
@@ -40,7 +42,9 @@ def test_a_shorter_deadline_armed_later_fires_before_a_longer_one():
         worker = threading.Thread(target=short_render)
         worker.start()
         worker.join(5)
-    assert outcome and outcome[0] < 1
+    # Fired at the short deadline, not the shared thread's 30 s one, and long before the render's own end
+    # (the exact lateness is the machine's load: see above).
+    assert outcome and outcome[0] < 4
 
 
 def test_a_finished_render_is_never_interrupted_afterwards():
