@@ -70,11 +70,19 @@ class _Cursor:
 
 
 def read_tensors(path: Path) -> GGUFTensors:
-    """The architecture and tensors of `path`; ValueError for a file that is not a little-endian GGUF v2/v3."""
+    """The architecture and tensors of `path`; ValueError for a file that is not a little-endian GGUF v2/v3, or
+    one cut short or damaged (a length or offset past its end), so the load fails with a sentence, not a
+    struct error."""
+    try:
+        return _read(path, np.memmap(path, mode="r"))
+    except (struct.error, TypeError, ZeroDivisionError, OverflowError) as exc:
+        raise ValueError(f"{path}: a damaged or truncated GGUF file ({exc})") from None
+
+
+def _read(path: Path, mapped: np.memmap) -> GGUFTensors:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quant_shape_to_byte_shape
 
-    mapped = np.memmap(path, mode="r")
     cursor = _Cursor(memoryview(mapped))
     if bytes(cursor.buffer[:4]) != MAGIC:
         raise ValueError(f"{path} is not a GGUF file")

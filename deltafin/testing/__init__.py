@@ -70,7 +70,7 @@ class LiveServer:
 
     def __init__(self, overrides: list[str], *, port: int | None = None, cold: bool = False) -> None:
         """`port`: a chosen one (to restart a server where a gateway expects it), else a free one. `cold`: a
-        fresh interpreter even where a zygote is set (a test of the process's own memory, say)."""
+        fresh interpreter even where a zygote is set (a test of everything the process prints, say)."""
         LiveServer.boots.append(tuple(overrides))
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"

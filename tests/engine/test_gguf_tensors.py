@@ -57,6 +57,15 @@ def test_every_metadata_type_and_a_custom_alignment_read_as_the_gguf_package_rea
     assert read_tensors(path).architecture == "qwen3"
 
 
+@pytest.mark.parametrize("cut", [100, 5000, 2_000_000, -1000])
+def test_a_file_cut_short_is_a_value_error_naming_it(tmp_path, cut):
+    source = resolve_model_path(compose_config().model.path).read_bytes()
+    path = tmp_path / "cut.gguf"
+    path.write_bytes(source[:cut])
+    with pytest.raises(ValueError, match="damaged or truncated GGUF"):
+        read_tensors(path)
+
+
 @pytest.mark.parametrize("damage", [b"GGUX", b"GGUF\x09\x00\x00\x00"])
 def test_a_file_that_is_not_a_gguf_v2_or_v3_is_a_value_error(tmp_path, damage):
     path = tmp_path / "bad.gguf"
