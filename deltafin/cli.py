@@ -10,11 +10,13 @@ from __future__ import annotations
 import errno
 import socket
 import sys
-from typing import Sequence
+from contextlib import contextmanager
+from typing import Iterator, Sequence
 
 from omegaconf import OmegaConf
 
 from deltafin.config import ConfigError, DeltafinConfig, compose_config, conf_dir
+from deltafin.config.models import check_served_names, entry_overrides
 from deltafin.config.schema import Device
 
 USAGE = """\
@@ -35,12 +37,15 @@ def main(argv: Sequence[str] | None = None) -> None:
         if show_config is None:
             print(USAGE + _groups())
             return
-        config = checked_config(overrides)
+        configs = checked_configs(overrides)
+        config = configs[0]
         if show_config:
             print(OmegaConf.to_yaml(config), end="")
             return
-        _check_model_path(config)
-        _check_expert_pool(config)
+        for entry, served in zip([None, *config.models], configs):
+            with _naming_entry(entry):
+                _check_model_path(served)
+                _check_expert_pool(served)
         _check_response_store(config)
         listener = _listen(config)
     except ConfigError as exc:
@@ -53,7 +58,33 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     _without_triton(config)
     configure_logging(config.server.log_level)
-    serve(build_app(config), config, listener)
+    serve(build_app(config, models=configs[1:]), config, listener)
+
+
+def checked_configs(overrides: Sequence[str] = ()) -> list[DeltafinConfig]:
+    """The main config for `overrides`, then each of its `models` entries' (deltafin.config.models), each
+    checked as `checked_config` checks one; an entry's error names it (`models.NAME: KEY: reason`)."""
+    config = checked_config(overrides)
+    configs = [config]
+    for name, entry in config.models.items():
+        entry_config = None
+        with _naming_entry(name):
+            entry_config = checked_config(entry_overrides(name, list(entry)))
+        configs.append(entry_config)
+    check_served_names([(entry or "", [each.model.name, *each.model.aliases])
+                        for entry, each in zip([None, *config.models], configs)])
+    return configs
+
+
+@contextmanager
+def _naming_entry(entry: str | None) -> Iterator[None]:
+    """A ConfigError raised for the `models` entry `entry` (None: the main config) names the entry first."""
+    try:
+        yield
+    except ConfigError as exc:
+        if entry is None or str(exc).startswith(f"models.{entry}:"):
+            raise
+        raise ConfigError(f"models.{entry}: {exc}") from None
 
 
 def checked_config(overrides: Sequence[str] = ()) -> DeltafinConfig:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import gc
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Sequence
 
 import structlog
 from litestar import Litestar, Response, get
@@ -21,57 +21,70 @@ from deltafin.app.body import publish_body_schemas
 from deltafin.app.connections import BodyDeadline
 from deltafin.app.generation import GenerationEndpoints, document_generation_routes
 from deltafin.app.routes import BODY_TYPES, ROUTES
-from deltafin.app.services import Services, engine_name
+from deltafin.app.served import ServedModel, ServedModels
+from deltafin.app.services import Services, engine_name, start_fork_server
 from deltafin.app.shutdown import Drain, DrainGate
 from deltafin.config import DeltafinConfig
-from deltafin.errors import EngineUnavailableError
+from deltafin.serving.responses import open_store
 from deltafin.metrics import Metrics
 
 log = structlog.get_logger("deltafin.app")
 
 
-class Readiness:
-    """Holds the services once loaded, or why loading failed."""
-
-    def __init__(self) -> None:
-        self.services: Services | None = None
-        self.error: str | None = None
-
-    def require(self) -> Services:
-        """The services, or the 503 that says why there are none yet."""
-        if self.services is None:
-            if self.error:
-                raise EngineUnavailableError(
-                    f"Service unavailable: the model failed to load: {self.error}.", code="model_load_failed"
-                )
-            raise EngineUnavailableError("Service unavailable: the model is still loading.", headers={"Retry-After": "5"})
-        return self.services
+def _provide_models(state: State) -> ServedModels:
+    return state.models
 
 
-def _provide_services(state: State) -> Services:
-    return state.readiness.require()
+def _engine_state(models: ServedModels) -> tuple[float, float]:
+    """(requests waiting, engines generating) over the loaded models, for the gauges; zeros while loading."""
+    waiting = busy = 0.0
+    for services in models.loaded():
+        admission = services.ctx.engine.admission
+        waiting += admission.waiting
+        busy += float(admission.busy)
+    return waiting, busy
 
 
-def _engine_state(readiness: Readiness) -> tuple[float, float]:
-    """(requests waiting, 1.0 if generating) for the gauges; zeros while the model loads."""
-    if readiness.services is None:
-        return 0.0, 0.0
-    admission = readiness.services.ctx.engine.admission
-    return float(admission.waiting), float(admission.busy)
+def _expert_stats(models: ServedModels) -> Any:
+    """The expert pool's counters: the first loaded model that has a pool."""
+    for services in models.loaded():
+        stats = services.ctx.engine.expert_stats()
+        if stats is not None:
+            return stats
+    return None
 
 
-@get("/health", summary="200 when the model is loaded, 503 while loading", include_in_schema=True)
+@get("/health", summary="200 when every served model is loaded (and its upstream answers), else 503",
+     include_in_schema=True)
 async def health(state: State) -> Response:
-    readiness: Readiness = state.readiness
-    if readiness.services is not None:
-        engine = readiness.services.ctx.engine
+    models: ServedModels = state.models
+    statuses = {model.name: model.status for model in models}
+    for model in models:
+        if model.services is None:
+            continue
+        engine = model.services.ctx.engine
         upstream = await engine.readiness()  # an upstream engine: is it there and ready?
         if not upstream.ready:
-            return Response({"status": "upstream_unavailable", "engine": engine.name, "error": upstream.detail},
-                            status_code=503, headers={"Retry-After": "5"})
-        return Response({"status": "ok", "model": state.config.model.name, "engine": engine.name})
-    status = "failed" if readiness.error else "loading"
-    return Response({"status": status, "error": readiness.error}, status_code=503)
+            statuses[model.name] = "upstream_unavailable"
+            body = {"status": "upstream_unavailable", "engine": engine.name, "error": upstream.detail}
+            return Response({**body, **_named(models, statuses, model)}, status_code=503, headers={"Retry-After": "5"})
+    failed = next((model for model in models if model.error), None)
+    if failed is not None:
+        return Response({"status": "failed", "error": failed.error, **_named(models, statuses, failed)},
+                        status_code=503)
+    if any(model.services is None for model in models):
+        return Response({"status": "loading", "error": None, **_named(models, statuses, None)}, status_code=503)
+    main = models.main.services
+    assert main is not None
+    return Response({"status": "ok", "model": models.main.name, "engine": main.ctx.engine.name,
+                     **_named(models, statuses, None)})
+
+
+def _named(models: ServedModels, statuses: dict[str, str], which: ServedModel | None) -> dict[str, Any]:
+    """With several models: which one the status is about, and each model's own status."""
+    if not models.several:
+        return {}
+    return {**({"failing_model": which.name} if which is not None else {}), "models": statuses}
 
 
 @get("/metrics", summary="Prometheus metrics", media_type="text/plain; version=0.0.4")
@@ -89,52 +102,46 @@ def _freeze_loaded_heap() -> None:
     gc.freeze()
 
 
-def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
-    """The ASGI app. With `services` given (tests) it is ready at once; else it loads in the background."""
-    readiness = Readiness()
+def build_app(config: DeltafinConfig, services: Services | Sequence[Services] | None = None, *,
+              models: Sequence[DeltafinConfig] = ()) -> Any:
+    """The ASGI app for `config`'s model and the other `models` (deltafin.config.models), loaded in the
+    background one after another, the main one first. With `services` given (tests: one, or one per model, the
+    main one first) it is ready at once."""
+    loaded = [services] if isinstance(services, Services) else list(services or ())
+    served = ServedModels([config, *models] if not loaded else [each.ctx.config for each in loaded])
     app_metrics = Metrics()
     drain = Drain(config.server.shutdown_grace_s)
-    app_metrics.watch_engine(lambda: _engine_state(readiness)[0], lambda: _engine_state(readiness)[1])
-    app_metrics.watch_expert_pool(lambda: readiness.services.ctx.engine.expert_stats() if readiness.services else None)
+    app_metrics.watch_engine(lambda: _engine_state(served)[0], lambda: _engine_state(served)[1])
+    app_metrics.watch_expert_pool(lambda: _expert_stats(served))
 
     @asynccontextmanager
     async def load_in_background(app: Litestar) -> AsyncIterator[None]:
-        if services is not None:
-            readiness.services = services
+        if loaded:
+            for model, each in zip(served, loaded):
+                model.services = each
             yield
             return
-
-        async def load() -> None:
-            try:
-                services_loaded = await asyncio.to_thread(Services.load, config)
-                services_loaded.ctx.prompt.prepare_loop_thread()  # on this loop's thread, where small prompts render
-                readiness.services = services_loaded
-                readiness.services.ctx.engine.observe(app_metrics)  # upstream latency and errors
-                _freeze_loaded_heap()
-                log.info("ready", model=config.model.name)
-            except Exception as exc:  # shown by /health and 503s; the process stays up to say so
-                readiness.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-                log.error("model_load_failed", error=readiness.error)
-
-        task = asyncio.create_task(load())
+        store = open_store(config.server.responses)  # one store, whichever model answered (GET needs no model)
+        task = asyncio.create_task(_load_all(served, store, app_metrics))
         try:
             yield
         finally:
             task.cancel()
-            if readiness.services is not None:
+            for services_loaded in served.loaded():
                 # Stop the engine before the interpreter exits: a torch call still running on the engine's
                 # own thread at exit aborts the process (SIGABRT instead of exit 0).
-                await readiness.services.ctx.engine.aclose()
-                if readiness.services.ctx.grammars is not None:
-                    readiness.services.ctx.grammars.close()  # its worker processes
+                await services_loaded.ctx.engine.aclose()
+                if services_loaded.ctx.grammars is not None:
+                    services_loaded.ctx.grammars.close()  # its worker processes
+            store.close()
 
-    generation = GenerationEndpoints(services=readiness.require, drain=drain, max_body_bytes=config.server.max_body_bytes)
+    generation = GenerationEndpoints(services=served.require, drain=drain, max_body_bytes=config.server.max_body_bytes)
     litestar_app = Litestar(
         route_handlers=[*ROUTES, *generation.route_handlers(), health, metrics],
-        dependencies={"services": Provide(_provide_services, sync_to_thread=False)},
+        dependencies={"models": Provide(_provide_models, sync_to_thread=False)},
         exception_handlers={Exception: handle_exception},
         lifespan=[load_in_background],
-        state=State({"readiness": readiness, "config": config, "metrics": app_metrics, "drain": drain}),
+        state=State({"models": served, "config": config, "metrics": app_metrics, "drain": drain}),
         request_max_body_size=config.server.max_body_bytes,
         openapi_config=OpenAPIConfig(title="Deltafin", version=__version__, path="/schema"),
         debug=False,
@@ -149,3 +156,21 @@ def build_app(config: DeltafinConfig, services: Services | None = None) -> Any:
     app = RequestContext(DrainGate(inner, drain), app_metrics, engine=engine_name(config))
     app.drain = drain  # the server starts draining it on SIGTERM/SIGINT (deltafin.app.server)
     return app
+
+
+async def _load_all(served: ServedModels, store: Any, app_metrics: Metrics) -> None:
+    """Load each model in turn (one model's failure is its own: the others still load and serve), then say
+    ready. The grammar workers' fork server starts once, beside the first load."""
+    start_fork_server()
+    for model in served:
+        try:
+            services = await asyncio.to_thread(Services.load, model.config, store)
+            services.ctx.prompt.prepare_loop_thread()  # on this loop's thread, where small prompts render
+            model.services = services
+            services.ctx.engine.observe(app_metrics)  # upstream latency and errors
+        except Exception as exc:  # shown by /health and 503s; the process stays up to say so
+            model.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            log.error("model_load_failed", model=model.name, error=model.error)
+    _freeze_loaded_heap()
+    if served.loaded():
+        log.info("ready", model=served.main.name, **({"models": [m.name for m in served.loaded()]} if served.several else {}))

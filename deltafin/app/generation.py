@@ -74,7 +74,7 @@ GENERATION_ROUTES: dict[str, GenerationRoute] = {
 class GenerationEndpoints:
     """Serves the generation routes for the route handlers it makes (`route_handlers`)."""
 
-    def __init__(self, *, services: Callable[[], Services], drain: Drain, max_body_bytes: int) -> None:
+    def __init__(self, *, services: Callable[[str | None], Services], drain: Drain, max_body_bytes: int) -> None:
         self._services = services
         self._drain = drain
         self._max_body_bytes = max_body_bytes
@@ -113,7 +113,7 @@ class GenerationEndpoints:
         raw = await read_body(scope, receive, self._max_body_bytes)
         stats.body_bytes = len(raw)  # chooses the prompt-work lane (deltafin.serving.prompt_work)
         request = decode_request(raw, route.request_type)
-        services = self._services()
+        services = self._services(request.model)  # the model the request names (deltafin.app.served)
 
         def admitted() -> bool:
             return stats.queue_wait_s is not None

@@ -11,7 +11,7 @@ from litestar.params import FromPath, FromQuery
 
 from deltafin.app.body import documented_body, strict_body
 from deltafin.app.request_context import STATS_KEY
-from deltafin.app.services import Services
+from deltafin.app.served import ServedModels
 from deltafin.errors import InvalidRequestError
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.completions import CompletionRequest
@@ -38,56 +38,61 @@ def _stats(request: Request) -> RequestStats:
     return stats if stats is not None else RequestStats()
 
 
-@get(["/v1/models", "/models"], summary="List the served model")
-async def models(services: NamedDependency[Services]) -> dict[str, Any]:
-    return list_models(services.ctx)
+@get(["/v1/models", "/models"], summary="List the served models")
+async def list_served(models: NamedDependency[ServedModels]) -> dict[str, Any]:
+    models.require()  # 503 while the main model loads (or failed), as every route
+    return list_models([services.ctx for services in models.loaded()])
 
 
-@get(["/v1/models/{name:str}", "/models/{name:str}"], summary="Describe the served model")
-async def model(name: FromPath[str], services: NamedDependency[Services]) -> dict[str, Any]:
-    return get_model(services.ctx, name)
+@get(["/v1/models/{name:str}", "/models/{name:str}"], summary="Describe a served model")
+async def model(name: FromPath[str], models: NamedDependency[ServedModels]) -> dict[str, Any]:
+    return get_model(models.require(name).ctx, name)
 
 
 @post(["/tokenize", "/v1/tokenize"], status_code=200, summary="Tokenize a prompt or chat messages", **_body(TokenizeRequest))
 async def tokenize(
-    request: Request, payload: NamedDependency[TokenizeRequest], services: NamedDependency[Services]
+    request: Request, payload: NamedDependency[TokenizeRequest], models: NamedDependency[ServedModels]
 ) -> dict[str, Any]:
     stats = _stats(request)
+    services = models.require(payload.model)
     return await services.ctx.off_loop(services.tokenize.tokenize, payload, stats, size=stats.body_bytes, stats=stats,
                                        inline=not brings_template(payload))
 
 
 @post(["/detokenize", "/v1/detokenize"], status_code=200, summary="Turn token ids back into text", **_body(DetokenizeRequest))
-async def detokenize(payload: NamedDependency[DetokenizeRequest], services: NamedDependency[Services]) -> dict[str, Any]:
+async def detokenize(payload: NamedDependency[DetokenizeRequest], models: NamedDependency[ServedModels]) -> dict[str, Any]:
+    services = models.require(payload.model)
     return await services.ctx.off_loop(services.tokenize.detokenize, payload)
 
 
 @post(["/parse", "/v1/parse"], status_code=200, summary="Parse raw model output with the served model's parsers", **_body(ParseRequest))
-async def parse(payload: NamedDependency[ParseRequest], services: NamedDependency[Services]) -> dict[str, Any]:
+async def parse(payload: NamedDependency[ParseRequest], models: NamedDependency[ServedModels]) -> dict[str, Any]:
+    services = models.require(payload.model)
     return await services.ctx.off_loop(services.parse.parse, payload)
 
 
-# The Responses API's stored responses (POST /v1/responses is a generation route: deltafin.app.generation).
+# The Responses API's stored responses (POST /v1/responses is a generation route: deltafin.app.generation). The
+# store is the process's, whichever model answered: the main model's service reads it.
 @get(["/v1/responses/{response_id:str}", "/responses/{response_id:str}"], summary="Retrieve a stored response")
-async def retrieve_response(request: Request, response_id: FromPath[str], services: NamedDependency[Services]) -> dict[str, Any]:
-    return await services.responses.retrieve(_stats(request).owner, response_id)
+async def retrieve_response(request: Request, response_id: FromPath[str], models: NamedDependency[ServedModels]) -> dict[str, Any]:
+    return await models.require().responses.retrieve(_stats(request).owner, response_id)
 
 
 @delete(["/v1/responses/{response_id:str}", "/responses/{response_id:str}"], status_code=200, summary="Delete a stored response")
-async def delete_response(request: Request, response_id: FromPath[str], services: NamedDependency[Services]) -> dict[str, Any]:
-    return await services.responses.delete(_stats(request).owner, response_id)
+async def delete_response(request: Request, response_id: FromPath[str], models: NamedDependency[ServedModels]) -> dict[str, Any]:
+    return await models.require().responses.delete(_stats(request).owner, response_id)
 
 
 @get(["/v1/responses/{response_id:str}/input_items", "/responses/{response_id:str}/input_items"],
      summary="List a stored response's input items")
 async def response_input_items(
-    request: Request, response_id: FromPath[str], services: NamedDependency[Services],
+    request: Request, response_id: FromPath[str], models: NamedDependency[ServedModels],
     limit: FromQuery[int] = 20, order: FromQuery[str] = "desc", after: FromQuery[str | None] = None,
 ) -> dict[str, Any]:
     if not 1 <= limit <= 100:
         raise InvalidRequestError("limit must be between 1 and 100", param="limit")
     query = InputItemsQuery(limit=limit, order=order, after=after)
-    return await services.responses.input_items(_stats(request).owner, response_id, query)
+    return await models.require().responses.input_items(_stats(request).owner, response_id, query)
 
 
-ROUTES = [models, model, tokenize, detokenize, parse, retrieve_response, delete_response, response_input_items]
+ROUTES = [list_served, model, tokenize, detokenize, parse, retrieve_response, delete_response, response_input_items]

@@ -16,6 +16,7 @@ from deltafin.serving.context import ServingContext, prompt_work_for
 from deltafin.serving.prompt_work import PerThreadChatFormat
 from deltafin.serving.parse import ParseService
 from deltafin.serving.responses import ResponsesService, open_store
+from deltafin.serving.responses.store import ResponseStore
 from deltafin.serving.responses.conversation import speaks_developer
 from deltafin.serving.tokenize import TokenizeService
 
@@ -30,7 +31,8 @@ class Services:
     responses: ResponsesService
 
     @classmethod
-    def from_engine(cls, config: DeltafinConfig, engine: EngineFront) -> "Services":
+    def from_engine(cls, config: DeltafinConfig, engine: EngineFront, store: ResponseStore | None = None) -> "Services":
+        """`store`: where stored responses live, shared by every model of the process (else one of its own)."""
         def chat_format_with(tokenizer: Any) -> Any:
             return build_chat_format(
                 config.model.chat_format,
@@ -55,16 +57,21 @@ class Services:
             tokenize=TokenizeService(ctx, chat),
             parse=ParseService(chat),
             responses=ResponsesService(
-                ctx, chat, open_store(config.server.responses),
+                ctx, chat, store if store is not None else open_store(config.server.responses),
                 developer_role=speaks_developer(config.model.chat_format, getattr(engine.tokenizer, "chat_template", None)),
             ),
         )
 
     @classmethod
-    def load(cls, config: DeltafinConfig) -> "Services":
-        # The grammar workers' fork server imports xgrammar (seconds): meanwhile the model loads.
-        threading.Thread(target=_start_fork_server, name="deltafin-forkserver-start", daemon=True).start()
-        return cls.from_engine(config, front_for(config, build_engine(config)))
+    def load(cls, config: DeltafinConfig, store: ResponseStore | None = None) -> "Services":
+        """The model's engine built and loaded (this blocks: seconds to minutes), and its services."""
+        return cls.from_engine(config, front_for(config, build_engine(config)), store)
+
+
+def start_fork_server() -> None:
+    """Start the grammar workers' fork server on a thread: it imports xgrammar (seconds), meanwhile a model
+    loads."""
+    threading.Thread(target=_start_fork_server, name="deltafin-forkserver-start", daemon=True).start()
 
 
 def build_engine(config: DeltafinConfig) -> EngineClient:

@@ -34,11 +34,17 @@ A value outside its type, its choices or its range stops start-up with one line 
 def render() -> str:
     comments = _field_comments(Path(schema.__file__).read_text())
     parts = [HEADER]
+    hints = typing.get_type_hints(DeltafinConfig)
     for group in dataclasses.fields(DeltafinConfig):
         parts.append(f"## `{group.name}`\n")
-        parts.append(f"Options (`conf/{group.name}/`): {_options(group.name)}\n")
+        if dataclasses.is_dataclass(hints[group.name]):
+            parts.append(f"Options (`conf/{group.name}/`): {_options(group.name)}\n")
         parts.append("| key | type | default | allowed | what it does |\n|---|---|---|---|---|")
-        parts.extend(_rows(typing.get_type_hints(DeltafinConfig)[group.name], group.name, comments))
+        if dataclasses.is_dataclass(hints[group.name]):
+            parts.extend(_rows(hints[group.name], group.name, comments))
+        else:  # a key of the root itself (models)
+            what = comments.get((DeltafinConfig.__name__, group.name), "").replace("|", "\\|")
+            parts.append(f"| `{group.name}` | {_type(hints[group.name])} | {_default(group)} | | {what} |")
         parts.append("")
     return "\n".join(parts)
 

@@ -377,3 +377,6 @@ class DeltafinConfig:
     compat: CompatConfig = field(default_factory=CompatConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
     engine: EngineConfig = field(default_factory=EngineConfig)
+    # more models served by this process beside the main one: served name -> the overrides that compose its own
+    # config, as on the command line (docs/models.md); a request's `model` chooses among them
+    models: dict[str, list[str]] = field(default_factory=dict)

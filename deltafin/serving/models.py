@@ -1,4 +1,4 @@
-"""/v1/models: the one served model (and its aliases, which name the same weights)."""
+"""/v1/models: the served models (and their aliases, which name the same weights)."""
 
 from __future__ import annotations
 
@@ -19,9 +19,10 @@ def _card(ctx: ServingContext, name: str) -> dict[str, Any]:
     }
 
 
-def list_models(ctx: ServingContext) -> dict[str, Any]:
-    names = [ctx.model_name, *ctx.config.model.aliases]
-    return {"object": "list", "data": [_card(ctx, name) for name in names]}
+def list_models(contexts: list[ServingContext]) -> dict[str, Any]:
+    """Every loaded model's card, and one per alias, the main model first."""
+    cards = [_card(ctx, name) for ctx in contexts for name in (ctx.model_name, *ctx.config.model.aliases)]
+    return {"object": "list", "data": cards}
 
 
 def get_model(ctx: ServingContext, name: str) -> dict[str, Any]:

@@ -183,7 +183,7 @@ class TestLoading:
     def test_a_failed_load_is_reported_not_hidden(self, config, monkeypatch):
         from deltafin.app.services import Services
 
-        def broken(cls, cfg):
+        def broken(cls, cfg, store=None):
             raise RuntimeError("safetensors header is corrupt")
 
         monkeypatch.setattr(Services, "load", classmethod(broken))
@@ -205,7 +205,7 @@ class TestLoading:
         from deltafin.app.services import Services
 
         release = threading.Event()
-        monkeypatch.setattr(Services, "load", classmethod(lambda cls, cfg: release.wait(30) and None))
+        monkeypatch.setattr(Services, "load", classmethod(lambda cls, cfg, store=None: release.wait(30) and None))
         with TestClient(build_app(config)) as client:
             assert client.get("/health").status_code == 503
             response = client.post(CHAT, json={"messages": user()})

@@ -23,7 +23,7 @@ def test_every_key_is_documented_once_with_its_meaning():
 
     def leaves(node, prefix=""):
         for name, value in node.items():
-            if isinstance(value, dict) and name not in ("rules", "chat_template_kwargs", "max_memory"):
+            if isinstance(value, dict) and name not in ("rules", "chat_template_kwargs", "max_memory", "models"):
                 yield from leaves(value, f"{prefix}{name}.")
             else:
                 yield prefix + name

@@ -1,0 +1,67 @@
+"""The models one process serves (the main one and `models.NAME` entries), each loaded or failed on its own, and
+which one a request's `model` chooses."""
+
+from __future__ import annotations
+
+from typing import Iterator, Sequence
+
+from deltafin.app.services import Services
+from deltafin.config import DeltafinConfig
+from deltafin.errors import EngineUnavailableError, ModelNotFoundError
+
+
+class ServedModel:
+    """One model: its config from start-up, then its services once loaded, or why loading failed."""
+
+    def __init__(self, config: DeltafinConfig) -> None:
+        self.config = config
+        self.name: str = config.model.name
+        self.names: tuple[str, ...] = (config.model.name, *config.model.aliases)
+        self.services: Services | None = None
+        self.error: str | None = None
+
+    @property
+    def status(self) -> str:
+        return "ok" if self.services is not None else "failed" if self.error else "loading"
+
+    def require(self, several: bool = False) -> Services:
+        """The services, or the 503 that says why there are none yet (naming the model when there are several)."""
+        if self.services is None:
+            which = f"the model `{self.name}`" if several else "the model"
+            if self.error:
+                raise EngineUnavailableError(
+                    f"Service unavailable: {which} failed to load: {self.error}.", code="model_load_failed"
+                )
+            raise EngineUnavailableError(f"Service unavailable: {which} is still loading.", headers={"Retry-After": "5"})
+        return self.services
+
+
+class ServedModels:
+    """The served models, the main one first. A request without `model` goes to the main one; a request naming
+    a model (or an alias) goes to it; with several models an unknown name is a 404 listing them. (With one
+    model, the served model's own check answers an unknown name, as it always has.)"""
+
+    def __init__(self, configs: Sequence[DeltafinConfig]) -> None:
+        self.models = [ServedModel(config) for config in configs]
+        self.main = self.models[0]
+        self._by_name = {name: model for model in reversed(self.models) for name in model.names}
+
+    def __iter__(self) -> Iterator[ServedModel]:
+        return iter(self.models)
+
+    @property
+    def several(self) -> bool:
+        return len(self.models) > 1
+
+    def require(self, name: str | None = None) -> Services:
+        """The services a request naming `name` (None: no `model` field) is served by."""
+        if name is None or not self.several:
+            return self.main.require()
+        model = self._by_name.get(name)
+        if model is None:
+            served = ", ".join(f"`{each.name}`" for each in self.models)
+            raise ModelNotFoundError(f"The model `{name}` does not exist. This server serves {served}.", param="model")
+        return model.require(several=True)
+
+    def loaded(self) -> list[Services]:
+        return [model.services for model in self.models if model.services is not None]
