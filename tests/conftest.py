@@ -23,6 +23,8 @@ from deltafin.testing import (  # noqa: E402, F401
 )
 
 REPO = Path(__file__).resolve().parents[1]
+# Session fixtures shared by several modules of a tier live beside that tier, registered here.
+pytest_plugins = ["tests.gateway.llama_tier"]
 # Servers start as forks of one process that has done their imports (seconds each saved; deltafin.testing.zygote).
 # DELTAFIN_TEST_COLD_BOOT=1 starts each as a fresh `python -m deltafin` instead.
 LiveServer.fork_from_zygote = os.environ.get("DELTAFIN_TEST_COLD_BOOT") != "1"
@@ -92,12 +94,20 @@ def tiny_config(family: str, path: Path, extra: list[str] | None = None) -> Delt
 
 
 @pytest.fixture(scope="session")
-def live_server() -> Iterator[LiveServer]:
-    # One row at a time and a short queue, so the queue and 429 tests take seconds; batching over HTTP is
-    # tested on a server of its own (tests/e2e/test_batching.py).
-    server = LiveServer(["engine.max_batch=1", "server.queue.timeout_s=1.0", "server.queue.max_waiting=1"])
+def local_server(tmp_path_factory) -> Iterator[LiveServer]:
+    """The e2e tier's one local server (tests/shared_server.py): the default model (one row at a time, a short
+    queue: the queue and 429 tests take seconds) and, beside it, every model the collected modules declared."""
+    from tests.shared_server import shared_overrides
+
+    server = LiveServer(shared_overrides(tmp_path_factory.mktemp))
     try:
-        server.wait_ready()
+        server.wait_ready(timeout=600)  # every entry loads, one after another
         yield server
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def live_server(local_server) -> LiveServer:
+    """The shared server, for tests that use its main model (the default SmolLM2)."""
+    return local_server
