@@ -111,3 +111,20 @@ def local_server(tmp_path_factory) -> Iterator[LiveServer]:
 def live_server(local_server) -> LiveServer:
     """The shared server, for tests that use its main model (the default SmolLM2)."""
     return local_server
+
+
+#: the keyed server's API keys: tests/e2e/test_auth.py checks them; the gateway of tests/gateway/test_e2e_deltafin.py
+#: sends the first as its `engine.api_key`
+API_KEYS = ("k1", "k2")
+
+
+@pytest.fixture(scope="session")
+def keyed_server() -> Iterator[LiveServer]:
+    """The default model behind API keys (a process-wide setting: a server of its own). It is the upstream of the
+    Deltafin gateway tests, whose last test stops it and restarts it where the gateway expects it."""
+    server = LiveServer([f"server.api_keys=[{','.join(API_KEYS)}]"])
+    try:
+        server.wait_ready()
+        yield server
+    finally:
+        server.stop()

@@ -31,17 +31,18 @@ ENTRY_DEFAULTS = {"model.aliases": "model.aliases=[]", "server.grammar.workers":
 @dataclass
 class SharedModel:
     """An entry of the shared server. `prepare(root)` writes (or finds in a cache) its checkpoint under `root`
-    and returns (its folder, the overrides that serve it); `folder` is set once the server is started."""
+    and returns (its folder, or None for a model file's own path; the overrides that serve it); `folder` is set
+    once the server is started."""
 
     name: str
-    prepare: Callable[[Path], tuple[Path, list[str]]]
+    prepare: Callable[[Path], tuple[Path | None, list[str]]]
     folder: Path | None = field(default=None)
 
 
 REGISTRY: dict[str, SharedModel] = {}
 
 
-def shared_model(name: str, prepare: Callable[[Path], tuple[Path, list[str]]]) -> SharedModel:
+def shared_model(name: str, prepare: Callable[[Path], tuple[Path | None, list[str]]]) -> SharedModel:
     """Declare an entry of the shared server (at module import); the name is what requests send as `model`."""
     if name in REGISTRY:
         raise ValueError(f"{name}: declared twice (shared models are named once, wherever they are used)")

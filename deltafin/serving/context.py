@@ -50,6 +50,10 @@ class RequestStats:
 
     def saw(self, delta: TextDelta) -> None:
         self._partial[delta.choice] = self._partial.get(delta.choice, 0) + len(delta.token_ids)
+        if delta.token_ids:
+            # the first token, even one whose text is held back (a character's first bytes, a stop string's
+            # start): a request whose few tokens all came out at its end had no TTFT at all
+            self.first_token()
 
     @property
     def generated_tokens(self) -> int:

@@ -69,24 +69,35 @@ class LiveServer:
     _zygote_lock: ClassVar[threading.Lock] = threading.Lock()
 
     def __init__(self, overrides: list[str], *, port: int | None = None, cold: bool = False) -> None:
-        """`port`: a chosen one (to restart a server where a gateway expects it), else a free one. `cold`: a
-        fresh interpreter even where a zygote is set (a test of everything the process prints, say)."""
-        LiveServer.boots.append(tuple(overrides))
+        """`port`: a chosen one, else a free one. `cold`: a fresh interpreter even where a zygote is set (a test
+        of everything the process prints, say)."""
+        self.overrides = list(overrides)
+        self.cold = cold
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"deltafin-test-{self.port}.log"
         self._log = open(self.log_path, "w")
-        argv = [f"server.port={self.port}", *overrides]
+        self.process: subprocess.Popen | ForkedProcess = self._start()
+
+    def _start(self) -> subprocess.Popen | ForkedProcess:
+        LiveServer.boots.append(tuple(self.overrides))
+        argv = [f"server.port={self.port}", *self.overrides]
         env = {**os.environ, "HF_HUB_OFFLINE": "1", "PYTHONUNBUFFERED": "1"}
-        self.process: subprocess.Popen | ForkedProcess
-        if LiveServer.fork_from_zygote and not cold:
+        if LiveServer.fork_from_zygote and not self.cold:
             with LiveServer._zygote_lock:
                 if LiveServer._zygote is None:
                     LiveServer._zygote = Zygote(REPO, env)
-            self.process = LiveServer._zygote.start(argv, env=env, cwd=REPO, log=self.log_path)
-        else:
-            self.process = subprocess.Popen([sys.executable, "-m", "deltafin", *argv], cwd=REPO, stdout=self._log,
-                                            stderr=subprocess.STDOUT, env=env)
+            return LiveServer._zygote.start(argv, env=env, cwd=REPO, log=self.log_path)
+        return subprocess.Popen([sys.executable, "-m", "deltafin", *argv], cwd=REPO, stdout=self._log,
+                                stderr=subprocess.STDOUT, env=env)
+
+    def restart(self) -> None:
+        """A new process with the same overrides on the same port, after `stop` (an upstream that comes back
+        where a gateway expects it); the log file starts afresh."""
+        if self.process.poll() is None:
+            raise RuntimeError("restart() follows stop(): this server is still running")
+        self._log = open(self.log_path, "w")
+        self.process = self._start()
 
     def wait_ready(self, timeout: float = 240.0) -> None:
         deadline = time.monotonic() + timeout
@@ -117,6 +128,9 @@ class LiveServer:
             time.sleep(0.05)
 
     def stop(self) -> None:
+        """Stop the process (SIGTERM, then SIGKILL after 15 s); again after it stopped, nothing."""
+        if self._log.closed:
+            return
         try:
             self.process.terminate()
             try:

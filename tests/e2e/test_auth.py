@@ -1,22 +1,13 @@
-"""API keys on a real server: the openai client's key is checked; health stays open."""
+"""API keys on a real server: the openai client's key is checked; health stays open. (The keyed server is the
+default model's, shared with the Deltafin gateway tests as their upstream: tests/conftest.py.)"""
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import LiveServer
+from tests.conftest import API_KEYS, compose_config
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture(scope="module")
-def keyed_server(tiny_models):
-    server = LiveServer(["model=glm", "model.variant=glm47", f"model.path={tiny_models['glm47']}", "server.api_keys=[k1,k2]"])
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
 
 
 def client(server, key):
@@ -29,9 +20,9 @@ def test_wrong_key_is_authentication_error(keyed_server):
     assert info.value.status_code == 401 and info.value.body["type"] == "authentication_error"
 
 
-@pytest.mark.parametrize("key", ["k1", "k2"])
+@pytest.mark.parametrize("key", API_KEYS)
 def test_any_configured_key_works(keyed_server, key):
-    assert client(keyed_server, key).models.list().data[0].id == "glm"
+    assert client(keyed_server, key).models.list().data[0].id == compose_config().model.name
 
 
 def test_health_needs_no_key(keyed_server):

@@ -9,26 +9,25 @@ import openai
 import pytest
 
 from tests.conftest import LiveServer
+from tests.shared_server import shared_model
 
 pytestmark = pytest.mark.e2e
 
 PROMPTS = ["Name a colour.", "Count to five.", "Say hello in French.", "What is two plus two?"]
 
 
+#: the default model on the shared server with the memo off, so every request really runs; four rows decode together
+BATCHED = shared_model("batched", lambda root: (None, ["engine.max_batch=4", "server.memo.entries=0"]))
+
+
 @pytest.fixture(scope="module")
-def batched_server():
-    # The memo is off so every request really runs; four rows decode together.
-    server = LiveServer(["engine.max_batch=4", "server.memo.entries=0"])
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+def batched_server(local_server: LiveServer) -> LiveServer:
+    return local_server
 
 
 def stream(client: openai.OpenAI, prompt: str, out: dict) -> None:
     chunks = client.chat.completions.create(
-        model="smollm2", messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0, stream=True,
+        model=BATCHED.name, messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0, stream=True,
         extra_body={"ignore_eos": True},
     )
     text = []

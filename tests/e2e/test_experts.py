@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import re
 import threading
+from pathlib import Path
 
 import httpx
 import openai
@@ -14,6 +15,7 @@ import pytest
 from deltafin.engine.experts.checkpoint import checkpoint_files, tensor_table
 from deltafin.tiny.moe import MoeShape, write_moe
 from tests.conftest import LiveServer
+from tests.shared_server import shared_model
 
 pytestmark = pytest.mark.e2e
 
@@ -38,33 +40,41 @@ def start(overrides: list[str]) -> LiveServer:
     return server
 
 
+COMMON = ["model=qwen3", "engine.max_batch=4", "server.memo.entries=0"]
+
+
+def _resident(root: Path) -> tuple[Path, list[str]]:
+    folder = write_moe("qwen3_moe", root / "qwen3-moe", SMALL)
+    return folder, [*COMMON, f"model.path={folder}"]
+
+
+#: every expert resident: the reference, on the shared server (which serves no model with a pool, so its
+#: /metrics has no pool series)
+RESIDENT = shared_model("moe-resident", _resident)
+
+
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory):
-    folder = write_moe("qwen3_moe", tmp_path_factory.mktemp("moe") / "qwen3-moe", SMALL)
-    common = ["model=qwen3", f"model.path={folder}", "model.name=moe", "engine.max_batch=4", "server.memo.entries=0"]
-    resident = start(common)
+def servers(local_server):
+    """(the shared server and the model name it serves the resident MoE as; a server of the same checkpoint
+    with a 2 MiB pool, a process of its own: its metrics are the pool's)."""
+    pooled = start([*COMMON, f"model.path={RESIDENT.folder}", "model.name=moe", "placement.experts.pool_mb=2"])
     try:
-        pooled = start([*common, "placement.experts.pool_mb=2"])
-    except BaseException:
-        resident.stop()
-        raise
-    try:
-        yield resident, pooled
+        yield (local_server, RESIDENT.name), (pooled, "moe")
     finally:
         pooled.stop()
-        resident.stop()
 
 
-def complete(server: LiveServer, prompt: str, out: list, at: int) -> None:
-    client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+def complete(server: tuple[LiveServer, str], prompt: str, out: list, at: int) -> None:
+    live, model = server
+    client = openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="x", max_retries=0, timeout=120)
     response = client.chat.completions.with_raw_response.create(
-        model="moe", messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0,
+        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0,
         extra_body={"ignore_eos": True},
     )
     out[at] = (response.parse().choices[0].message.content, response.headers["x-request-id"])
 
 
-def run(server: LiveServer, together: bool) -> list:
+def run(server: tuple[LiveServer, str], together: bool) -> list:
     out: list = [None] * len(PROMPTS)
     threads = [threading.Thread(target=complete, args=(server, p, out, i)) for i, p in enumerate(PROMPTS)]
     for thread in threads:
@@ -84,13 +94,13 @@ def metric(server: LiveServer, name: str) -> float:
 
 
 def test_pooled_server_gives_the_resident_servers_tokens(servers):
-    resident, pooled = servers
-    reference = run(resident, together=False)
+    (resident, resident_model), (pooled, pooled_model) = servers
+    reference = run((resident, resident_model), together=False)
     expected = [text for text, _ in reference]
     assert metric(pooled, "deltafin_expert_pool_slots") == 21  # of 128 experts
     misses, read = metric(pooled, "deltafin_expert_pool_misses_total"), metric(pooled, "deltafin_expert_bytes_read_total")
-    alone = run(pooled, together=False)
-    batched = run(pooled, together=True)
+    alone = run((pooled, pooled_model), together=False)
+    batched = run((pooled, pooled_model), together=True)
     assert [text for text, _ in alone] == expected
     assert [text for text, _ in batched] == expected
     assert metric(pooled, "deltafin_expert_pool_misses_total") > misses
@@ -122,7 +132,7 @@ def test_anonymous_memory_is_dense_plus_pool_plus_margin(tmp_path):
     try:
         pool = metric(server, "deltafin_expert_pool_bytes")
         assert pool <= 96 << 20 and pool * 7 < experts
-        run(server, together=True)  # reads evict and refill every slot, several times over
+        run((server, "moe"), together=True)  # reads evict and refill every slot, several times over
         assert metric(server, "deltafin_expert_pool_misses_total") > 2 * metric(server, "deltafin_expert_pool_slots")
         used = rss_anon(server.process.pid)
         bound = dense + pool + (MARGIN_MIB << 20)

@@ -15,11 +15,15 @@ import json
 import math
 import threading
 import time
+from pathlib import Path
+from typing import NamedTuple
 
 import httpx
 import pytest
 
-from tests.conftest import TINY_OVERRIDES, LiveServer
+from deltafin.tiny import write_tiny_model
+from tests.conftest import TINY_OVERRIDES, TINY_SPECS, LiveServer
+from tests.shared_server import shared_model
 
 pytestmark = pytest.mark.e2e
 
@@ -32,13 +36,21 @@ COMPILE_TIMEOUT_S = 3.0
 CHUNK = 64
 
 
+class Served(NamedTuple):
+    """A model of the shared server: where to send, and the `model` to name."""
+
+    base_url: str
+    model: str
+
+
 class Watch:
     """One streamed chat decoding (arrival time of each chunk) and /health polled every 50 ms (latencies)."""
 
-    def __init__(self, server: LiveServer, *, max_tokens: int = 3000, body: dict | None = None) -> None:
+    def __init__(self, server: Served, *, max_tokens: int = 3000, body: dict | None = None) -> None:
         self.url = server.base_url
         self.body = body or {"messages": [{"role": "user", "content": "Count from one to a thousand."}],
                              "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        self.body = {**self.body, "model": server.model}
         self.arrivals: list[float] = []
         self.health: list[tuple[float, float, int]] = []  # (sent, latency, status)
         self.stop = threading.Event()
@@ -149,18 +161,27 @@ SLOW = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in ra
 SERVER = [f"server.grammar.compile_timeout_s={COMPILE_TIMEOUT_S}", "placement.num_threads=1"]
 
 
+#: the default model, prefilling in chunks of CHUNK tokens, beside the others on the shared server
+SMOLLM2 = shared_model("isolation", lambda root: (None, [
+    *SERVER, f"engine.prefill_chunk_tokens={CHUNK}", "server.queue.timeout_s=300", "server.grammar.workers=2"]))
+
+
+def _kimi_k2(root: Path) -> tuple[Path, list[str]]:
+    family, variant = TINY_SPECS["kimi_k2"]
+    path = write_tiny_model(family, root / "model", variant=variant)
+    return path, [*TINY_OVERRIDES["kimi_k2"], f"model.path={path}", *SERVER, "server.grammar.workers=2"]
+
+
+KIMI_K2 = shared_model("isolation-kimi-k2", _kimi_k2)
+
+
 @pytest.fixture(scope="module")
-def server():
-    live = LiveServer([*SERVER, f"engine.prefill_chunk_tokens={CHUNK}", "server.queue.timeout_s=300"])
-    try:
-        live.wait_ready()
-        yield live
-    finally:
-        live.stop()
+def server(local_server: LiveServer) -> Served:
+    return Served(local_server.base_url, SMOLLM2.name)
 
 
-def post(server: LiveServer, body: dict, timeout: float = 300) -> httpx.Response:
-    return httpx.post(f"{server.base_url}/v1/chat/completions", json=body, timeout=timeout)
+def post(server: Served, body: dict, timeout: float = 300) -> httpx.Response:
+    return httpx.post(f"{server.base_url}/v1/chat/completions", json={**body, "model": server.model}, timeout=timeout)
 
 
 class TestHostileSchemas:
@@ -231,10 +252,10 @@ class TestHostileSchemas:
 class TestLongPrompt:
     def test_a_3k_token_prompt_arriving_mid_stream_is_prefilled_between_its_tokens(self, server):
         text = "Summarise this story in one line. " + "The keeper climbed the stairs and counted the ships. " * 300
-        count = httpx.post(f"{server.base_url}/tokenize", json={"prompt": text}).json()["count"]
+        count = httpx.post(f"{server.base_url}/tokenize", json={"prompt": text, "model": server.model}).json()["count"]
         while count > 3200:
             text = text[: len(text) * 3000 // count]
-            count = httpx.post(f"{server.base_url}/tokenize", json={"prompt": text}).json()["count"]
+            count = httpx.post(f"{server.base_url}/tokenize", json={"prompt": text, "model": server.model}).json()["count"]
         assert 2800 <= count <= 3200
         body = {"messages": [{"role": "user", "content": text}], "max_tokens": 1, "temperature": 0}
         with Watch(server, max_tokens=1500) as watch:
@@ -251,13 +272,8 @@ class TestLongPrompt:
 
 
 @pytest.fixture(scope="module")
-def kimi_k2(tiny_models):
-    live = LiveServer([*TINY_OVERRIDES["kimi_k2"], f"model.path={tiny_models['kimi_k2']}", *SERVER])
-    try:
-        live.wait_ready()
-        yield live
-    finally:
-        live.stop()
+def kimi_k2(local_server: LiveServer) -> Served:
+    return Served(local_server.base_url, KIMI_K2.name)
 
 
 def forced_call(parameters: dict) -> dict:

@@ -10,6 +10,7 @@ import json
 import time
 from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime
+from pathlib import Path
 
 import httpx
 import openai
@@ -20,24 +21,27 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 from deltafin.tiny import write_tiny_model
 from deltafin.tiny.multimodal import write_k3_checkpoint
 from tests.conftest import TINY_OVERRIDES, LiveServer
+from tests.shared_server import shared_model
 
 pytestmark = pytest.mark.e2e
 
 WORDS = "The quick brown fox jumps over the lazy dog. What is the weather in Paris today? It is sunny and warm."
 
 
+def _k3(root: Path) -> tuple[Path, list[str]]:
+    """The tiny Kimi Linear under root/text, the K3-layout folder around it under root/k3."""
+    folder = write_k3_checkpoint(write_tiny_model("kimi_k3", root / "text"), root / "k3")
+    return folder, [*TINY_OVERRIDES["kimi_k3"], f"model.path={folder}", "server.prefix_cache.min_tokens=8"]
+
+
+#: served as the family's own name, which the tests send
+K3 = shared_model("kimi-k3", _k3)
+
+
 @pytest.fixture(scope="module")
-def k3(tmp_path_factory):
-    """(the Kimi Linear folder, the K3-layout folder around it, a server on the K3 folder)."""
-    root = tmp_path_factory.mktemp("k3")
-    text = write_tiny_model("kimi_k3", root / "text")
-    folder = write_k3_checkpoint(text, root / "k3")
-    server = LiveServer([*TINY_OVERRIDES["kimi_k3"], f"model.path={folder}", "server.prefix_cache.min_tokens=8"])
-    try:
-        server.wait_ready()
-        yield text, folder, server
-    finally:
-        server.stop()
+def k3(local_server):
+    """(the Kimi Linear folder, the K3-layout folder around it, the shared server serving it as kimi-k3)."""
+    return K3.folder.parent / "text", K3.folder, local_server
 
 
 @pytest.fixture(scope="module")
@@ -144,11 +148,11 @@ def test_a_chat_turn_is_transformers_answer_and_the_memo_replays_it(k3, oracle):
     messages += [{"role": "assistant", "content": first.choices[0].message.content or "ok"},
                  {"role": "user", "content": "And in Berlin?"}]
     second = chat.with_raw_response.create(model="kimi-k3", messages=messages, max_tokens=6, temperature=0)
-    ids = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages}).json()["tokens"]
+    ids = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages, "model": K3.name}).json()["tokens"]
     # A stream cut by max_tokens inside a character ends without its partial bytes (vLLM's detokenizer does
     # the same); a full decode shows them as U+FFFD.
     text = AutoTokenizer.from_pretrained(folder).decode(oracle(ids, 6)).rstrip("\ufffd")
-    expected = httpx.post(f"{server.base_url}/parse", json={"text": text}).json()["message"]
+    expected = httpx.post(f"{server.base_url}/parse", json={"text": text, "model": K3.name}).json()["message"]
     message = second.parse().choices[0].message
     assert (message.content or "", message.reasoning_content or "") == (
         expected.get("content") or "", expected.get("reasoning_content") or "")
