@@ -56,7 +56,7 @@ def compose_raw(overrides: Sequence[str] = ()) -> DictConfig:
         if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and getattr(cause, "full_key", None):
             raise ConfigError(no_such_key(cause.full_key)) from None
         if isinstance(cause, OmegaConfBaseException):
-            raise ConfigError(omegaconf_reason(cause)) from None
+            raise ConfigError(_named_in_full(omegaconf_reason(cause), overrides)) from None
         raise ConfigError(f"config: {str(exc).splitlines()[0]}") from None
     except UserWarning as warning:
         text = str(warning).splitlines()[0]
@@ -65,6 +65,17 @@ def compose_raw(overrides: Sequence[str] = ()) -> DictConfig:
         key = re.search(r"full_key: (\S+)", str(exc))
         raise ConfigError(f"{key.group(1) if key else 'config'}: cannot take this override "
                           f"({str(exc).splitlines()[0]})") from None
+
+
+def _named_in_full(reason: str, overrides: Sequence[str]) -> str:
+    """OmegaConf names a key of a mapping added by an override without the mapping's path (`glm: ...` for
+    `+models.glm=5`): the override's own key, when it ends with the one named."""
+    key, _, rest = reason.partition(": ")
+    for override in overrides:
+        full = override.split("=", 1)[0].lstrip("+~")
+        if full.endswith("." + key):
+            return f"{full}: {rest}"
+    return reason
 
 
 def _parse_reason(message: str) -> str:

@@ -45,6 +45,14 @@ def assert_config_error(result: subprocess.CompletedProcess, key: str) -> str:
     (["--cfg", "job", "server.no_such_key=1"], "server.no_such_key"),
     (["--cfg", "all"], "--cfg"),
     (["--info"], "--info"),
+    # an entry of `models` (one more model this process serves): its errors name the entry first
+    (['+models.glm=["model=glm","server.port=9"]'], "models.glm"),  # a process-wide key
+    (['+models.glm=["model=glm"]'], "models.glm"),  # its own config's error (model.path is required)
+    (['+models.a=["model.aliases=[]","placement.quantize=int9"]'], "models.a"),
+    (['+models.a=["model.aliases=[]","model.path=/nonexistent"]'], "models.a"),  # checked before anything loads
+    (['+models.a=["model.path=/nonexistent"]'], "models.a"),  # the smollm2 file's alias, served by the main model
+    (['+models.a=["model.aliases=[]","+models.b=[]"]'], "models.a"),  # no entries of entries
+    (["+models.glm=5"], "models.glm"),
 ])
 def test_config_error_is_one_line_naming_the_key(args, key):
     assert_config_error(run(*args), key)

@@ -1,0 +1,120 @@
+"""Several models in one process (`+models.NAME=[...]`): the app loads each in turn, a request's `model` chooses,
+and one model failing or still loading costs the others nothing. In process, with the real default model (its
+weights shared by the two engines: the requests here never overlap)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+from litestar.testing import TestClient
+
+from deltafin.app import build_app
+from deltafin.app.services import Services
+from tests.conftest import compose_config, make_engine
+
+MAIN = compose_config()
+OTHER = compose_config(["model.name=other", "model.aliases=[]", "server.memo.entries=0"])
+CHAT = "/v1/chat/completions"
+
+
+def chat(name: str | None) -> dict:
+    body = {"messages": [{"role": "user", "content": "Say hello."}], "max_tokens": 3}
+    return body if name is None else {**body, "model": name}
+
+
+def wait_for(client: TestClient, status: str) -> dict:
+    for _ in range(400):
+        health = client.get("/health").json()
+        if health["status"] == status:
+            return health
+        time.sleep(0.05)
+    raise AssertionError(f"/health never said {status}: {health}")
+
+
+def loader(loaded_model, fail: str | None = None, gate: threading.Event | None = None):
+    """Services.load as the app calls it (config, shared store), on the session's loaded weights."""
+
+    def load(cls, config, store=None):
+        if config.model.name == fail:
+            raise RuntimeError("safetensors header is corrupt")
+        if gate is not None and config.model.name == OTHER.model.name:
+            gate.wait(60)
+        return Services.from_engine(config, make_engine(loaded_model), store)
+
+    return classmethod(load)
+
+
+@pytest.fixture(scope="module")
+def client(loaded_model):
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(Services, "load", loader(loaded_model))
+        with TestClient(build_app(MAIN, models=[OTHER])) as client:
+            wait_for(client, "ok")
+            yield client
+
+
+class TestRouting:
+    def test_the_model_field_chooses_and_no_model_is_the_main_one(self, client):
+        assert client.post(CHAT, json=chat("other")).json()["model"] == "other"
+        assert client.post(CHAT, json=chat(None)).json()["model"] == MAIN.model.name
+        assert client.post(CHAT, json=chat("smollm2")).json()["model"] == MAIN.model.name  # its alias
+
+    def test_an_unknown_model_is_404_naming_the_served_ones(self, client):
+        response = client.post(CHAT, json=chat("gpt-4"))
+        error = response.json()["error"]
+        assert response.status_code == 404 and error["code"] == "model_not_found" and error["param"] == "model"
+        assert f"`{MAIN.model.name}`, `other`" in error["message"]
+
+    def test_models_lists_every_model_and_describes_each(self, client):
+        assert [card["id"] for card in client.get("/v1/models").json()["data"]] == [MAIN.model.name, "smollm2", "other"]
+        assert client.get("/v1/models/other").json()["root"] == "other"
+        assert client.get("/v1/models/nope").status_code == 404
+
+    def test_tokenize_and_parse_take_the_model_too(self, client):
+        assert client.post("/tokenize", json={"model": "other", "prompt": "hi"}).json()["count"] >= 1
+        assert client.post("/tokenize", json={"model": "nope", "prompt": "hi"}).status_code == 404
+        assert client.post("/parse", json={"model": "other", "text": "hi"}).status_code == 200
+
+    def test_a_stored_response_is_found_whichever_model_answered(self, client):
+        created = client.post("/v1/responses", json={"model": "other", "input": "Hi.", "max_output_tokens": 3})
+        assert created.status_code == 200, created.text
+        stored = client.get(f"/v1/responses/{created.json()['id']}")
+        assert stored.status_code == 200 and stored.json()["model"] == "other"
+
+    def test_health_names_each_models_status(self, client):
+        health = client.get("/health").json()
+        assert health["status"] == "ok" and health["model"] == MAIN.model.name
+        assert health["models"] == {MAIN.model.name: "ok", "other": "ok"}
+
+
+def test_a_model_that_fails_to_load_costs_the_others_nothing(loaded_model, monkeypatch):
+    monkeypatch.setattr(Services, "load", loader(loaded_model, fail="other"))
+    with TestClient(build_app(MAIN, models=[OTHER])) as client:
+        health = wait_for(client, "failed")
+        assert client.get("/health").status_code == 503
+        assert health["failing_model"] == "other" and "corrupt" in health["error"]
+        assert health["models"] == {MAIN.model.name: "ok", "other": "failed"}
+        refused = client.post(CHAT, json=chat("other"))
+        assert refused.status_code == 503 and refused.json()["error"]["code"] == "model_load_failed"
+        assert "`other` failed to load" in refused.json()["error"]["message"]
+        assert client.post(CHAT, json=chat(None)).status_code == 200
+        assert [card["id"] for card in client.get("/v1/models").json()["data"]] == [MAIN.model.name, "smollm2"]
+
+
+def test_the_main_model_serves_while_the_next_one_loads(loaded_model, monkeypatch):
+    gate = threading.Event()
+    monkeypatch.setattr(Services, "load", loader(loaded_model, gate=gate))
+    with TestClient(build_app(MAIN, models=[OTHER])) as client:
+        for _ in range(400):
+            if client.post(CHAT, json=chat(None)).status_code == 200:
+                break
+            time.sleep(0.05)
+        loading = client.post(CHAT, json=chat("other"))
+        assert loading.status_code == 503 and loading.headers["retry-after"]
+        assert "`other` is still loading" in loading.json()["error"]["message"]
+        assert client.get("/health").json()["models"] == {MAIN.model.name: "ok", "other": "loading"}
+        gate.set()
+        wait_for(client, "ok")
+        assert client.post(CHAT, json=chat("other")).status_code == 200
