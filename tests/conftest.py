@@ -24,7 +24,7 @@ from deltafin.testing import (  # noqa: E402, F401
 
 REPO = Path(__file__).resolve().parents[1]
 # Session fixtures shared by several modules of a tier live beside that tier, registered here.
-pytest_plugins = ["tests.gateway.llama_tier"]
+pytest_plugins = ["tests.gateway.llama_tier", "tests.gateway.vllm_tier"]
 # Servers start as forks of one process that has done their imports (seconds each saved; deltafin.testing.zygote).
 # DELTAFIN_TEST_COLD_BOOT=1 starts each as a fresh `python -m deltafin` instead.
 LiveServer.fork_from_zygote = os.environ.get("DELTAFIN_TEST_COLD_BOOT") != "1"

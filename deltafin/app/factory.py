@@ -59,15 +59,19 @@ def _expert_stats(models: ServedModels) -> Any:
 async def health(state: State) -> Response:
     models: ServedModels = state.models
     statuses = {model.name: model.status for model in models}
+    down: dict[str, Any] = {}  # the first loaded model whose upstream does not answer
     for model in models:
         if model.services is None:
             continue
         engine = model.services.ctx.engine
-        upstream = await engine.readiness()  # an upstream engine: is it there and ready?
+        upstream = await engine.readiness()  # an upstream engine: is it there and ready? (answers from its state)
         if not upstream.ready:
             statuses[model.name] = "upstream_unavailable"
-            body = {"status": "upstream_unavailable", "engine": engine.name, "error": upstream.detail}
-            return Response({**body, **_named(models, statuses, model)}, status_code=503, headers={"Retry-After": "5"})
+            down = down or {"model": model, "engine": engine.name, "error": upstream.detail}
+    if down:
+        body = {"status": "upstream_unavailable", "engine": down["engine"], "error": down["error"]}
+        return Response({**body, **_named(models, statuses, down["model"])}, status_code=503,
+                        headers={"Retry-After": "5"})
     failed = next((model for model in models if model.error), None)
     if failed is not None:
         return Response({"status": "failed", "error": failed.error, **_named(models, statuses, failed)},

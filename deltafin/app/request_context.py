@@ -105,7 +105,8 @@ class RequestContext:
             route=scope.get("path", "")[:_MAX_LOGGED_PATH],  # the path asked for, as before
             route_template=route,  # what metrics are labelled with
             status=status,
-            engine=self.engine,
+            model=stats.model,
+            engine=stats.engine or self.engine,
             completed=completed,
             prompt_tokens=stats.prompt_tokens,
             completion_tokens=stats.generated_tokens,

@@ -33,6 +33,9 @@ class RequestStats:
     ttft_s: float | None = None
     prefill_s: float | None = None
     memo_hit: bool = False
+    #: the served model that answered, and its engine's name (a process may serve several: deltafin.app.served)
+    model: str | None = None
+    engine: str | None = None
     # expert pool (placement.experts): lookups and bytes read for this request's share of the steps it ran in
     expert_hits: float = 0.0
     expert_misses: float = 0.0

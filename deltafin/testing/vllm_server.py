@@ -158,11 +158,13 @@ def served(replica: VllmServer) -> float:
     return sum(float(m) for m in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", metrics, re.M))
 
 
-async def stream_chat(base_url: str, content: str, max_tokens: int, first_token: threading.Event | None = None):
+async def stream_chat(base_url: str, content: str, max_tokens: int, first_token: threading.Event | None = None, *,
+                      model: str | None = None):
     """(status, completion tokens, finish_reason, error message, monotonic time of the first content) of one
-    streamed chat through a gateway."""
+    streamed chat through a gateway (to its `model`; None sends none: the gateway's main model)."""
     body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            **({"model": model} if model is not None else {})}
     tokens, finish, error, first = 0, None, None, None
     async with httpx.AsyncClient(timeout=300) as http:
         async with http.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:

