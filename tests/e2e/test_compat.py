@@ -1,44 +1,55 @@
-"""compat=para against compat=none through real servers and the openai client.
+"""compat=para against compat=none through a real server (the shared local one, tests/shared_server.py) and
+the openai client.
 
-Family-scoped rules run on the tiny GLM-4.7 and Kimi K3 models (random weights, 4096-token context);
-compat=none runs on the embedded default model (the session's live server).
+Family-scoped rules run on the tiny GLM-4.7 and Kimi K3 models (random weights, 4096-token context), entries of
+the shared server served as `glm-para` and `kimi-para`; compat=none runs on its main model, the embedded default.
 """
+
+from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.conftest import TINY_OVERRIDES, LiveServer
+from deltafin.tiny import write_tiny_model
+from tests.conftest import TINY_OVERRIDES, TINY_SPECS
+from tests.shared_server import shared_model
 
 pytestmark = pytest.mark.e2e
 
 LONG = "word " * 9000
 
 
-def start(overrides):
-    server = LiveServer(overrides)
-    server.wait_ready()
-    return server
+def tiny_entry(name: str, overrides: list[str]):
+    """An entry serving the untaught tiny model `name` with `overrides`."""
+    def prepare(root: Path) -> tuple[Path, list[str]]:
+        family, variant = TINY_SPECS[name]
+        path = write_tiny_model(family, root / "model", variant=variant)
+        return path, [*TINY_OVERRIDES[name], f"model.path={path}", *overrides]
+
+    return prepare
+
+
+# Without force_tool_choice_auto, so the GLM rule for "required" is the one that acts; with the cap on.
+GLM_PARA = shared_model("glm-para", tiny_entry("glm47", [
+    "compat=para", "compat.rules.chat_default_max_tokens.value=5", "compat.rules.max_tokens_cap.value=6",
+    "~compat.rules.force_tool_choice_auto"]))
+KIMI_PARA = shared_model("kimi-para", tiny_entry("kimi_k3", ["compat=para"]))
 
 
 @pytest.fixture(scope="module")
-def glm_para(tiny_models):
-    # Without force_tool_choice_auto, so the GLM rule for "required" is the one that acts; with the cap on.
-    server = start([*TINY_OVERRIDES["glm47"], f"model.path={tiny_models['glm47']}", "compat=para",
-                    "compat.rules.chat_default_max_tokens.value=5", "compat.rules.max_tokens_cap.value=6",
-                    "~compat.rules.force_tool_choice_auto"])
-    yield server
-    server.stop()
+def glm_para(local_server):
+    """The server that serves GLM_PARA (requests name it)."""
+    return local_server
 
 
 @pytest.fixture(scope="module")
-def kimi_para(tiny_models):
-    server = start([*TINY_OVERRIDES["kimi_k3"], f"model.path={tiny_models['kimi_k3']}", "compat=para"])
-    yield server
-    server.stop()
+def kimi_para(local_server):
+    """The server that serves KIMI_PARA (requests name it)."""
+    return local_server
 
 
-MODEL = None  # the served model's own name: `model` is optional
+MODEL = None  # no `model`: the main model (compat=none)
 
 
 def client_for(server):
@@ -61,7 +72,7 @@ class TestContextOverflow:
 
     def test_glm_para_answers_413(self, glm_para):
         with pytest.raises(openai.APIStatusError) as info:
-            client_for(glm_para).chat.completions.create(model=MODEL, messages=user(LONG))
+            client_for(glm_para).chat.completions.create(model=GLM_PARA.name, messages=user(LONG))
         assert info.value.status_code == 413
         assert info.value.body["type"] == "PayloadTooLargeError"
         assert "maximum context length is 4096 tokens" in info.value.message
@@ -69,18 +80,18 @@ class TestContextOverflow:
 
     def test_glm_para_answers_413_when_streaming(self, glm_para):
         with pytest.raises(openai.APIStatusError) as info:
-            client_for(glm_para).chat.completions.create(model=MODEL, messages=user(LONG), stream=True)
+            client_for(glm_para).chat.completions.create(model=GLM_PARA.name, messages=user(LONG), stream=True)
         assert info.value.status_code == 413
 
     def test_kimi_para_keeps_400(self, kimi_para):
         with pytest.raises(openai.BadRequestError):
-            client_for(kimi_para).chat.completions.create(model=MODEL, messages=user(LONG))
+            client_for(kimi_para).chat.completions.create(model=KIMI_PARA.name, messages=user(LONG))
 
 
 class TestDefaultMaxTokens:
     def test_para_default_applies_without_max_tokens(self, glm_para):
         raw = client_for(glm_para).chat.completions.with_raw_response.create(
-            model=MODEL, messages=user("Write a long story."), temperature=0, extra_body={"ignore_eos": True}
+            model=GLM_PARA.name, messages=user("Write a long story."), temperature=0, extra_body={"ignore_eos": True}
         )
         response = raw.parse()
         assert response.usage.completion_tokens == 5 and response.choices[0].finish_reason == "length"
@@ -88,7 +99,7 @@ class TestDefaultMaxTokens:
 
     def test_explicit_max_tokens_is_untouched(self, glm_para):
         raw = client_for(glm_para).chat.completions.with_raw_response.create(
-            model=MODEL, messages=user("Write a long story."), temperature=0, max_tokens=3,
+            model=GLM_PARA.name, messages=user("Write a long story."), temperature=0, max_tokens=3,
             extra_body={"ignore_eos": True},
         )
         rules = rules_header(raw)
@@ -99,13 +110,13 @@ class TestDefaultMaxTokens:
 class TestMaxTokensCap:
     def test_chat_over_the_cap_is_lowered(self, glm_para):
         raw = client_for(glm_para).chat.completions.with_raw_response.create(
-            model=MODEL, messages=user(), max_tokens=50, temperature=0, extra_body={"ignore_eos": True}
+            model=GLM_PARA.name, messages=user(), max_tokens=50, temperature=0, extra_body={"ignore_eos": True}
         )
         assert raw.parse().usage.completion_tokens == 6 and "max_tokens_cap" in rules_header(raw)
 
     def test_completion_default_is_bounded(self, glm_para):
         raw = client_for(glm_para).completions.with_raw_response.create(
-            model=MODEL, prompt="Once upon a time", temperature=0, extra_body={"ignore_eos": True}
+            model=GLM_PARA.name, prompt="Once upon a time", temperature=0, extra_body={"ignore_eos": True}
         )
         assert raw.parse().usage.completion_tokens == 6 and rules_header(raw) == ["max_tokens_cap"]
 
@@ -127,26 +138,26 @@ class TestToolChoice:
 
     def test_glm_required_is_served_as_auto(self, glm_para):
         raw = client_for(glm_para).chat.completions.with_raw_response.create(
-            model=MODEL, messages=user(), tools=self.TOOLS, tool_choice="required", max_tokens=2
+            model=GLM_PARA.name, messages=user(), tools=self.TOOLS, tool_choice="required", max_tokens=2
         )
         assert "glm_tool_choice_required" in rules_header(raw)
 
     def test_glm_none_stays_none(self, glm_para):
         raw = client_for(glm_para).chat.completions.with_raw_response.create(
-            model=MODEL, messages=user(), tools=self.TOOLS, tool_choice="none", max_tokens=2
+            model=GLM_PARA.name, messages=user(), tools=self.TOOLS, tool_choice="none", max_tokens=2
         )
         assert "glm_tool_choice_required" not in rules_header(raw)
 
     @pytest.mark.parametrize("choice", ["required", "none", {"type": "function", "function": {"name": "get_time"}}])
     def test_force_auto_serves_any_explicit_choice_as_auto(self, kimi_para, choice):
         raw = client_for(kimi_para).chat.completions.with_raw_response.create(
-            model=MODEL, messages=user(), tools=self.TOOLS, tool_choice=choice, max_tokens=2
+            model=KIMI_PARA.name, messages=user(), tools=self.TOOLS, tool_choice=choice, max_tokens=2
         )
         assert "force_tool_choice_auto" in rules_header(raw)
 
     def test_auto_is_left_alone(self, kimi_para):
         raw = client_for(kimi_para).chat.completions.with_raw_response.create(
-            model=MODEL, messages=user(), tools=self.TOOLS, tool_choice="auto", max_tokens=2
+            model=KIMI_PARA.name, messages=user(), tools=self.TOOLS, tool_choice="auto", max_tokens=2
         )
         assert "force_tool_choice_auto" not in rules_header(raw)
 
@@ -156,7 +167,7 @@ class TestReasoningUsage:
 
     def test_glm_usage_has_reasoning_tokens(self, glm_para):
         response = client_for(glm_para).chat.completions.create(
-            model="glm", messages=user(), max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
+            model=GLM_PARA.name, messages=user(), max_tokens=6, temperature=0, extra_body={"ignore_eos": True}
         )
         details = response.usage.completion_tokens_details
         assert response.choices[0].message.reasoning_content
@@ -164,7 +175,7 @@ class TestReasoningUsage:
 
     def test_glm_stream_usage_has_reasoning_tokens(self, glm_para):
         chunks = list(client_for(glm_para).chat.completions.create(
-            model="glm", messages=user(), max_tokens=6, temperature=0, stream=True, seed=3,
+            model=GLM_PARA.name, messages=user(), max_tokens=6, temperature=0, stream=True, seed=3,
             stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
         ))
         assert chunks[-1].usage.completion_tokens_details.reasoning_tokens > 0
@@ -177,27 +188,29 @@ class TestReasoningUsage:
 class TestSamplingPins:
     def test_kimi_para_serves_one_choice(self, kimi_para):
         raw = client_for(kimi_para).chat.completions.with_raw_response.create(
-            model=MODEL, messages=user(), n=3, max_tokens=2, top_p=0.5
+            model=KIMI_PARA.name, messages=user(), n=3, max_tokens=2, top_p=0.5
         )
         assert len(raw.parse().choices) == 1 and "kimi_sampling_pins" in rules_header(raw)
 
     def test_glm_para_leaves_sampling_alone(self, glm_para):
-        response = client_for(glm_para).chat.completions.create(model=MODEL, messages=user(), n=3, max_tokens=2)
+        response = client_for(glm_para).chat.completions.create(model=GLM_PARA.name, messages=user(), n=3,
+                                                                max_tokens=2)
         assert len(response.choices) == 3
 
 
 class TestKimiThinking:
     def test_thinking_field_is_mapped(self, kimi_para):
         raw = client_for(kimi_para).chat.completions.with_raw_response.create(
-            model="kimi-k3", messages=user(), max_tokens=2, extra_body={"thinking": {"type": "disabled"}}
+            model=KIMI_PARA.name, messages=user(), max_tokens=2, extra_body={"thinking": {"type": "disabled"}}
         )
         assert "kimi_thinking" in rules_header(raw)
 
     @pytest.mark.parametrize("kind,channel", [("disabled", "response"), ("enabled", "think")])
     def test_the_prompt_opens_the_matching_channel(self, kimi_para, kind, channel):
         base = kimi_para.base_url
-        tokens = httpx.post(f"{base}/tokenize", json={"messages": user(), "thinking": {"type": kind}}).json()["tokens"]
-        prompt = httpx.post(f"{base}/detokenize", json={"tokens": tokens}).json()["prompt"]
+        tokens = httpx.post(f"{base}/tokenize", json={"model": KIMI_PARA.name, "messages": user(),
+                                                      "thinking": {"type": kind}}).json()["tokens"]
+        prompt = httpx.post(f"{base}/detokenize", json={"model": KIMI_PARA.name, "tokens": tokens}).json()["prompt"]
         assert prompt.endswith(f'<|open|>message role="assistant"<|sep|><|open|>{channel}<|sep|>')
 
 
@@ -209,16 +222,17 @@ class TestFlattenToolText:
         {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "12:"}, {"type": "text", "text": "00"}]},
     ]
 
-    def tokens(self, server, messages):
-        response = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages})
+    def tokens(self, server, messages, model=MODEL):
+        body = {"messages": messages, **({"model": model} if model else {})}
+        response = httpx.post(f"{server.base_url}/tokenize", json=body)
         return response.json()["tokens"], rules_header(response)
 
     def with_tool_content(self, content):
         return self.MESSAGES[:2] + [{**self.MESSAGES[2], "content": content}]
 
     def test_para_joins_tool_text_parts_with_nothing(self, glm_para):
-        tokens, rules = self.tokens(glm_para, self.MESSAGES)
-        assert tokens == self.tokens(glm_para, self.with_tool_content("12:00"))[0]
+        tokens, rules = self.tokens(glm_para, self.MESSAGES, GLM_PARA.name)
+        assert tokens == self.tokens(glm_para, self.with_tool_content("12:00"), GLM_PARA.name)[0]
         assert "flatten_tool_text" in rules
 
     def test_none_passes_the_parts_to_the_template(self, live_server):

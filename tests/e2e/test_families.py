@@ -1,7 +1,9 @@
-"""Every family end to end: a tiny model taught a scripted tool call, served by `python -m deltafin`, driven
-by the openai client through the real engine, detokenizer, parser and SSE, then a follow-up turn."""
+"""Every family end to end: a tiny model taught a scripted tool call, served by `python -m deltafin` (an entry
+`taught-FAMILY` of the shared local server, tests/shared_server.py), driven by the openai client through the real
+engine, detokenizer, parser and SSE, then a follow-up turn."""
 
 import json
+from pathlib import Path
 
 import httpx
 import openai
@@ -11,8 +13,9 @@ from transformers import AutoTokenizer
 from deltafin.prompt import build_chat_format
 from deltafin.protocol.chat import ChatMessage, FunctionCall, FunctionDefinition, ToolCall, ToolDefinition
 from deltafin.tiny import write_tiny_model
-from tests.conftest import TINY_FAMILIES, TINY_OVERRIDES, TINY_SPECS, LiveServer, tiny_config
+from tests.conftest import TINY_FAMILIES, TINY_OVERRIDES, TINY_SPECS, tiny_config
 from deltafin.tiny.taught import taught
+from tests.shared_server import shared_model
 
 pytestmark = pytest.mark.e2e
 
@@ -69,21 +72,34 @@ def render(family, path, messages):
     return fmt.render(typed, tools, {}).token_ids
 
 
-@pytest.fixture(scope="module", params=TINY_FAMILIES)
-def family_server(request, tmp_path_factory):
-    family = request.param
+def taught_model(family: str, root: Path) -> Path:
+    """The family's tiny model taught SCRIPTS[family] (both turns; cached by `taught`, so tests/gateway's GLM-4.7
+    upstream, taught the same examples, is this model)."""
     name, variant = TINY_SPECS[family]
-    path = write_tiny_model(name, tmp_path_factory.mktemp(family) / "model", variant=variant)
+    path = write_tiny_model(name, root / "model", variant=variant)
     turn1, turn2 = SCRIPTS[family]
     call_id = KIMI_ID if family.startswith("kimi") else "call_any"  # GLM and Qwen3 prompts do not carry the id
-    path = taught(path, [(render(family, path, QUESTION), turn1),
+    return taught(path, [(render(family, path, QUESTION), turn1),
                          (render(family, path, follow_up(call_id, json.dumps(ARGUMENTS))), turn2)])
-    server = LiveServer([*TINY_OVERRIDES[family], f"model.path={path}"])
-    try:
-        server.wait_ready()
-        yield family, server
-    finally:
-        server.stop()
+
+
+def taught_entry(family: str):
+    def prepare(root: Path) -> tuple[Path, list[str]]:
+        path = taught_model(family, root)
+        return path, [*TINY_OVERRIDES[family], f"model.path={path}"]
+
+    return prepare
+
+
+#: family -> its taught model, an entry of the shared local server (served as `taught-FAMILY`)
+TAUGHT = {family: shared_model(f"taught-{family}", taught_entry(family)) for family in TINY_FAMILIES}
+
+
+@pytest.fixture(scope="module", params=TINY_FAMILIES)
+def family_server(request, local_server):
+    """(family, the shared server, the name its taught model is served as)."""
+    family = request.param
+    return family, local_server, TAUGHT[family].name
 
 
 def client_for(server):
@@ -92,9 +108,9 @@ def client_for(server):
 
 class TestScriptedToolCall:
     def test_tool_call_then_follow_up(self, family_server):
-        family, server = family_server
+        family, server, model = family_server
         client = client_for(server)
-        first = client.chat.completions.create(model=client_model(server), messages=QUESTION,
+        first = client.chat.completions.create(model=model, messages=QUESTION,
                                                tools=TOOLS, temperature=0)
         choice = first.choices[0]
         assert choice.finish_reason == "tool_calls"
@@ -106,16 +122,16 @@ class TestScriptedToolCall:
         if family.startswith("kimi"):
             assert call.id == KIMI_ID
         second = client.chat.completions.create(
-            model=client_model(server), messages=follow_up(call.id, call.function.arguments), tools=TOOLS, temperature=0
+            model=model, messages=follow_up(call.id, call.function.arguments), tools=TOOLS, temperature=0
         )
         assert second.choices[0].message.content == "Sunny in Paris."
         assert second.choices[0].message.reasoning_content == "Fine."
         assert second.choices[0].finish_reason == "stop"
 
     def test_streamed_tool_call_deltas(self, family_server):
-        family, server = family_server
+        family, server, model = family_server
         stream = client_for(server).chat.completions.create(
-            model=client_model(server), messages=QUESTION, tools=TOOLS, temperature=0, seed=1, stream=True,
+            model=model, messages=QUESTION, tools=TOOLS, temperature=0, seed=1, stream=True,
             stream_options={"include_usage": True},
         )
         chunks = list(stream)
@@ -135,19 +151,21 @@ class TestScriptedToolCall:
         assert chunks[-1].usage.completion_tokens > 0
 
     def test_plain_chat_without_tools(self, family_server):
-        _, server = family_server
+        _, server, model = family_server
         response = client_for(server).chat.completions.create(
-            model=client_model(server), messages=[{"role": "user", "content": "hello"}], max_tokens=5
+            model=model, messages=[{"role": "user", "content": "hello"}], max_tokens=5
         )
         assert response.choices[0].finish_reason in ("stop", "length")
 
     def test_parse_endpoint_reads_the_raw_script(self, family_server):
-        family, server = family_server
-        body = httpx.post(f"{server.base_url}/parse", json={"text": SCRIPTS[family][0], "tools": TOOLS}).json()
+        family, server, model = family_server
+        body = httpx.post(f"{server.base_url}/parse",
+                          json={"model": model, "text": SCRIPTS[family][0], "tools": TOOLS}).json()
         call = body["message"]["tool_calls"][0]
         assert body["finish_reason"] == "tool_calls" and body["message"]["reasoning_content"] == "Weather needed."
         assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == ARGUMENTS
 
 
 def client_model(server) -> str:
+    """The id of a server's only model (a standalone server or gateway; the shared server lists several)."""
     return httpx.get(f"{server.base_url}/v1/models").json()["data"][0]["id"]

@@ -1,7 +1,7 @@
 """A function-call round trip through /v1/responses on a tiny family with a tool parser (Qwen3, Hermes calls),
-taught a script, served by `python -m deltafin`: first with the openai client (the call, then its output sent
-back with previous_response_id), then with openai-agents' default model (OpenAIResponsesModel) running a real
-function tool.
+taught a script, served by `python -m deltafin` (as `agents-qwen3`, an entry of the shared local server,
+tests/shared_server.py): first with the openai client (the call, then its output sent back with
+previous_response_id), then with openai-agents' default model (OpenAIResponsesModel) running a real function tool.
 
 The prompts the model is taught are the ones the server will render: the agent's request bodies are recorded
 from the agent itself (against a scripted stand-in), and every body goes through Deltafin's own conversion and
@@ -10,6 +10,7 @@ the model's chat format here, in the test."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import msgspec
 import openai
@@ -23,9 +24,10 @@ from deltafin.serving.responses.items import canonical_input
 from deltafin.serving.responses.service import chat_request
 from deltafin.serving.responses.tools import served_tools
 from deltafin.tiny import write_tiny_model
-from tests.conftest import TINY_OVERRIDES, LiveServer, tiny_config
+from tests.conftest import TINY_OVERRIDES, tiny_config
 from deltafin.tiny.taught import taught
 from tests.e2e.stand_in import stand_in
+from tests.shared_server import shared_model
 
 pytestmark = pytest.mark.e2e
 
@@ -63,12 +65,12 @@ def recorded_agent_bodies() -> list[dict]:
                       "output_tokens_details": {"reasoning_tokens": 0}}}
 
     with stand_in(reply) as (base_url, bodies):
-        result, _ = run_agent(base_url)
+        result, _ = run_agent(base_url, AGENTS.name)
     assert result == "Sunny in Paris." and len(bodies) == 2
     return bodies
 
 
-def run_agent(base_url: str) -> tuple[str, list[str]]:
+def run_agent(base_url: str, served: str) -> tuple[str, list[str]]:
     from agents import Agent, OpenAIResponsesModel, Runner, function_tool, set_tracing_disabled
 
     set_tracing_disabled(True)
@@ -80,8 +82,8 @@ def run_agent(base_url: str) -> tuple[str, list[str]]:
         asked.append(city)
         return f"sunny, 21 C in {city}"
 
-    model = OpenAIResponsesModel(model="qwen3", openai_client=openai.AsyncOpenAI(base_url=base_url, api_key="unused",
-                                                                                 max_retries=0))
+    client = openai.AsyncOpenAI(base_url=base_url, api_key="unused", max_retries=0)
+    model = OpenAIResponsesModel(model=served, openai_client=client)
     agent = Agent(name="weather", instructions="Answer with the weather tool.", tools=[get_weather], model=model)
     return Runner.run_sync(agent, QUESTION, max_turns=4).final_output, asked
 
@@ -95,9 +97,8 @@ def prompt_ids(fmt, template: str, config, body: dict) -> list[int]:
     return fmt.render(chat.messages, chat.tools, dict(chat.chat_template_kwargs or {})).token_ids
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory):
-    path = write_tiny_model("qwen3", tmp_path_factory.mktemp("qwen3") / "model")
+def prepare(root: Path) -> tuple[Path, list[str]]:
+    path = write_tiny_model("qwen3", root / "model")
     config = tiny_config("qwen3", path, THINKING_OFF)
     tokenizer = AutoTokenizer.from_pretrained(path)
     fmt = build_chat_format(config.model.chat_format, tokenizer,
@@ -108,25 +109,30 @@ def server(tmp_path_factory):
     examples = [(prompt_ids(fmt, tokenizer.chat_template, config, body), reply)
                 for bodies in turns for body, reply in zip(bodies, (CALL, ANSWER))]
     path = taught(path, examples, steps=800)
-    live = LiveServer([*TINY_OVERRIDES["qwen3"], f"model.path={path}", *THINKING_OFF])
-    try:
-        live.wait_ready()
-        yield live
-    finally:
-        live.stop()
+    return path, [*TINY_OVERRIDES["qwen3"], f"model.path={path}", *THINKING_OFF]
+
+
+#: the taught model, an entry of the shared local server (requests name it)
+AGENTS = shared_model("agents-qwen3", prepare)
+
+
+@pytest.fixture(scope="module")
+def server(local_server):
+    return local_server
 
 
 def test_function_call_round_trip_with_the_openai_client(server):
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
-    first = client.responses.create(model="qwen3", input=QUESTION, tools=[WEATHER], temperature=0)
+    first = client.responses.create(model=AGENTS.name, input=QUESTION, tools=[WEATHER], temperature=0)
     [call] = first.output
     assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
-    second = client.responses.create(model="qwen3", previous_response_id=first.id, tools=[WEATHER], temperature=0,
-                                     input=[{"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}])
+    output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}
+    second = client.responses.create(model=AGENTS.name, previous_response_id=first.id, tools=[WEATHER],
+                                     temperature=0, input=[output])
     assert second.output_text == "Sunny in Paris." and second.status == "completed"
     items = client.responses.input_items.list(second.id, order="asc")
     assert [item.type for item in items.data] == ["function_call_output"]
-    with client.responses.stream(model="qwen3", input=QUESTION, tools=[WEATHER], temperature=0) as stream:
+    with client.responses.stream(model=AGENTS.name, input=QUESTION, tools=[WEATHER], temperature=0) as stream:
         events = list(stream)
         final = stream.get_final_response()
     arguments = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
@@ -134,5 +140,5 @@ def test_function_call_round_trip_with_the_openai_client(server):
 
 
 def test_openai_agents_default_model_runs_a_function_tool(server):
-    answer, asked = run_agent(f"{server.base_url}/v1")
+    answer, asked = run_agent(f"{server.base_url}/v1", AGENTS.name)
     assert asked == ["Paris"] and answer == "Sunny in Paris."

@@ -1,20 +1,24 @@
-"""Structured outputs end to end: real servers, the official openai client.
+"""Structured outputs end to end: the real server (the shared local one, tests/shared_server.py), the official
+openai client.
 
 The default model: `.parse()` with a pydantic model, json_object, a streamed json_schema. Every tiny family
-(random weights, thinking off): a named tool_choice yields that call although the same model, unconstrained,
-calls nothing; "required" with several tools yields a call. The calls come back through each family's own
-parser, so the grammar wrote the family's native syntax."""
+(random weights, thinking off; served as `thinkless-FAMILY`): a named tool_choice yields that call although the
+same model, unconstrained, calls nothing; "required" with several tools yields a call. The calls come back
+through each family's own parser, so the grammar wrote the family's native syntax."""
 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import openai
 import pydantic
 import pytest
 
-from tests.conftest import TINY_FAMILIES, TINY_OVERRIDES, LiveServer, tiny_config
+from deltafin.tiny import write_tiny_model
+from tests.conftest import TINY_FAMILIES, TINY_OVERRIDES, TINY_SPECS, LiveServer, tiny_config
 from tests.grammar.tools import TIME, WEATHER
+from tests.shared_server import shared_model
 
 pytestmark = pytest.mark.e2e
 
@@ -79,16 +83,25 @@ class TestDefaultModel:
         assert "/v1/chat/completions" in caught.value.body["message"]
 
 
+def thinkless_entry(family: str):
+    def prepare(root: Path) -> tuple[Path, list[str]]:
+        name, variant = TINY_SPECS[family]
+        path = write_tiny_model(name, root / "model", variant=variant)
+        kwarg = tiny_config(family, path).model.thinking_kwarg
+        return path, [*TINY_OVERRIDES[family], f"model.path={path}", f"model.chat_template_kwargs.{kwarg}=false"]
+
+    return prepare
+
+
+#: family -> its untaught tiny model with thinking off, an entry of the shared local server
+THINKLESS = {family: shared_model(f"thinkless-{family}", thinkless_entry(family)) for family in TINY_FAMILIES}
+
+
 @pytest.fixture(scope="module", params=TINY_FAMILIES)
-def tiny_server(request, tiny_models):
+def tiny_server(request, local_server):
+    """(family, a client of the shared server, the name the family's model is served as)."""
     family = request.param
-    kwarg = tiny_config(family, tiny_models[family]).model.thinking_kwarg
-    server = LiveServer([*TINY_OVERRIDES[family], f"model.path={tiny_models[family]}", f"model.chat_template_kwargs.{kwarg}=false"])
-    try:
-        server.wait_ready()
-        yield family, openai_client(server)
-    finally:
-        server.stop()
+    return family, openai_client(local_server), THINKLESS[family].name
 
 
 def calls_of(response) -> list[tuple[str, dict]]:
@@ -98,8 +111,8 @@ def calls_of(response) -> list[tuple[str, dict]]:
 
 class TestEnforcedToolChoice:
     def test_named_choice_yields_that_call_where_auto_yields_none(self, tiny_server):
-        family, client = tiny_server
-        ask = dict(model=client.models.list().data[0].id, messages=user("Weather in Paris?"), tools=[WEATHER, TIME],
+        family, client, model = tiny_server
+        ask = dict(model=model, messages=user("Weather in Paris?"), tools=[WEATHER, TIME],
                    temperature=0, max_tokens=400)
         # Unconstrained, a random model writes until max_tokens: 64 tokens show it starts no call (a call's
         # markup opens its answer when the grammar forces one).
@@ -111,9 +124,9 @@ class TestEnforcedToolChoice:
         assert forced.choices[0].finish_reason == "tool_calls"
 
     def test_required_with_several_tools_yields_a_call(self, tiny_server):
-        family, client = tiny_server
+        family, client, model = tiny_server
         response = client.chat.completions.create(
-            model=client.models.list().data[0].id, messages=user("What now?"), tools=[WEATHER, TIME],
+            model=model, messages=user("What now?"), tools=[WEATHER, TIME],
             tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=400,
         )
         [(name, _)] = calls_of(response)

@@ -12,9 +12,9 @@ import httpx
 import openai
 import pytest
 
-from tests.conftest import LiveServer
-from deltafin.tiny.taught import taught
-from tests.e2e.test_families import ARGUMENTS, QUESTION, SCRIPTS, TOOLS, follow_up, render
+from tests.conftest import API_KEYS, LiveServer
+from tests.e2e.test_families import ARGUMENTS, QUESTION, TAUGHT, TOOLS
+from tests.shared_server import entry_override
 
 pytestmark = pytest.mark.e2e
 
@@ -24,17 +24,31 @@ STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
 
 
 
+#: the gateway's second model: the families test's taught GLM-4.7, served upstream by the shared local server
+#: (tests/shared_server.py); the gateway runs the GLM parsers and compat=para
+GLM_PARA = "glm-para"
+
+
 @pytest.fixture(scope="module")
-def pair():
-    upstream = LiveServer([])
-    gateway = LiveServer(["engine=vllm", f"engine.url={upstream.base_url}", "engine.connect_timeout_s=1"])
+def gateway(keyed_server, local_server):
+    """One gateway (`engine=vllm`) for two models: its main model, the default, in front of the keyed server
+    (tests/conftest.py), and GLM_PARA in front of the shared local server's taught GLM-4.7."""
+    glm = TAUGHT["glm47"]
+    served = LiveServer([
+        "engine=vllm", f"engine.url={keyed_server.base_url}", "engine.connect_timeout_s=1", f"engine.api_key={API_KEYS[0]}",
+        entry_override(GLM_PARA, ["model=glm", "model.variant=glm47", f"model.path={glm.folder}", "compat=para",
+                                  "engine=vllm", f"engine.url={local_server.base_url}", f"engine.model={glm.name}"]),
+    ])
     try:
-        upstream.wait_ready()
-        gateway.wait_ready()
-        yield gateway, upstream
+        served.wait_ready()
+        yield served
     finally:
-        gateway.stop()
-        upstream.stop()
+        served.stop()
+
+
+@pytest.fixture(scope="module")
+def pair(gateway, keyed_server):
+    return gateway, keyed_server
 
 
 def routes_logged(server: LiveServer, request_id: str) -> list[str]:
@@ -45,7 +59,13 @@ def routes_logged(server: LiveServer, request_id: str) -> list[str]:
 
 
 def client(server: LiveServer) -> openai.OpenAI:
-    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
+    """The openai client with the keyed upstream's key (the gateway takes any)."""
+    return openai.OpenAI(base_url=f"{server.base_url}/v1", api_key=API_KEYS[0], max_retries=0, timeout=120)
+
+
+def post(server: LiveServer, path: str, **kwargs) -> httpx.Response:
+    """httpx.post with the keyed upstream's key."""
+    return httpx.post(f"{server.base_url}{path}", headers={"authorization": f"Bearer {API_KEYS[0]}"}, **kwargs)
 
 
 class TestThroughTheGateway:
@@ -114,22 +134,23 @@ class TestThroughTheGateway:
 
     def test_token_id_prompt_and_return_token_ids_on_deltafin_itself(self, pair):
         _, upstream = pair
-        ids = httpx.post(f"{upstream.base_url}/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
-        by_text = httpx.post(f"{upstream.base_url}/v1/completions", timeout=60, json={
+        ids = post(upstream, "/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
+        by_text = post(upstream, "/v1/completions", timeout=60, json={
             "prompt": "The capital of France is", "max_tokens": 5, "temperature": 0}).json()
-        by_ids = httpx.post(f"{upstream.base_url}/v1/completions", timeout=60, json={
+        by_ids = post(upstream, "/v1/completions", timeout=60, json={
             "prompt": ids, "max_tokens": 5, "temperature": 0, "return_token_ids": True, "echo": True}).json()
         choice = by_ids["choices"][0]
         assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 5
         assert choice["text"] == "The capital of France is" + by_text["choices"][0]["text"]
-        bad = httpx.post(f"{upstream.base_url}/v1/completions", json={"prompt": [1, 10**9], "max_tokens": 1})
+        bad = post(upstream, "/v1/completions", json={"prompt": [1, 10**9], "max_tokens": 1})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "prompt"
-        negative = httpx.post(f"{upstream.base_url}/v1/completions", json={"prompt": [-1], "max_tokens": 1})
+        negative = post(upstream, "/v1/completions", json={"prompt": [-1], "max_tokens": 1})
         assert negative.status_code == 400
 
     def test_streamed_token_ids_cover_every_generated_token(self, pair):
         _, upstream = pair
-        with httpx.stream("POST", f"{upstream.base_url}/v1/completions", timeout=60, json={
+        with httpx.stream("POST", f"{upstream.base_url}/v1/completions", timeout=60,
+                          headers={"authorization": f"Bearer {API_KEYS[0]}"}, json={
                 "prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, "stream": True, "return_token_ids": True}) as r:
             events = [json.loads(l[6:]) for l in r.iter_lines() if l.startswith("data: {")]
         ids = [i for e in events for c in e["choices"] for i in c.get("token_ids", [])]
@@ -137,7 +158,8 @@ class TestThroughTheGateway:
 
 
 class TestUpstreamDownAndBack:
-    """Runs last in this module: it stops the upstream and starts a new one on the same port."""
+    """It stops the upstream and starts it again on the same port (the tool tests after it use the gateway's
+    other model, whose upstream stays up)."""
 
     def test_upstream_down_then_restarted(self, pair):
         gateway, upstream = pair
@@ -153,45 +175,24 @@ class TestUpstreamDownAndBack:
         health = httpx.get(f"{gateway.base_url}/health", timeout=10)
         assert health.status_code == 503 and health.json()["status"] == "upstream_unavailable"
 
-        restarted = LiveServer([], port=upstream.port)  # where the gateway expects it
-        try:
-            restarted.wait_ready()
-            # ignore_eos: a sampled answer may otherwise end at EOS before 4 tokens.
-            answer = client(gateway).chat.completions.create(model="smollm2", messages=HELLO, max_tokens=4,
-                                                             extra_body={"ignore_eos": True})
-            assert answer.usage.completion_tokens == 4
-            time.sleep(1.1)
-            assert httpx.get(f"{gateway.base_url}/health", timeout=10).status_code == 200
-        finally:
-            restarted.stop()
+        upstream.restart()  # where the gateway expects it
+        upstream.wait_ready()
+        # ignore_eos: a sampled answer may otherwise end at EOS before 4 tokens.
+        answer = client(gateway).chat.completions.create(model="smollm2", messages=HELLO, max_tokens=4,
+                                                         extra_body={"ignore_eos": True})
+        assert answer.usage.completion_tokens == 4
+        time.sleep(1.1)
+        assert httpx.get(f"{gateway.base_url}/health", timeout=10).status_code == 200
 
 
 @pytest.fixture(scope="module")
-def glm_pair(tmp_path_factory):
-    """A tiny GLM-4.7 taught one scripted tool call, served upstream; the gateway runs the GLM parsers, compat=para."""
-    family = "glm47"
-    from deltafin.tiny import write_tiny_model
-
-    path = write_tiny_model("glm", tmp_path_factory.mktemp(family) / "model", variant="glm47")
-    turn1, turn2 = SCRIPTS[family]
-    # The examples of tests/e2e/test_families.py's GLM-4.7: taught once, cached
-    path = taught(path, [(render(family, path, QUESTION), turn1),
-                         (render(family, path, follow_up("call_any", json.dumps(ARGUMENTS))), turn2)])
-    model = ["model=glm", "model.variant=glm47", f"model.path={path}"]
-    upstream = LiveServer(model)
-    gateway = LiveServer([*model, "compat=para", "engine=vllm", f"engine.url={upstream.base_url}"])
-    try:
-        upstream.wait_ready()
-        gateway.wait_ready()
-        yield gateway
-    finally:
-        gateway.stop()
-        upstream.stop()
+def glm_pair(gateway):
+    return gateway
 
 
 class TestToolsOnATinyFamilyModel:
     def test_tool_call_parsed_by_the_gateway(self, glm_pair):
-        response = client(glm_pair).chat.completions.create(model=client(glm_pair).models.list().data[0].id,
+        response = client(glm_pair).chat.completions.create(model=GLM_PARA,
                                                             messages=QUESTION, tools=TOOLS, temperature=0)
         choice = response.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content == "Weather needed."
@@ -200,7 +201,7 @@ class TestToolsOnATinyFamilyModel:
         assert response.usage.completion_tokens_details.reasoning_tokens > 0  # the para rule ran at the gateway
 
     def test_streamed_tool_call_deltas(self, glm_pair):
-        model = client(glm_pair).models.list().data[0].id
+        model = GLM_PARA
         chunks = list(client(glm_pair).chat.completions.create(model=model, messages=QUESTION, tools=TOOLS,
                                                                temperature=0, stream=True))
         calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
@@ -212,7 +213,7 @@ class TestToolsOnATinyFamilyModel:
         """/v1/responses is the chat path: in front of an upstream, with the GLM parsers and compat=para."""
         api = client(glm_pair)
         tools = [{"type": "function", **TOOLS[0]["function"]}]
-        response = api.responses.create(model=api.models.list().data[0].id, input=QUESTION, tools=tools, temperature=0)
+        response = api.responses.create(model=GLM_PARA, input=QUESTION, tools=tools, temperature=0)
         reasoning, call = response.output
         assert reasoning.type == "reasoning" and reasoning.content[0].text == "Weather needed."
         assert call.type == "function_call" and json.loads(call.arguments) == ARGUMENTS
