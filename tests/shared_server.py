@@ -66,3 +66,13 @@ def shared_overrides(root: Callable[[str], Path]) -> list[str]:
         model.folder = folder
         overrides.append(entry_override(model.name, entry))
     return overrides
+
+
+def multi_model_overrides(entries: list[tuple[str, list[str]]]) -> list[str]:
+    """A server's command line for several (name, overrides): the first as its main model (served as that name,
+    with the entries' defaults), every other as an entry `+models.NAME=[...]`. (The tiers' shared gateways.)"""
+    (main_name, main), *others = entries
+    keys = {override.split("=", 1)[0].lstrip("+~") for override in main}
+    defaults = {**ENTRY_DEFAULTS, "model.name": f"model.name={main_name}"}
+    return [*main, *(default for key, default in defaults.items() if key not in keys),
+            *(entry_override(name, overrides) for name, overrides in others)]

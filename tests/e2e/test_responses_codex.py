@@ -69,15 +69,16 @@ def codex_server(local_server, tmp_path_factory):
 
 def test_codex_exec_completes_a_turn(codex_server):
     server, root = codex_server
-    # The shared server logs every module's requests, and Codex sends no x-request-id of its own (Deltafin logs
-    # a random one): this turn's lines are the ones written while it ran (the tests take the server in turn).
-    before = len(server.log_lines())
     result = codex_exec(f"{server.base_url}/v1", CODEX.name, "Say hi", root / "home", root / "work")
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
     assert "ERROR" not in result.stdout + result.stderr
-    lines = [json.loads(line) for line in server.log_lines()[before:] if line.startswith("{")]
-    turns = [line for line in lines if line.get("event") == "request" and line.get("route") == "/v1/responses"]
+    # The shared server logs every module's requests: this turn's are the ones its model answered (the access
+    # log names it; Codex sends no x-request-id of its own).
+    lines = [json.loads(line) for line in server.log_lines() if line.startswith("{")]
+    turns = [line for line in lines if line.get("event") == "request" and line.get("route") == "/v1/responses"
+             and line.get("model") == CODEX.name]
     assert turns and all(t["status"] == 200 and t["completed"] for t in turns)
     assert turns[0]["prompt_tokens"] > 20_000 and turns[0]["finish_reasons"] == ["stop"]
-    dropped = [line for line in lines if line.get("event") == "responses_tools_dropped"]
+    ids = {turn["request_id"] for turn in turns}
+    dropped = [line for line in lines if line.get("event") == "responses_tools_dropped" and line.get("request_id") in ids]
     assert dropped and "web_search" in dropped[0]["tools"]

@@ -88,13 +88,9 @@ def gateway_model(name: str, upstream: Upstream,
 
 def gateway_overrides(entries: Sequence[tuple[str, list[str]]]) -> list[str]:
     """The gateway's command line: the first (name, overrides) as its main model, every other as an entry."""
-    from tests.shared_server import ENTRY_DEFAULTS, entry_override
+    from tests.shared_server import multi_model_overrides
 
-    (main_name, main), *others = entries
-    keys = {override.split("=", 1)[0].lstrip("+~") for override in main}
-    defaults = {**ENTRY_DEFAULTS, "model.name": f"model.name={main_name}"}
-    return [*main, *(default for key, default in defaults.items() if key not in keys),
-            *(entry_override(name, overrides) for name, overrides in others)]
+    return multi_model_overrides(list(entries))
 
 
 @dataclass

@@ -23,12 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, Protocol, Sequence
 
 import pytest
 
 from deltafin.testing import LiveServer
-from tests.shared_server import ENTRY_DEFAULTS, entry_override
+from tests.shared_server import multi_model_overrides
 
 
 class Upstreams(Protocol):
@@ -56,14 +56,9 @@ def vllm_upstreams(name: str, start: Callable[[Path], Upstreams]) -> None:
     REGISTRY[name] = Declared(name, start, start.__module__)
 
 
-def gateway_overrides(entries: list[tuple[str, list[str]]]) -> list[str]:
-    """The gateway's command line: the first (name, overrides) as its main model (served as that name, with the
-    entries' defaults), every other as an entry `+models.NAME=[...]`."""
-    (main_name, main), *others = entries
-    keys = {override.split("=", 1)[0].lstrip("+~") for override in main}
-    defaults = {**ENTRY_DEFAULTS, "model.name": f"model.name={main_name}"}
-    return [*main, *(default for key, default in defaults.items() if key not in keys),
-            *(entry_override(name, overrides) for name, overrides in others)]
+def gateway_overrides(entries: Sequence[tuple[str, list[str]]]) -> list[str]:
+    """The gateway's command line: the first (name, overrides) as its main model, every other as an entry."""
+    return multi_model_overrides(list(entries))
 
 
 @dataclass
