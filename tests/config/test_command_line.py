@@ -100,3 +100,13 @@ def test_help_lists_the_groups_and_their_options():
     result = run("--help")
     assert result.returncode == 0
     assert "model: glm, kimi_k2, kimi_k3, qwen3, smollm2" in result.stdout and "--cfg job" in result.stdout
+
+
+def test_a_missing_model_path_is_reported_before_torch_is_imported():
+    """The commonest start-up mistake, a typo in model.path, is answered at once: the path is checked before
+    the checks that import torch and transformers (seconds)."""
+    probe = ("import sys\nfrom deltafin.cli import main\ntry:\n    main(['model.path=/nonexistent'])\n"
+             "except SystemExit as exit:\n    print(exit.code, 'torch' in sys.modules)\n")
+    result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert result.stdout.split() == ["2", "False"], result.stdout + result.stderr
+    assert "model.path: /nonexistent does not exist" in result.stderr
