@@ -77,11 +77,27 @@ def unavailable(tier: str, reason: str) -> None:
 _WORKER_BOOTS: list[tuple[str, ...]] = []
 
 
+#: servers a whole run may start (issue 17): a test that needs a configuration of its own declares a model of a
+#: shared server instead (tests/shared_server.py, tests/gateway/llama_tier.py, vllm_tier.py)
+BOOT_BUDGET = 10
+
+
 def pytest_sessionfinish(session: pytest.Session) -> None:
     from deltafin.testing import LiveServer
 
     if hasattr(session.config, "workeroutput"):  # an xdist worker: hand the count to the controller
         session.config.workeroutput["deltafin_boots"] = [list(boot) for boot in LiveServer.boots]
+        return
+    boots = len(LiveServer.boots) + len(_WORKER_BOOTS)
+    if boots > BOOT_BUDGET and _whole_suite(session.config) and session.exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
+def _whole_suite(config: pytest.Config) -> bool:
+    """This run is the whole suite: no -k, no -m, no paths but the test folder."""
+    tests = config.rootpath / "tests"
+    return (not config.option.keyword and not config.option.markexpr
+            and all("::" not in arg and Path(arg).resolve() in (tests, config.rootpath) for arg in config.args))
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -96,3 +112,7 @@ def pytest_terminal_summary(terminalreporter) -> None:
     boots = [*LiveServer.boots, *_WORKER_BOOTS]
     if boots and not hasattr(terminalreporter.config, "workeroutput"):
         terminalreporter.write_line(f"deltafin server boots: {len(boots)} ({len(set(boots))} distinct override sets)")
+        if len(boots) > BOOT_BUDGET and _whole_suite(terminalreporter.config):
+            terminalreporter.write_line(f"FAILED: the whole suite may start {BOOT_BUDGET} servers (tests/tiers.py "
+                                        "BOOT_BUDGET): serve a new configuration as a model of a shared server",
+                                        red=True)
