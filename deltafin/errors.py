@@ -57,6 +57,15 @@ class NotFoundError(DeltafinError):
     type = "not_found_error"
 
 
+#: a name the server does not know is quoted back in its 404 up to this many characters (a client may send megabytes)
+QUOTED_NAME_CHARS = 200
+
+
+def quoted_name(name: str) -> str:
+    """`name` as an error message quotes it: cut to QUOTED_NAME_CHARS."""
+    return name if len(name) <= QUOTED_NAME_CHARS else name[:QUOTED_NAME_CHARS] + "..."
+
+
 class ModelNotFoundError(NotFoundError):
     type = "invalid_request_error"
     default_code = "model_not_found"

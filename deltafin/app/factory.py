@@ -76,12 +76,18 @@ async def health(state: State) -> Response:
     if failed is not None:
         return Response({"status": "failed", "error": failed.error, **_named(models, statuses, failed)},
                         status_code=503)
-    if any(model.services is None for model in models):
-        return Response({"status": "loading", "error": None, **_named(models, statuses, None)}, status_code=503)
+    loading = next((model for model in models if model.services is None), None)
+    if loading is not None:
+        return Response({"status": "loading", "error": None, **_named(models, statuses, loading)}, status_code=503)
     main = models.main.services
     assert main is not None
     return Response({"status": "ok", "model": models.main.name, "engine": main.ctx.engine.name,
                      **_named(models, statuses, None)})
+
+
+def first_line(exc: BaseException) -> str:
+    """The first line of an error's message that says something, else the error's type."""
+    return next((line.strip() for line in str(exc).splitlines() if line.strip()), type(exc).__name__)
 
 
 def _named(models: ServedModels, statuses: dict[str, str], which: ServedModel | None) -> dict[str, Any]:
@@ -173,8 +179,9 @@ async def _load_all(served: ServedModels, store: Any, app_metrics: Metrics) -> N
             model.services = services
             services.ctx.engine.observe(app_metrics)  # upstream latency and errors
         except Exception as exc:  # shown by /health and 503s; the process stays up to say so
-            model.error = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            model.error = first_line(exc)
             log.error("model_load_failed", model=model.name, error=model.error)
     _freeze_loaded_heap()
     if served.loaded():
-        log.info("ready", model=served.main.name, **({"models": [m.name for m in served.loaded()]} if served.several else {}))
+        loaded = [model.name for model in served if model.services is not None]
+        log.info("ready", model=served.main.name, **({"models": loaded} if served.several else {}))

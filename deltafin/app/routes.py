@@ -40,7 +40,7 @@ def _stats(request: Request) -> RequestStats:
 
 @get(["/v1/models", "/models"], summary="List the served models")
 async def list_served(models: NamedDependency[ServedModels]) -> dict[str, Any]:
-    models.require()  # 503 while the main model loads (or failed), as every route
+    models.any()  # 503 while no model is loaded yet (or none loaded), as every route
     return list_models([services.ctx for services in models.loaded()])
 
 
@@ -73,15 +73,15 @@ async def parse(payload: NamedDependency[ParseRequest], models: NamedDependency[
 
 
 # The Responses API's stored responses (POST /v1/responses is a generation route: deltafin.app.generation). The
-# store is the process's, whichever model answered: the main model's service reads it.
+# store is the process's, whichever model answered: any loaded model's service reads it.
 @get(["/v1/responses/{response_id:str}", "/responses/{response_id:str}"], summary="Retrieve a stored response")
 async def retrieve_response(request: Request, response_id: FromPath[str], models: NamedDependency[ServedModels]) -> dict[str, Any]:
-    return await models.require().responses.retrieve(_stats(request).owner, response_id)
+    return await models.any().responses.retrieve(_stats(request).owner, response_id)
 
 
 @delete(["/v1/responses/{response_id:str}", "/responses/{response_id:str}"], status_code=200, summary="Delete a stored response")
 async def delete_response(request: Request, response_id: FromPath[str], models: NamedDependency[ServedModels]) -> dict[str, Any]:
-    return await models.require().responses.delete(_stats(request).owner, response_id)
+    return await models.any().responses.delete(_stats(request).owner, response_id)
 
 
 @get(["/v1/responses/{response_id:str}/input_items", "/responses/{response_id:str}/input_items"],
@@ -93,7 +93,7 @@ async def response_input_items(
     if not 1 <= limit <= 100:
         raise InvalidRequestError("limit must be between 1 and 100", param="limit")
     query = InputItemsQuery(limit=limit, order=order, after=after)
-    return await models.require().responses.input_items(_stats(request).owner, response_id, query)
+    return await models.any().responses.input_items(_stats(request).owner, response_id, query)
 
 
 ROUTES = [list_served, model, tokenize, detokenize, parse, retrieve_response, delete_response, response_input_items]

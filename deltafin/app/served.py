@@ -7,7 +7,7 @@ from typing import Iterator, Sequence
 
 from deltafin.app.services import Services
 from deltafin.config import DeltafinConfig
-from deltafin.errors import EngineUnavailableError, ModelNotFoundError
+from deltafin.errors import EngineUnavailableError, ModelNotFoundError, quoted_name
 
 
 class ServedModel:
@@ -30,7 +30,7 @@ class ServedModel:
             which = f"the model `{self.name}`" if several else "the model"
             if self.error:
                 raise EngineUnavailableError(
-                    f"Service unavailable: {which} failed to load: {self.error}.", code="model_load_failed"
+                    f"Service unavailable: {which} failed to load: {self.error.rstrip('.')}.", code="model_load_failed"
                 )
             raise EngineUnavailableError(f"Service unavailable: {which} is still loading.", headers={"Retry-After": "5"})
         return self.services
@@ -56,12 +56,18 @@ class ServedModels:
     def require(self, name: str | None = None) -> Services:
         """The services a request naming `name` (None: no `model` field) is served by."""
         if name is None or not self.several:
-            return self.main.require()
+            return self.main.require(several=self.several)
         model = self._by_name.get(name)
         if model is None:
             served = ", ".join(f"`{each.name}`" for each in self.models)
-            raise ModelNotFoundError(f"The model `{name}` does not exist. This server serves {served}.", param="model")
+            raise ModelNotFoundError(f"The model `{quoted_name(name)}` does not exist. This server serves {served}.",
+                                     param="model")
         return model.require(several=True)
+
+    def any(self) -> Services:
+        """Some loaded model's services (for what is the process's, not a model's: the response store), else
+        the main model's 503."""
+        return next(iter(self.loaded()), None) or self.main.require(several=self.several)
 
     def loaded(self) -> list[Services]:
         return [model.services for model in self.models if model.services is not None]

@@ -72,9 +72,9 @@ def _named_in_full(reason: str, overrides: Sequence[str]) -> str:
     `+models.glm=5`): the override's own key, when it ends with the one named."""
     key, _, rest = reason.partition(": ")
     for override in overrides:
-        full = override.split("=", 1)[0].lstrip("+~")
-        if full.endswith("." + key):
-            return f"{full}: {rest}"
+        parts = override.split("=", 1)[0].lstrip("+~").split(".")
+        if key in parts[1:]:  # `+models.glm=5` names `glm`; `+models.a.b=[...]` names `a`
+            return f"{'.'.join(parts[:parts.index(key, 1) + 1])}: {rest}"
     return reason
 
 

@@ -31,6 +31,9 @@ def entry_overrides(name: str, overrides: Sequence[str]) -> list[str]:
             if key == process_key or key.startswith(process_key + "."):
                 raise ConfigError(f"models.{name}: {key} belongs to the whole process, not to one model: "
                                   "set it on the main command line")
+            if process_key.startswith(key + "."):  # `server={...}`, `server=default`: the whole group at once
+                raise ConfigError(f"models.{name}: {key} holds {process_key}, which belongs to the whole process: "
+                                  f"set the model's own keys one by one ({key}.queue.max_waiting=...)")
     return list(overrides) if names_itself else [*overrides, f"model.name={name}"]
 
 

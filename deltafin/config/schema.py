@@ -147,6 +147,19 @@ def _no_blank_keys(keys: Any) -> str | None:
     return None
 
 
+def _served_name(name: Any) -> str | None:
+    """a non-blank name"""
+    return None if str(name).strip() else "a served name needs a non-space character (requests send it as `model`)"
+
+
+def _served_names(names: Any) -> str | None:
+    """non-blank names"""
+    for index, name in enumerate(names):
+        if not str(name).strip():
+            return f"entry {index} is blank: a served name needs a non-space character"
+    return None
+
+
 def _device_memory(limits: Any) -> str | None:
     """null, or a mapping of device (a GPU index, cpu, disk) to a size (20GiB, 64000MB, bytes)"""
     if limits is None:
@@ -194,12 +207,12 @@ def _bindable_host(host: Any) -> str | None:
 
 @dataclass
 class ModelConfig:
-    name: str = MISSING  # the id served by /v1/models and accepted in a request's `model`
+    name: str = checked(_served_name)  # the id served by /v1/models and accepted in a request's `model`
     family: str = MISSING  # the model family (deltafin/families/): its parsers and family-scoped rules; never guessed
     # the checkpoint: a local HF folder, a .gguf file, or `pkg:PACKAGE/FILE` (a file inside an installed Python
     # package); in gateway mode only the tokenizer files are read
     path: str = MISSING
-    aliases: list[str] = field(default_factory=list)  # other names clients may send for this model
+    aliases: list[str] = checked(_served_names, default_factory=list)  # other names clients may send for this model
     variant: Optional[str] = None  # a variant of the family (GLM: glm45 | glm47); null = the family's default
     # vLLM / SGLang parser names (`model.tool_parser=glm47`), accepted for familiarity: a family or variant name,
     # which only selects the variant; the family owns its parsers

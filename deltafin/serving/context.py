@@ -9,7 +9,7 @@ from typing import Any, Callable, TypeVar
 
 from deltafin.config import DeltafinConfig, plain_config
 from deltafin.engine import EngineFront, Finished, TextDelta
-from deltafin.errors import ContextLengthError, ModelNotFoundError
+from deltafin.errors import ContextLengthError, ModelNotFoundError, quoted_name
 from deltafin.prompt import ChatFormat
 from deltafin.rules import RulePipeline
 from deltafin.serving.prompt_work import PromptWork
@@ -170,7 +170,7 @@ class ServingContext:
         """`model` is optional; when given it must name the served model or one of its aliases."""
         if requested is None or requested == self.model_name or requested in self.config.model.aliases:
             return
-        raise ModelNotFoundError(f"The model `{requested}` does not exist. This server serves `{self.model_name}`.", param="model")
+        raise ModelNotFoundError(f"The model `{quoted_name(requested)}` does not exist. This server serves `{self.model_name}`.", param="model")
 
     def check_context(self, prompt_tokens: int, max_tokens: int | None, param: str) -> int:
         """The completion budget left after the prompt; the wording matches what client-side detectors expect."""

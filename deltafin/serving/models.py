@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from deltafin.errors import ModelNotFoundError
+from deltafin.errors import ModelNotFoundError, quoted_name
 from deltafin.serving.context import ServingContext
 
 
@@ -27,5 +27,5 @@ def list_models(contexts: list[ServingContext]) -> dict[str, Any]:
 
 def get_model(ctx: ServingContext, name: str) -> dict[str, Any]:
     if name != ctx.model_name and name not in ctx.config.model.aliases:
-        raise ModelNotFoundError(f"The model `{name}` does not exist.", param="model")
+        raise ModelNotFoundError(f"The model `{quoted_name(name)}` does not exist.", param="model")
     return _card(ctx, name)

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import structlog
 from litestar.testing import TestClient
 
 from deltafin.app import build_app
@@ -25,20 +26,22 @@ def chat(name: str | None) -> dict:
 
 
 def wait_for(client: TestClient, status: str) -> dict:
+    """/health once it says `status` and no model is still loading."""
     for _ in range(400):
         health = client.get("/health").json()
-        if health["status"] == status:
+        if health["status"] == status and "loading" not in health.get("models", {}).values():
             return health
         time.sleep(0.05)
     raise AssertionError(f"/health never said {status}: {health}")
 
 
-def loader(loaded_model, fail: str | None = None, gate: threading.Event | None = None):
+def loader(loaded_model, fail: str | None = None, gate: threading.Event | None = None,
+           error: str = "safetensors header is corrupt"):
     """Services.load as the app calls it (config, shared store), on the session's loaded weights."""
 
     def load(cls, config, store=None):
         if config.model.name == fail:
-            raise RuntimeError("safetensors header is corrupt")
+            raise RuntimeError(error)
         if gate is not None and config.model.name == OTHER.model.name:
             gate.wait(60)
         return Services.from_engine(config, make_engine(loaded_model), store)
@@ -66,6 +69,12 @@ class TestRouting:
         error = response.json()["error"]
         assert response.status_code == 404 and error["code"] == "model_not_found" and error["param"] == "model"
         assert f"`{MAIN.model.name}`, `other`" in error["message"]
+
+    @pytest.mark.parametrize("path", [CHAT, "/tokenize"])
+    def test_a_huge_unknown_name_is_quoted_cut(self, client, path):
+        response = client.post(path, json={**chat("x" * 1_000_000), "prompt": "hi"})
+        assert response.status_code == 404 and len(response.content) < 1000
+        assert client.get("/v1/models/" + "y" * 10_000).status_code in (404, 414)
 
     def test_models_lists_every_model_and_describes_each(self, client):
         assert [card["id"] for card in client.get("/v1/models").json()["data"]] == [MAIN.model.name, "smollm2", "other"]
@@ -103,6 +112,35 @@ def test_a_model_that_fails_to_load_costs_the_others_nothing(loaded_model, monke
         assert [card["id"] for card in client.get("/v1/models").json()["data"]] == [MAIN.model.name, "smollm2"]
 
 
+def test_when_the_main_model_fails_the_others_still_list_and_store(loaded_model, monkeypatch):
+    # a message whose first line is empty (multiprocessing's start-up errors are) still marks the model failed
+    monkeypatch.setattr(Services, "load", loader(loaded_model, fail=MAIN.model.name, error="\n  header is corrupt."))
+    with TestClient(build_app(MAIN, models=[OTHER])) as client:
+        health = wait_for(client, "failed")
+        assert health["failing_model"] == MAIN.model.name and health["error"] == "header is corrupt."
+        refused = client.post(CHAT, json=chat(None))
+        assert refused.status_code == 503
+        assert refused.json()["error"]["message"].endswith(f"`{MAIN.model.name}` failed to load: header is corrupt.")
+        assert [card["id"] for card in client.get("/v1/models").json()["data"]] == ["other"]
+        created = client.post("/v1/responses", json={"model": "other", "input": "Hi.", "max_output_tokens": 3})
+        stored = client.get(f"/v1/responses/{created.json()['id']}")
+        assert stored.status_code == 200 and stored.json()["model"] == "other"
+        assert client.delete(f"/v1/responses/{created.json()['id']}").status_code == 200
+
+
+def test_ready_is_logged_once_every_model_is_loaded(loaded_model, monkeypatch):
+    monkeypatch.setattr(Services, "load", loader(loaded_model))
+    with structlog.testing.capture_logs() as logs:
+        with TestClient(build_app(MAIN, models=[OTHER])) as client:
+            wait_for(client, "ok")
+            for _ in range(200):
+                if any(log["event"] == "ready" for log in logs):
+                    break
+                time.sleep(0.05)
+    (ready,) = [log for log in logs if log["event"] == "ready"]
+    assert ready["models"] == [MAIN.model.name, "other"]
+
+
 def test_the_main_model_serves_while_the_next_one_loads(loaded_model, monkeypatch):
     gate = threading.Event()
     monkeypatch.setattr(Services, "load", loader(loaded_model, gate=gate))
@@ -114,7 +152,8 @@ def test_the_main_model_serves_while_the_next_one_loads(loaded_model, monkeypatc
         loading = client.post(CHAT, json=chat("other"))
         assert loading.status_code == 503 and loading.headers["retry-after"]
         assert "`other` is still loading" in loading.json()["error"]["message"]
-        assert client.get("/health").json()["models"] == {MAIN.model.name: "ok", "other": "loading"}
+        health = client.get("/health").json()
+        assert health["models"] == {MAIN.model.name: "ok", "other": "loading"} and health["failing_model"] == "other"
         gate.set()
         wait_for(client, "ok")
         assert client.post(CHAT, json=chat("other")).status_code == 200

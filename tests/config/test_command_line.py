@@ -53,6 +53,11 @@ def assert_config_error(result: subprocess.CompletedProcess, key: str) -> str:
     (['+models.a=["model.path=/nonexistent"]'], "models.a"),  # the smollm2 file's alias, served by the main model
     (['+models.a=["model.aliases=[]","+models.b=[]"]'], "models.a"),  # no entries of entries
     (["+models.glm=5"], "models.glm"),
+    (['+models.a.b=["x"]'], "models.a"),
+    (['+models.x=["server={api_keys:[secret]}","model.aliases=[]"]'], "models.x"),  # the group at once
+    (['+models.e=["model.aliases=[]","model.name="]'], "models.e"),
+    (["model.name= "], "model.name"),
+    (["model.aliases=[a,'']"], "model.aliases"),
 ])
 def test_config_error_is_one_line_naming_the_key(args, key):
     assert_config_error(run(*args), key)
