@@ -35,23 +35,16 @@ def _provide_models(state: State) -> ServedModels:
     return state.models
 
 
-def _engine_state(models: ServedModels) -> tuple[float, float]:
-    """(requests waiting, engines generating) over the loaded models, for the gauges; zeros while loading."""
-    waiting = busy = 0.0
-    for services in models.loaded():
-        admission = services.ctx.engine.admission
-        waiting += admission.waiting
-        busy += float(admission.busy)
-    return waiting, busy
+def _engine_states(models: ServedModels) -> list[tuple[str, float, float]]:
+    """(model, requests waiting, 1.0 while generating) of each loaded model, for the gauges."""
+    return [(services.ctx.model_name, float(services.ctx.engine.admission.waiting),
+             float(services.ctx.engine.admission.busy)) for services in models.loaded()]
 
 
-def _expert_stats(models: ServedModels) -> Any:
-    """The expert pool's counters: the first loaded model that has a pool."""
-    for services in models.loaded():
-        stats = services.ctx.engine.expert_stats()
-        if stats is not None:
-            return stats
-    return None
+def _expert_pools(models: ServedModels) -> list[tuple[str, Any]]:
+    """(model, its pool's counters) of each loaded model that has an expert pool."""
+    pools = [(services.ctx.model_name, services.ctx.engine.expert_stats()) for services in models.loaded()]
+    return [(model, stats) for model, stats in pools if stats is not None]
 
 
 @get("/health", summary="200 when every served model is loaded (and its upstream answers), else 503",
@@ -121,8 +114,8 @@ def build_app(config: DeltafinConfig, services: Services | Sequence[Services] | 
     served = ServedModels([config, *models] if not loaded else [each.ctx.config for each in loaded])
     app_metrics = Metrics()
     drain = Drain(config.server.shutdown_grace_s)
-    app_metrics.watch_engine(lambda: _engine_state(served)[0], lambda: _engine_state(served)[1])
-    app_metrics.watch_expert_pool(lambda: _expert_stats(served))
+    app_metrics.watch_engines(lambda: _engine_states(served))
+    app_metrics.watch_expert_pools(lambda: _expert_pools(served))
 
     @asynccontextmanager
     async def load_in_background(app: Litestar) -> AsyncIterator[None]:

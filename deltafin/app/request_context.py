@@ -81,17 +81,19 @@ class RequestContext:
         m = self.metrics
         m.requests.labels(route=route, status=str(status)).inc()
         m.latency.labels(route=route).observe(total)
-        m.prompt_tokens.inc(stats.prompt_tokens)
-        m.completion_tokens.inc(stats.generated_tokens)
-        if stats.memo_hit:
-            m.memo_hits.inc()
-        if stats.cached_tokens:
-            m.prefix_hits.inc()
-            m.cached_tokens.inc(stats.cached_tokens)
-        if stats.ttft_s is not None:
-            m.ttft.observe(stats.ttft_s)
-            if stats.generated_tokens > 1:
-                m.inter_token.observe(max(0.0, total - stats.ttft_s) / (stats.generated_tokens - 1))
+        if stats.model is not None:  # a request that reached a model (labelled by its served name)
+            model = stats.model
+            m.prompt_tokens.labels(model=model).inc(stats.prompt_tokens)
+            m.completion_tokens.labels(model=model).inc(stats.generated_tokens)
+            if stats.memo_hit:
+                m.memo_hits.labels(model=model).inc()
+            if stats.cached_tokens:
+                m.prefix_hits.labels(model=model).inc()
+                m.cached_tokens.labels(model=model).inc(stats.cached_tokens)
+            if stats.ttft_s is not None:
+                m.ttft.labels(model=model).observe(stats.ttft_s)
+                if stats.generated_tokens > 1:
+                    m.inter_token.labels(model=model).observe(max(0.0, total - stats.ttft_s) / (stats.generated_tokens - 1))
         for rule in stats.rules:  # rule names come from the config, so this label set is bounded
             m.rule_firings.labels(rule=rule).inc()
 

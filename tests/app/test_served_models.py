@@ -92,6 +92,17 @@ class TestRouting:
         stored = client.get(f"/v1/responses/{created.json()['id']}")
         assert stored.status_code == 200 and stored.json()["model"] == "other"
 
+    def test_metrics_are_labelled_by_the_model_that_answered(self, client):
+        client.post(CHAT, json=chat("other"))
+        client.post(CHAT, json=chat(None))
+        client.post(CHAT, json=chat("gpt-4-" + "x" * 50))  # a 404: no series of its own
+        body = client.get("/metrics").text
+        for model in (MAIN.model.name, "other"):
+            assert f'deltafin_completion_tokens_total{{model="{model}"}}' in body
+            assert f'deltafin_queue_depth{{model="{model}"}} 0.0' in body
+            assert f'deltafin_time_to_first_token_seconds_count{{model="{model}"}}' in body
+        assert "gpt-4" not in body
+
     def test_health_names_each_models_status(self, client):
         health = client.get("/health").json()
         assert health["status"] == "ok" and health["model"] == MAIN.model.name

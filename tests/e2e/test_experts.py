@@ -86,9 +86,10 @@ def run(server: tuple[LiveServer, str], together: bool) -> list:
     return out
 
 
-def metric(server: LiveServer, name: str) -> float:
+def metric(server: LiveServer, name: str, model: str = "moe") -> float:
+    """A series of `model` (the pooled servers serve one model, `moe`)."""
     text = httpx.get(f"{server.base_url}/metrics", timeout=10).text
-    match = re.search(rf"^{name} (\S+)$", text, re.MULTILINE)
+    match = re.search(rf'^{name}\{{model="{model}"\}} (\S+)$', text, re.MULTILINE)
     assert match, f"{name} not in /metrics"
     return float(match.group(1))
 
