@@ -66,10 +66,8 @@ def checked_configs(overrides: Sequence[str] = (), *, check_paths: bool = False)
     config = checked_config(overrides, check_path=check_paths)
     configs = [config]
     for name, entry in config.models.items():
-        entry_config = None
         with _naming_entry(name):
-            entry_config = checked_config(entry_overrides(name, list(entry)), check_path=check_paths)
-        configs.append(entry_config)
+            configs.append(checked_config(entry_overrides(name, list(entry)), check_path=check_paths))
     check_served_names([(entry or "", [each.model.name, *each.model.aliases])
                         for entry, each in zip([None, *config.models], configs)])
     return configs

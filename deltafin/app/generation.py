@@ -114,7 +114,7 @@ class GenerationEndpoints:
         stats.body_bytes = len(raw)  # chooses the prompt-work lane (deltafin.serving.prompt_work)
         request = decode_request(raw, route.request_type)
         services = self._services(request.model)  # the model the request names (deltafin.app.served)
-        stats.model, stats.engine = services.ctx.model_name, services.ctx.engine.name
+        stats.answered_by(services.ctx)
 
         def admitted() -> bool:
             return stats.queue_wait_s is not None

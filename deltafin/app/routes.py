@@ -55,7 +55,7 @@ async def tokenize(
 ) -> dict[str, Any]:
     stats = _stats(request)
     services = models.require(payload.model)
-    stats.model, stats.engine = services.ctx.model_name, services.ctx.engine.name
+    stats.answered_by(services.ctx)
     return await services.ctx.off_loop(services.tokenize.tokenize, payload, stats, size=stats.body_bytes, stats=stats,
                                        inline=not brings_template(payload))
 

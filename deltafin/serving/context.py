@@ -51,6 +51,10 @@ class RequestStats:
     # Tokens of choices still generating, so a request cut short (disconnect, shutdown) logs what it produced.
     _partial: dict[int, int] = field(default_factory=dict, repr=False)
 
+    def answered_by(self, ctx: "ServingContext") -> None:
+        """The served model the request was routed to, for its log line and metric labels."""
+        self.model, self.engine = ctx.model_name, ctx.engine.name
+
     def saw(self, delta: TextDelta) -> None:
         self._partial[delta.choice] = self._partial.get(delta.choice, 0) + len(delta.token_ids)
         if delta.token_ids:

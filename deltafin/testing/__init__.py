@@ -51,6 +51,16 @@ TINY_OVERRIDES = {
 }
 
 
+def stop_process(process: subprocess.Popen | ForkedProcess, grace_s: float = 15) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within `grace_s`; waits for the exit."""
+    process.terminate()
+    try:
+        process.wait(timeout=grace_s)
+    except subprocess.TimeoutExpired:
+        process.kill()
+        process.wait(timeout=grace_s)
+
+
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
@@ -132,11 +142,6 @@ class LiveServer:
         if self._log.closed:
             return
         try:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
-                self.process.wait(timeout=15)
+            stop_process(self.process)
         finally:
             self._log.close()

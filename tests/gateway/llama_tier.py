@@ -30,7 +30,7 @@ from typing import IO, Callable, Iterator, Sequence
 
 import pytest
 
-from deltafin.testing import LiveServer
+from deltafin.testing import LiveServer, stop_process
 
 #: where the tier's llama-server logs go (one file per server, named by its key)
 LOG_DIR = Path(os.environ.get("TMPDIR", "/tmp"))
@@ -164,12 +164,7 @@ class LlamaTier:
                 self._gateway.stop()
         finally:
             for started in reversed(self._started.values()):
-                started.process.terminate()
-                try:
-                    started.process.wait(timeout=15)
-                except subprocess.TimeoutExpired:
-                    started.process.kill()
-                    started.process.wait(timeout=15)
+                stop_process(started.process)
                 started.log.close()
 
 
