@@ -24,11 +24,11 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from deltafin.testing import compose_config  # noqa: E402
 
-from deltafin.engine.batch import BatchKV  # noqa: E402
-from deltafin.engine.fused_llama import fused_llama_step  # noqa: E402
-from deltafin.engine.fused_static import StaticFusedStep  # noqa: E402
-from deltafin.engine.generator import prefill  # noqa: E402
-from deltafin.engine.loader import load_model  # noqa: E402
+from deltafin.engine.kv.batch import BatchKV  # noqa: E402
+from deltafin.engine.llama.fused import fused_llama_step  # noqa: E402
+from deltafin.engine.llama.fused_static import StaticFusedStep  # noqa: E402
+from deltafin.engine.local.generator import prefill  # noqa: E402
+from deltafin.engine.weights.loader import load_model  # noqa: E402
 
 PROMPT = "Write a detailed story about a lighthouse keeper and the sea. Once upon a time, on a rocky island far"
 

@@ -28,7 +28,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from deltafin.testing import LiveServer, compose_config  # noqa: E402
 
-from deltafin.engine.loader import load_model  # noqa: E402
+from deltafin.engine.weights.loader import load_model  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write a detailed story about a lighthouse keeper and the sea."}]
 

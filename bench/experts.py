@@ -155,19 +155,19 @@ def child(spec: dict) -> dict:
     import torch
 
     from deltafin.engine import EngineFront, Finished, GenerationJob, TextDelta
-    from deltafin.engine.loader import load_model
-    from deltafin.engine.local import LocalEngine
+    from deltafin.engine.weights.loader import load_model
+    from deltafin.engine.local.engine import LocalEngine
     from deltafin.protocol.sampling import SamplingParams
     from deltafin.testing import compose_config
 
     config = compose_config(["model=qwen3", f"model.path={MODEL}", "model.name=moe", f"model.cache_dir={CACHE}",
                              *spec["overrides"]])
     threads = config.placement.num_threads or torch.get_num_threads()
-    torch.set_num_threads(1)  # as services.build_local_engine: only the engine thread runs torch's team
+    torch.set_num_threads(1)  # as engine.local.build.build_local_engine: only the engine thread runs torch's team
     started = time.perf_counter()
     loaded = load_model(config.model, config.placement, max_batch=config.engine.max_batch)
     load_s = time.perf_counter() - started
-    if loaded.experts is not None and config.placement.num_threads is None:  # as services.build_local_engine
+    if loaded.experts is not None and config.placement.num_threads is None:  # as engine.local.build.build_local_engine
         threads = loaded.experts.compute_threads(threads)
     engine = LocalEngine(loaded, max_batch=config.engine.max_batch, threads=threads)
     front = EngineFront(engine, max_waiting=4, timeout_s=3600, memo_entries=0)

@@ -52,7 +52,7 @@ PROMPT = [{"role": "user", "content": "Write a long story about a dragon who lea
 
 
 def start_upstream_llama_server(streams: int, threads: int) -> tuple[subprocess.Popen, str]:
-    from deltafin.engine.loader import resolve_model_path
+    from deltafin.engine.weights.loader import resolve_model_path
 
     return start_llama_server(resolve_model_path(compose_config().model.path), parallel=streams, context=1024 * streams,
                               threads=threads)
@@ -185,7 +185,7 @@ def in_process(tokens: int) -> None:
     from deltafin.app.factory import build_app
     from deltafin.app.services import Services
     from deltafin.engine import EngineFront
-    from deltafin.engine.tokenizer_only import load_tokenizer_only
+    from deltafin.engine.weights.tokenizer_only import load_tokenizer_only
     from deltafin.engine.upstream.llama_server import LlamaServerAdapter
     from deltafin.testing.upstream_fakes import Fake, ScriptedBody, make_engine
 

@@ -40,7 +40,7 @@ from deltafin.testing import compose_config  # noqa: E402
 from deltafin.testing.kquant_files import requantize_k, rewrite_gguf  # noqa: E402
 from deltafin.testing.llama_server import llama_server_binary, start_llama_server  # noqa: E402
 
-from deltafin.engine.loader import load_model, resolve_model_path  # noqa: E402
+from deltafin.engine.weights.loader import load_model, resolve_model_path  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",

@@ -30,8 +30,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from deltafin.testing import compose_config  # noqa: E402
 
 from deltafin.engine import EngineFront, GenerationJob, TextDelta  # noqa: E402
-from deltafin.engine.loader import load_model  # noqa: E402
-from deltafin.engine.local import LocalEngine  # noqa: E402
+from deltafin.engine.weights.loader import load_model  # noqa: E402
+from deltafin.engine.local.engine import LocalEngine  # noqa: E402
 from deltafin.grammar import constraints  # noqa: E402
 from deltafin.grammar.compiled import logits_width, tokenizer_info  # noqa: E402
 from deltafin.grammar.service import Grammars  # noqa: E402

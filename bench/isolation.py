@@ -62,7 +62,7 @@ def long_text(tokenizer, tokens: int) -> str:
 async def chunk_run(loaded, chunk: int, prompt_ids: tuple[int, ...], running_ids: tuple[int, ...],
                     threads: int) -> dict:
     from deltafin.engine import EngineFront, GenerationJob, TextDelta
-    from deltafin.engine.local import LocalEngine
+    from deltafin.engine.local.engine import LocalEngine
     from deltafin.protocol.sampling import SamplingParams
 
     front = EngineFront(LocalEngine(loaded, prefill_chunk=chunk, prefix_cache_min_tokens=None, threads=threads),
@@ -100,7 +100,7 @@ async def chunk_run(loaded, chunk: int, prompt_ids: tuple[int, ...], running_ids
 
 
 def chunks(args: argparse.Namespace) -> dict:
-    from deltafin.engine.loader import load_model
+    from deltafin.engine.weights.loader import load_model
     from deltafin.testing import compose_config
 
     import torch
@@ -151,7 +151,7 @@ def on_a_thread(fn) -> tuple[float, float]:
 def gil(args: argparse.Namespace) -> dict:
     import xgrammar as xgr
 
-    from deltafin.engine.tokenizer_only import load_tokenizer_only
+    from deltafin.engine.weights.tokenizer_only import load_tokenizer_only
     from deltafin.testing import compose_config
 
     bundle = load_tokenizer_only(compose_config(args.overrides).model)

@@ -29,9 +29,9 @@ def main() -> None:
     import torch
 
     from bench.gguf_quality import native_figures, reference
-    from deltafin.engine import gguf_native
-    from deltafin.engine.loader import load_model, resolve_model_path
-    from deltafin.engine.qlinear import GGMLLinear
+    from deltafin.engine.weights import gguf_native
+    from deltafin.engine.weights.loader import load_model, resolve_model_path
+    from deltafin.engine.quant.linear import GGMLLinear
     from deltafin.testing import compose_config
 
     parser = argparse.ArgumentParser()

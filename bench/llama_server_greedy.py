@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=4)
     args = parser.parse_args()
 
-    from deltafin.engine.tokenizer_only import load_tokenizer_only
+    from deltafin.engine.weights.tokenizer_only import load_tokenizer_only
     from deltafin.testing import compose_config
 
     tokenizer = load_tokenizer_only(compose_config().model).tokenizer

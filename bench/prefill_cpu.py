@@ -25,8 +25,8 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from deltafin.testing import compose_config  # noqa: E402
 
-from deltafin.engine.generator import prefill  # noqa: E402
-from deltafin.engine.loader import load_model  # noqa: E402
+from deltafin.engine.local.generator import prefill  # noqa: E402
+from deltafin.engine.weights.loader import load_model  # noqa: E402
 
 TEXT = "The lighthouse keeper walked along the shore, counting the waves and the gulls. " * 2000
 

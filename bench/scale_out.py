@@ -24,7 +24,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deltafin.engine.loader import convert_gguf, default_cache_dir, resolve_model_path  # noqa: E402
+from deltafin.engine.weights.loader import convert_gguf, default_cache_dir, resolve_model_path  # noqa: E402
 from deltafin.testing import LiveServer, compose_config  # noqa: E402
 from deltafin.testing.vllm_server import VllmRouter, VllmServer, served, stream_chat  # noqa: E402
 

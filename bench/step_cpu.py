@@ -24,9 +24,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from deltafin.testing import compose_config  # noqa: E402
 
-from deltafin.engine.batch import BatchKV  # noqa: E402
-from deltafin.engine.generator import decode_step_for, prefill  # noqa: E402
-from deltafin.engine.loader import load_model  # noqa: E402
+from deltafin.engine.kv.batch import BatchKV  # noqa: E402
+from deltafin.engine.local.generator import prefill  # noqa: E402
+from deltafin.engine.local.steps import decode_step_for
+from deltafin.engine.weights.loader import load_model  # noqa: E402
 
 PROMPT = "Write a detailed story about a lighthouse keeper and the sea."
 

@@ -40,7 +40,7 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 from deltafin.testing import LiveServer, compose_config  # noqa: E402
 from deltafin.testing.llama_server import llama_server_binary, start_llama_server  # noqa: E402
 
-from deltafin.engine.loader import load_model, resolve_model_path  # noqa: E402
+from deltafin.engine.weights.loader import load_model, resolve_model_path  # noqa: E402
 
 TOPICS = ["the sea", "a lighthouse", "mountains", "a city at night", "autumn", "a library", "the desert", "rain"]
 #: ~1.1k tokens of SmolLM2's tokenizer

@@ -154,7 +154,7 @@ def _check_engine(config: DeltafinConfig) -> None:
 
 def _check_model_path(config: DeltafinConfig) -> None:
     """`model.path` must exist (a `pkg:` path: its package must be installed); loading comes later."""
-    from deltafin.engine.paths import ModelLoadError, resolve_model_path
+    from deltafin.engine.weights.paths import ModelLoadError, resolve_model_path
 
     try:
         resolve_model_path(config.model.path)
@@ -165,7 +165,7 @@ def _check_model_path(config: DeltafinConfig) -> None:
 def _check_expert_pool(config: DeltafinConfig) -> None:
     """The pool replaces accelerate's placement of the experts (the two do not combine), and it must hold one
     step's experts for a full batch: checked against the model's config.json before any weight loads."""
-    from deltafin.engine.loader import ModelLoadError, check_expert_pool
+    from deltafin.engine.weights.loader import ModelLoadError, check_expert_pool
 
     placement = config.placement
     if placement.experts.pool_mb and placement.device_map:

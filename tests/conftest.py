@@ -38,7 +38,7 @@ def config() -> DeltafinConfig:
 @pytest.fixture(scope="session")
 def loaded_model(config: DeltafinConfig):
     """The real embedded model, loaded once for the session (weights shared by every engine below)."""
-    from deltafin.engine.loader import load_model
+    from deltafin.engine.weights.loader import load_model
 
     return load_model(config.model, config.placement)
 
@@ -47,7 +47,7 @@ def loaded_model(config: DeltafinConfig):
 def float_model():
     """The default GGUF dequantized to float32 (`model.gguf_weights=dequantize`, the path before native GGUF
     weights): the torch decode steps and `placement.quantize` run on float weights."""
-    from deltafin.engine.loader import load_model
+    from deltafin.engine.weights.loader import load_model
 
     config = compose_config(["model.gguf_weights=dequantize"])
     return load_model(config.model, config.placement)
@@ -55,7 +55,7 @@ def float_model():
 
 def make_engine(loaded_model, *, max_waiting: int = 4, timeout_s: float = 5.0, memo_entries: int = 32):
     from deltafin.engine import EngineFront
-    from deltafin.engine.local import LocalEngine
+    from deltafin.engine.local.engine import LocalEngine
 
     return EngineFront(LocalEngine(loaded_model), max_waiting=max_waiting, timeout_s=timeout_s, memo_entries=memo_entries)
 

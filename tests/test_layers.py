@@ -33,6 +33,18 @@ FLOORS: list[set[str]] = [
      "deltafin.token_codec", "deltafin"},
 ]
 
+#: The engine's rooms (docs/architecture.md), top first, the same way: a room may import its own floor and the
+#: floors below it. `deltafin.engine` itself (interface, events, stream, front, admission, memo) is the contract.
+ENGINE_FLOORS: list[set[str]] = [
+    {"deltafin.engine.local", "deltafin.engine.upstream"},  # the engines
+    {"deltafin.engine.weights"},  # loading: builds models from the rooms below
+    {"deltafin.engine.experts", "deltafin.engine.llama"},  # the expert pool; Llama decode steps
+    {"deltafin.engine.kv", "deltafin.engine.quant"},  # caches; weight formats
+    {"deltafin.engine.kernels"},  # C kernels
+    {"deltafin.engine.text"},  # tokens to text
+    {"deltafin.engine"},  # the contract
+]
+
 #: Known violations, each fixed on another branch (issue 17); an entry that no longer occurs fails the test,
 #: so this list only shrinks.
 ALLOWED_CIRCLES: set[frozenset[str]] = set()
@@ -144,8 +156,20 @@ def test_no_circle_between_packages():
     assert circles(units) == []
 
 
+def engine_floor_of(module: str) -> int:
+    unit = max((u for floor in ENGINE_FLOORS for u in floor if module == u or module.startswith(u + ".")), key=len)
+    return next(i for i, floor in enumerate(ENGINE_FLOORS) if unit in floor)
+
+
+def test_no_import_runs_up_an_engine_room():
+    inside = {m: {t for t in targets if t.startswith("deltafin.engine")} for m, targets in GRAPH.items()
+              if m.startswith("deltafin.engine")}
+    upward = {(m, t) for m, targets in inside.items() for t in targets if engine_floor_of(t) < engine_floor_of(m)}
+    assert upward == set(), "imports from a lower engine room to a higher one"
+
+
 def test_the_checker_sees_lazy_imports_and_resolves_modules():
     """A function-level import counts, and `from deltafin.x import y` names module y when there is one."""
-    assert "deltafin.engine.loader" in GRAPH["deltafin.cli"]  # imported inside a function
+    assert "deltafin.engine.weights.loader" in GRAPH["deltafin.cli"]  # imported inside a function
     assert "deltafin.config.schema" in GRAPH["deltafin.config.compose"]
     assert "deltafin.families" in GRAPH["deltafin.rules.pipeline"]  # names the package itself

@@ -81,29 +81,6 @@ def build_engine(config: DeltafinConfig) -> EngineClient:
     return get_method(config.engine._target_)(config)
 
 
-def build_local_engine(config: DeltafinConfig) -> EngineClient:
-    """The built-in torch engine over model.path's weights."""
-    from deltafin.engine.loader import load_model
-    from deltafin.engine.local import LocalEngine
-
-    import torch
-
-    # Only the engine's owner thread runs torch with several threads (LocalEngine._loop says why); loading here
-    # with one keeps this thread from growing an OpenMP team of its own.
-    threads = config.placement.num_threads or torch.get_num_threads()
-    torch.set_num_threads(1)
-    loaded = load_model(config.model, config.placement, max_batch=config.engine.max_batch)
-    if loaded.experts is not None and config.placement.num_threads is None:
-        threads = loaded.experts.compute_threads(threads)  # a core for the expert reads' copies
-    return LocalEngine(
-        loaded,
-        threads=threads,
-        max_batch=config.engine.max_batch,
-        prefill_chunk=config.engine.prefill_chunk_tokens,
-        prefix_cache_min_tokens=config.server.prefix_cache.min_tokens if config.server.prefix_cache.enabled else None,
-    )
-
-
 def _start_fork_server() -> None:
     from deltafin.grammar.workers import fork_server
 
@@ -135,9 +112,6 @@ def engine_name(config: DeltafinConfig) -> str:
     from hydra.utils import get_method
 
     return getattr(get_method(config.engine._target_), "engine_name", config.engine._target_)
-
-
-build_local_engine.engine_name = "local"  # type: ignore[attr-defined]
 
 
 def front_for(config: DeltafinConfig, engine: EngineClient) -> EngineFront:

@@ -366,7 +366,7 @@ class EngineConfig:
     read by those engines only."""
 
     # who generates: a callable `(config) -> EngineClient` (the local torch engine, or an upstream's builder)
-    _target_: str = "deltafin.app.services.build_local_engine"
+    _target_: str = "deltafin.engine.local.build.build_local_engine"
     max_batch: int = ranged(8, 1, 1024)  # local: rows (choices of requests) decoded together in one step; more wait in the queue
     # local: prompt positions prefilled between two decode steps (chunked prefill): a running stream waits about one
     # chunk plus one step for its next token while a long prompt prefills; smaller chunks make that wait shorter and

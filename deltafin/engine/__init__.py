@@ -1,7 +1,7 @@
 """Engines behind one interface, and the front (admission, memo) that serving talks to.
 
 Serving imports from here only: `EngineFront`, `GenerationStream`, the event types and the interface.
-Concrete engines (`deltafin.engine.local`, the upstream adapters) are built by `deltafin.app.services`.
+Concrete engines (`deltafin.engine.local.engine`, the upstream adapters) are built by `deltafin.app.services`.
 """
 
 from deltafin.engine.events import Finished, GenerationJob, PromptLogprobs, TextDelta, TokenLogprob

@@ -1,6 +1,6 @@
 """The one engine interface serving depends on (after vLLM's `EngineClient`).
 
-An engine turns generation jobs into engine events. The built-in torch engine (`deltafin.engine.local`) is one
+An engine turns generation jobs into engine events. The built-in torch engine (`deltafin.engine.local.engine`) is one
 implementation; the upstream adapters (vLLM, SGLang, llama-server) are others. Admission (the FIFO queue, 429)
 and the deterministic memo are not the engine's job: `EngineFront` stands in front of every engine.
 

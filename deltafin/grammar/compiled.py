@@ -20,7 +20,7 @@ from deltafin.protocol.sampling import Constraint
 def logits_width(model: Any) -> int:
     """The width of the model's logits, which the bitmask must cover (often past the tokenizer's own size)."""
     head = model.get_output_embeddings()
-    # out_features first: a head of GGUF blocks (deltafin.engine.qlinear.GGMLLinear) has no float weight
+    # out_features first: a head of GGUF blocks (deltafin.engine.quant.linear.GGMLLinear) has no float weight
     return int(getattr(head, "out_features", None) or head.weight.shape[0])
 
 
@@ -31,7 +31,7 @@ def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int
 
 @dataclass(frozen=True, eq=False)
 class ReadyGrammar:
-    """A grammar compiled for the engine's tokenizer (deltafin.engine.constraint.ReadyGrammar)."""
+    """A grammar compiled for the engine's tokenizer (deltafin.engine.local.row_constraint.ReadyGrammar)."""
 
     compiled: xgr.CompiledGrammar
     vocab_size: int

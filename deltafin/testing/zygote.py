@@ -35,7 +35,7 @@ PRELOAD = (
     "deltafin.logging",
     "deltafin.app",
     "deltafin.app.server",
-    "deltafin.engine.loader",
+    "deltafin.engine.weights.loader",
     "deltafin.grammar.worker",
     "transformers.models.llama.modeling_llama",
     "transformers.models.qwen3.modeling_qwen3",

@@ -41,12 +41,12 @@ class TestChoices:
         assert set(ChatFormatName) == set(CHAT_FORMATS)
 
     def test_quantize_modes_are_the_engine_modes(self):
-        from deltafin.engine.quantize import MODES
+        from deltafin.engine.quant.quantize import MODES
 
         assert set(Quantize) == set(MODES)
 
     def test_dtypes_are_the_loader_dtypes(self):
-        from deltafin.engine.loader import _DTYPES
+        from deltafin.engine.weights.loader import _DTYPES
 
         assert set(Dtype) == set(_DTYPES) and set(ModelDtype) == {"auto", *_DTYPES}
 

@@ -10,7 +10,7 @@ import structlog
 import torch
 
 from deltafin.engine import Finished, GenerationJob, PromptLogprobs, TextDelta
-from deltafin.engine.local import LocalEngine
+from deltafin.engine.local.engine import LocalEngine
 from deltafin.errors import InvalidRequestError
 from deltafin.protocol.sampling import Constraint, SamplingParams
 from tests.conftest import make_engine

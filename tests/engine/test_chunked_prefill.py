@@ -8,7 +8,7 @@ import asyncio
 import pytest
 
 from deltafin.engine import EngineFront, Finished, GenerationJob, TextDelta
-from deltafin.engine.local import LocalEngine
+from deltafin.engine.local.engine import LocalEngine
 from deltafin.protocol.sampling import SamplingParams
 from tests.engine.test_batching import chat_ids, collect
 

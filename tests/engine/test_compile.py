@@ -11,11 +11,12 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from deltafin.engine.batch import BatchKV
-from deltafin.engine.fused_llama import fused_llama_step
-from deltafin.engine.fused_static import StaticFusedStep
-from deltafin.engine.generator import compiled_decode_step, decode_step, decode_step_for, prefill
-from deltafin.engine.quantize import quantize_model
+from deltafin.engine.kv.batch import BatchKV
+from deltafin.engine.llama.fused import fused_llama_step
+from deltafin.engine.llama.fused_static import StaticFusedStep
+from deltafin.engine.local.generator import compiled_decode_step, decode_step, prefill
+from deltafin.engine.local.steps import decode_step_for
+from deltafin.engine.quant.quantize import quantize_model
 
 
 def tiny_llama() -> LlamaForCausalLM:

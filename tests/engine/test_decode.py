@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from deltafin.engine.decode import ChoiceDecoder
-from deltafin.engine.tokenizer_only import load_tokenizer_only
+from deltafin.engine.text.choice_decoder import ChoiceDecoder
+from deltafin.engine.weights.tokenizer_only import load_tokenizer_only
 from deltafin.protocol.sampling import SamplingParams
 
 

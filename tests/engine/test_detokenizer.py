@@ -1,4 +1,4 @@
-from deltafin.engine.detokenizer import IncrementalDetokenizer
+from deltafin.engine.text.detokenizer import IncrementalDetokenizer
 
 
 class TestIncrementalDetokenizer:

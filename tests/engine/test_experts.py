@@ -23,8 +23,8 @@ from deltafin.engine.experts.model import ModelShape, experts_modules, meta_mode
 from deltafin.engine.experts.policy import make_policy
 from deltafin.engine.experts.reader import ExpertReader
 from deltafin.engine.experts.sizing import MIB, plan_pool
-from deltafin.engine.local import LocalEngine
-from deltafin.engine.loader import ModelLoadError, load_model
+from deltafin.engine.local.engine import LocalEngine
+from deltafin.engine.weights.loader import ModelLoadError, load_model
 from deltafin.protocol.sampling import SamplingParams
 from deltafin.tiny.moe import ARCHITECTURES, MoeShape, write_moe
 from tests.conftest import compose_config

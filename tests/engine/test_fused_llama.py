@@ -10,10 +10,11 @@ import pytest
 import torch
 from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM, Qwen3Config, Qwen3ForCausalLM
 
-from deltafin.engine.batch import BatchKV
-from deltafin.engine.fused_llama import FusedLlamaStep, fused_llama_step
-from deltafin.engine.generator import decode_step, decode_step_for, prefill
-from deltafin.engine.quantize import quantize_model
+from deltafin.engine.kv.batch import BatchKV
+from deltafin.engine.llama.fused import FusedLlamaStep, fused_llama_step
+from deltafin.engine.local.generator import decode_step, prefill
+from deltafin.engine.local.steps import decode_step_for
+from deltafin.engine.quant.quantize import quantize_model
 from tests.engine.test_compile import decode_run  # two rows, one leaving, one joining; caches handed out
 
 

@@ -11,11 +11,11 @@ import pytest
 import torch
 
 from deltafin.testing.kquant_files import requantize_k
-from deltafin.engine import gguf_native
-from deltafin.engine.loader import load_model, resolve_model_path
-from deltafin.engine.native_step import NativeLlamaStep
-from deltafin.engine.generator import decode_step_for
-from deltafin.engine.qlinear import GGMLLinear
+from deltafin.engine.weights import gguf_native
+from deltafin.engine.weights.loader import load_model, resolve_model_path
+from deltafin.engine.llama.native import NativeLlamaStep
+from deltafin.engine.local.steps import decode_step_for
+from deltafin.engine.quant.linear import GGMLLinear
 from deltafin.testing import compose_config
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]

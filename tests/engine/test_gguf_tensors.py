@@ -1,4 +1,4 @@
-"""deltafin.engine.gguf_tensors against the `gguf` package's own reader: the same tensors, types, shapes and bytes,
+"""deltafin.engine.weights.gguf_tensors against the `gguf` package's own reader: the same tensors, types, shapes and bytes,
 on the default model's file and on a K-quant file the repo writes (other types, another alignment of values)."""
 
 from __future__ import annotations
@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 from gguf import GGUFReader
 
-from deltafin.engine.gguf_tensors import read_tensors
-from deltafin.engine.loader import resolve_model_path
+from deltafin.engine.weights.gguf_tensors import read_tensors
+from deltafin.engine.weights.loader import resolve_model_path
 from deltafin.testing import compose_config
 
 

@@ -11,9 +11,9 @@ import torch
 from transformers import DynamicCache
 from transformers.masking_utils import create_recurrent_attention_mask
 
-from deltafin.engine.batch import BatchKV
-from deltafin.engine.cache_layers import exact_length_only, has_states, unsupported_layers
-from deltafin.engine.generator import decode_step, prefill
+from deltafin.engine.kv.batch import BatchKV
+from deltafin.engine.kv.cache_layers import exact_length_only, has_states, unsupported_layers
+from deltafin.engine.local.generator import decode_step, prefill
 from deltafin.tiny.architectures import falcon_h1, kimi_linear, qwen3_next
 
 VOCAB = 300

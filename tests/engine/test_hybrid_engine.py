@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from deltafin.engine import EngineFront, Finished, GenerationJob, TextDelta
-from deltafin.engine.loader import load_model
-from deltafin.engine.local import LocalEngine
+from deltafin.engine.weights.loader import load_model
+from deltafin.engine.local.engine import LocalEngine
 from deltafin.protocol.sampling import SamplingParams
 from deltafin.tiny import write_tiny_model
 from deltafin.tiny.architectures import qwen3_next

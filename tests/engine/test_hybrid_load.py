@@ -11,7 +11,7 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from deltafin.engine.loader import ModelLoadError, load_model
+from deltafin.engine.weights.loader import ModelLoadError, load_model
 from deltafin.tiny import write_tiny_model
 from deltafin.tiny.multimodal import write_k3_checkpoint
 from tests.conftest import tiny_config

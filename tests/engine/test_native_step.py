@@ -8,10 +8,11 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from deltafin.engine.batch import BatchKV
-from deltafin.engine.generator import decode_step_for, prefill
-from deltafin.engine.native_step import NativeLlamaStep
-from deltafin.engine.qlinear import GGMLEmbedding, GGMLLinear
+from deltafin.engine.kv.batch import BatchKV
+from deltafin.engine.local.generator import prefill
+from deltafin.engine.local.steps import decode_step_for
+from deltafin.engine.llama.native import NativeLlamaStep
+from deltafin.engine.quant.linear import GGMLEmbedding, GGMLLinear
 from tests.engine.test_compile import decode_run
 
 
@@ -154,7 +155,7 @@ def test_a_repeated_long_prompt_runs_one_position_through_the_native_forward(loa
     import asyncio
 
     from deltafin.engine import EngineFront, GenerationJob
-    from deltafin.engine.local import LocalEngine
+    from deltafin.engine.local.engine import LocalEngine
     from deltafin.protocol.sampling import SamplingParams
     from tests.engine.test_batching import chat_ids, collect
 
@@ -193,9 +194,9 @@ FORWARD_PROBE = (
     "import hashlib, torch\n"
     "from transformers import DynamicCache\n"
     "from deltafin.engine import kernels\n"
-    "from deltafin.engine.generator import prefill\n"
+    "from deltafin.engine.local.generator import prefill\n"
     "from tests.conftest import compose_config\n"
-    "from deltafin.engine.loader import load_model\n"
+    "from deltafin.engine.weights.loader import load_model\n"
     "c = compose_config([]); m = load_model(c.model, c.placement).model\n"
     "cache = DynamicCache(config=m.config)\n"
     "with torch.inference_mode():\n"

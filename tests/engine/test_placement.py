@@ -3,8 +3,8 @@
 import asyncio
 
 from deltafin.engine import EngineFront, GenerationJob, TextDelta
-from deltafin.engine.local import LocalEngine
-from deltafin.engine.loader import load_model
+from deltafin.engine.local.engine import LocalEngine
+from deltafin.engine.weights.loader import load_model
 from deltafin.protocol.sampling import SamplingParams
 from tests.conftest import tiny_config
 

@@ -1,4 +1,4 @@
-from deltafin.engine.prefix_cache import PrefixCache
+from deltafin.engine.kv.prefix_cache import PrefixCache
 
 
 class FakeCache:

@@ -7,7 +7,7 @@ import copy
 import pytest
 import torch
 
-from deltafin.engine.quantize import Int4Linear, Int8Linear, quantize_model, supported
+from deltafin.engine.quant.quantize import Int4Linear, Int8Linear, quantize_model, supported
 
 PROMPTS = [
     "The capital of France is",

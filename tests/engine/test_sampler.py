@@ -1,6 +1,6 @@
 import torch
 
-from deltafin.engine.sampler import Sampler
+from deltafin.engine.local.sampler import Sampler
 from deltafin.protocol.sampling import SamplingParams
 from tests.engine.fakes import AllowList
 

@@ -1,4 +1,4 @@
-from deltafin.engine.stops import StopMatcher
+from deltafin.engine.text.stops import StopMatcher
 
 
 class TestStopMatcher:

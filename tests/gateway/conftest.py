@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from deltafin.engine.tokenizer_only import TokenizerBundle, load_tokenizer_only
+from deltafin.engine.weights.tokenizer_only import TokenizerBundle, load_tokenizer_only
 
 
 @pytest.fixture(scope="session")

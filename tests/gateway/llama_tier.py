@@ -63,7 +63,7 @@ class GatewayModel:
 
 
 def _default_gguf(root: Path) -> tuple[None, Path]:
-    from deltafin.engine.loader import resolve_model_path
+    from deltafin.engine.weights.loader import resolve_model_path
     from deltafin.testing import compose_config
 
     return None, resolve_model_path(compose_config().model.path)

@@ -22,7 +22,7 @@ import httpx
 import openai
 import pytest
 
-from deltafin.engine.loader import convert_gguf, default_cache_dir, resolve_model_path
+from deltafin.engine.weights.loader import convert_gguf, default_cache_dir, resolve_model_path
 from tests.conftest import LiveServer, compose_config
 from deltafin.testing.vllm_server import VllmRouter, VllmServer, installed, running, served, stream_chat, vllm_python
 from tests.gateway.vllm_tier import vllm_upstreams

@@ -8,8 +8,8 @@ from typing import Sequence
 import torch
 from transformers import DynamicCache
 
-from deltafin.engine.generator import cache_argument
-from deltafin.engine.constraint import RowConstraint
+from deltafin.engine.local.generator import cache_argument
+from deltafin.engine.local.row_constraint import RowConstraint
 from deltafin.grammar.compiled import ReadyGrammar, compile_now, tokenizer_info
 from deltafin.protocol.sampling import Constraint
 

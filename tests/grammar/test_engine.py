@@ -6,7 +6,7 @@ import asyncio
 import json
 
 from deltafin.engine import EngineFront, Finished, GenerationJob, TextDelta
-from deltafin.engine.local import LocalEngine
+from deltafin.engine.local.engine import LocalEngine
 from deltafin.grammar.compiled import logits_width
 from deltafin.grammar.constraints import json_schema
 from deltafin.protocol.sampling import SamplingParams

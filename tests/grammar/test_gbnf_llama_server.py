@@ -15,7 +15,7 @@ import time
 import httpx
 import pytest
 
-from deltafin.engine.tokenizer_only import load_tokenizer_only
+from deltafin.engine.weights.tokenizer_only import load_tokenizer_only
 from deltafin.engine.upstream.llama_server import added_tokens
 from deltafin.grammar.gbnf import structural_tag_to_gbnf
 from deltafin.markup import formats as f

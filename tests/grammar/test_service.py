@@ -9,7 +9,7 @@ import time
 
 import pytest
 
-from deltafin.engine.tokenizer_only import load_tokenizer_only
+from deltafin.engine.weights.tokenizer_only import load_tokenizer_only
 from deltafin.errors import EngineBusyError
 from deltafin.grammar import limits
 from deltafin.grammar.compiled import ReadyGrammar, tokenizer_info

@@ -9,7 +9,7 @@ import json
 import pytest
 import xgrammar as xgr
 
-from deltafin.engine.loader import load_model
+from deltafin.engine.weights.loader import load_model
 from deltafin.grammar.compiled import logits_width
 from deltafin.grammar.constraints import grammar_of, structural_tag
 from deltafin.markup.glm import GLM45, GLM47

@@ -7,7 +7,7 @@ import time
 import pytest
 from transformers import AutoTokenizer
 
-from deltafin.engine.detokenizer import IncrementalDetokenizer
+from deltafin.engine.text.detokenizer import IncrementalDetokenizer
 from deltafin.token_codec import TokenCodec, decoder_for
 
 TEXTS = [

@@ -5,7 +5,7 @@ stay in the checkpoint and are read, only the chosen experts' bytes, into a fixe
 (`pool.py`), evicted by policy (`policy.py`), prefetched by applying the next layer's router early. The model
 classes are transformers' own: the pool is an implementation in their experts interface (`forward.py`).
 
-    load_pooled_model(folder, placement, ...)   the model and its pool (one call from engine/loader.py)
+    load_pooled_model(folder, placement, ...)   the model and its pool (one call from engine/weights/loader.py)
     check_pool(model_cfg, placement, max_batch)  start-up check of pool_mb against the model (one line)
 """
 

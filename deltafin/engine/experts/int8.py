@@ -1,7 +1,7 @@
 """The int8 weight-only format of `placement.quantize=int8`, for pooled experts: one adapter over qlinear.
 
 The pool quantizes an expert as it enters a slot and runs it with the same module the dense layers use
-(`deltafin.engine.qlinear.Int8Linear`: the C matvec kernel for a few rows, `_weight_int8pack_mm` for more),
+(`deltafin.engine.quant.linear.Int8Linear`: the C matvec kernel for a few rows, `_weight_int8pack_mm` for more),
 so the int8 format and kernels live in one place and this file is the only one that names them.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from deltafin.engine.qlinear import Int8Linear
+from deltafin.engine.quant.linear import Int8Linear
 
 
 def quantize_into(weight: torch.Tensor, q_out: torch.Tensor, scales_out: torch.Tensor) -> None:

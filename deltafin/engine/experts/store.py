@@ -78,7 +78,7 @@ class Int8Copy:
 
 
 def int8_copy_path(folder: Path, index: ExpertIndex, stride: int, cache_dir: Path) -> Path:
-    from deltafin.engine.quantize import FORMAT, source_key
+    from deltafin.engine.quant.quantize import FORMAT, source_key
 
     key = source_key(folder, "int8-experts", INT8_COPY_FORMAT, FORMAT, len(index.layers), index.experts,
                      index.gate_up_shape, index.down_shape, stride)

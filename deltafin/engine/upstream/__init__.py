@@ -11,7 +11,7 @@ from deltafin.config import DeltafinConfig
 from deltafin.engine.upstream.engine import Adapter, UpstreamEngine, UpstreamSettings
 
 if TYPE_CHECKING:  # the loader (and its torch import) waits until an engine is built
-    from deltafin.engine.tokenizer_only import TokenizerBundle
+    from deltafin.engine.weights.tokenizer_only import TokenizerBundle
 
 
 def settings_of(config: DeltafinConfig) -> UpstreamSettings:
@@ -25,7 +25,7 @@ def settings_of(config: DeltafinConfig) -> UpstreamSettings:
 
 def _builder(name: str, make_adapter: Callable[[DeltafinConfig, TokenizerBundle], Adapter]) -> Callable[..., UpstreamEngine]:
     def build(config: DeltafinConfig, **kwargs: Any) -> UpstreamEngine:
-        from deltafin.engine.tokenizer_only import load_tokenizer_only
+        from deltafin.engine.weights.tokenizer_only import load_tokenizer_only
 
         bundle = load_tokenizer_only(config.model)
         return UpstreamEngine(make_adapter(config, bundle), bundle, **kwargs)

@@ -21,11 +21,11 @@ from typing import Any, Callable, Iterator, Protocol, Sequence
 import msgspec
 import structlog
 
-from deltafin.engine.decode import ChoiceDecoder
+from deltafin.engine.text.choice_decoder import ChoiceDecoder
 from deltafin.engine.events import GenerationJob, TextDelta
 from deltafin.engine.interface import EngineCapabilities, EngineClient, Readiness
 from deltafin.engine.stream import GenerationStream
-from deltafin.engine.tokenizer_only import TokenizerBundle
+from deltafin.engine.weights.tokenizer_only import TokenizerBundle
 from deltafin.engine.upstream.health import UpstreamHealth
 from deltafin.engine.upstream.http1 import (
     ConnectFailed,

@@ -16,7 +16,7 @@ int4: groups of INT4_GROUP input channels with a scale and a zero each, packed f
 GGML: a GGUF file's own blocks (Q4_0, Q4_1, Q5_0, Q5_1, Q8_0; Q4_K, Q5_K, Q6_K in super-blocks of 256 values,
 so widths in multiples of 256), never dequantized: `GGMLLinear` and
 `GGMLEmbedding` run Deltafin's C kernels (`deltafin/engine/kernels/ggml_quants.c`) at any row count, so
-prefill and the decode step read the same bytes llama.cpp reads. Loaded by `deltafin.engine.gguf_native`.
+prefill and the decode step read the same bytes llama.cpp reads. Loaded by `deltafin.engine.weights.gguf_native`.
 """
 
 from __future__ import annotations

@@ -1,11 +1,11 @@
 """Loads a Llama-architecture GGUF file with its weights kept in the file's own quantization (the default for
 GGUF models, `model.gguf_weights: native`).
 
-The quantized blocks are copied from the memory-mapped file (deltafin/engine/gguf_tensors.py) into 64-byte-aligned
-torch buffers, one weight row per line, and served by `GGMLLinear` / `GGMLEmbedding` (deltafin/engine/qlinear.py):
+The quantized blocks are copied from the memory-mapped file (deltafin/engine/weights/gguf_tensors.py) into 64-byte-aligned
+torch buffers, one weight row per line, and served by `GGMLLinear` / `GGMLEmbedding` (deltafin/engine/quant/linear.py):
 no float copy of a weight matrix is ever made. The model skeleton is transformers' own class built on the meta
 device, so prefill, the KV cache and everything else that runs the module tree work unchanged; the decode step
-runs all layers in C (deltafin/engine/native_step.py).
+runs all layers in C (deltafin/engine/llama/native.py).
 
 Config, tokenizer and generation config come from transformers' GGUF readers and are kept in a small cached
 folder without weights (`gguf-native-v{SKELETON_FORMAT}/<file key>` in the cache folder): the first boot takes
@@ -30,7 +30,7 @@ import structlog
 import torch
 from torch import nn
 
-from deltafin.engine.gguf_tensors import GGUFTensors, read_tensors
+from deltafin.engine.weights.gguf_tensors import GGUFTensors, read_tensors
 
 log = structlog.get_logger("deltafin.engine")
 
@@ -130,8 +130,8 @@ def load_native(gguf: Path, folder: Path) -> Any:
     """transformers' model class for `folder`'s config, with every weight taken from `gguf` in its own form."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from deltafin.engine.native_step import install_native_forward, native_llama_step
-    from deltafin.engine.qlinear import GGMLEmbedding, GGMLLinear
+    from deltafin.engine.llama.native import install_native_forward, native_llama_step
+    from deltafin.engine.quant.linear import GGMLEmbedding, GGMLLinear
 
     config = AutoConfig.from_pretrained(folder)
     with torch.device("meta"):

@@ -24,7 +24,7 @@ from typing import Any, Callable
 import torch
 import torch.nn.functional as F
 
-from deltafin.engine.fused_llama import FusedLlamaStep
+from deltafin.engine.llama.fused import FusedLlamaStep
 
 #: cache capacity is padded to a multiple of this many positions
 CAPACITY_BUCKET = 256

@@ -25,8 +25,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from deltafin.engine.native_step import NativeLlamaStep, native_llama_step
-from deltafin.engine.qlinear import Int8Linear
+from deltafin.engine.quant.linear import Int8Linear
 
 ARCHITECTURES = ("llama",)
 #: positions of spare room a layer's KV buffer gets when it is (re)allocated
@@ -112,7 +111,7 @@ class FusedLlamaStep:
         """tokens [B, 1], attention_mask [B, S] (0 = hidden), positions [B, 1] -> logits [B, V].
         `write(layer, keys, values)` stores the new position's keys and values [B, Hk, 1, D] in the layer's
         cache and returns the keys and values to attend over ([B, Hk, S, D]): the eager step appends
-        (`_append`), the static one writes into a preallocated buffer (`deltafin.engine.fused_static`)."""
+        (`_append`), the static one writes into a preallocated buffer (`deltafin.engine.llama.fused_static`)."""
         rows = tokens.shape[0]
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
         x = self.embed(tokens)  # [B, 1, H]
@@ -147,7 +146,7 @@ class FusedLlamaStep:
         Safe because writes only ever go to the column right after the current width: views handed out
         earlier (a row's cache given to the prefix cache) end at or before it, and `BatchKV` replaces the
         tensors (cat, index_select) whenever rows join or leave, which drops the buffer.
-        Eager only: under placement.compile the static step (`deltafin.engine.fused_static`) owns the buffers."""
+        Eager only: under placement.compile the static step (`deltafin.engine.llama.fused_static`) owns the buffers."""
         room = self._room.get(kv)
         length = kv.keys.shape[2]
         if (room is None or room[0].data_ptr() != kv.keys.data_ptr() or room[0].shape[:2] != kv.keys.shape[:2]
@@ -164,13 +163,9 @@ class FusedLlamaStep:
         return kv.keys, kv.values
 
 
-def fused_llama_step(model: Any) -> FusedLlamaStep | NativeLlamaStep | None:
+def fused_llama_step(model: Any) -> FusedLlamaStep | None:
     """The fused step for `model`, or None where it does not apply (another architecture, or options this
-    step does not implement: sliding windows, tensor-parallel slices, another activation). A model loaded
-    with its GGUF blocks gets the whole step in C (`deltafin.engine.native_step`)."""
-    native = native_llama_step(model)
-    if native is not None:
-        return native
+    step does not implement: sliding windows, tensor-parallel slices, another activation)."""
     config = model.config
     if getattr(config, "model_type", None) not in ARCHITECTURES:
         return None

@@ -30,8 +30,8 @@ from transformers import DynamicCache
 from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from deltafin.engine.kernels import ggml
-from deltafin.engine.prefix_cache import SOLE_OWNER
-from deltafin.engine.qlinear import GGMLEmbedding, GGMLLinear
+from deltafin.engine.kv.prefix_cache import SOLE_OWNER
+from deltafin.engine.quant.linear import GGMLEmbedding, GGMLLinear
 
 #: positions of spare room a layer's KV buffer gets when it is (re)allocated
 ROOM = 256

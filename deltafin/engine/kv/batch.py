@@ -4,7 +4,7 @@ Rows join with their own prefilled cache (a one-row cache of the model's layer k
 Attention layers are left-padded to one width: keys are stored already rotated for their own positions, so
 padding only moves where they sit, and each row is fed its own position ids; padding columns no row needs
 any more are trimmed when a row leaves. Linear-attention layers (recurrent and convolution state per row) are
-joined along the batch dimension and never padded. `deltafin.engine.cache_layers` holds what each kind does;
+joined along the batch dimension and never padded. `deltafin.engine.kv.cache_layers` holds what each kind does;
 kinds it does not know are refused when the model loads.
 """
 
@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 from transformers import DynamicCache
 
-from deltafin.engine import cache_layers
+from deltafin.engine.kv import cache_layers
 
 
 class BatchKV:

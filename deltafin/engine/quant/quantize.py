@@ -1,7 +1,7 @@
 """Weight-only quantization of a model's linear layers at load (`placement.quantize`: none | int8 | int4).
 
 int8: one scale per output channel; int4: groups of `INT4_GROUP` input channels with a scale and a zero each.
-The modules and their kernels are in `deltafin.engine.qlinear`. The quantized tensors are cached as safetensors in the cache
+The modules and their kernels are in `deltafin.engine.quant.linear`. The quantized tensors are cached as safetensors in the cache
 folder (keyed on the source folder's weights and the mode), so later boots skip the quantization.
 """
 
@@ -14,7 +14,7 @@ import structlog
 import torch
 from torch import nn
 
-from deltafin.engine.qlinear import COMPUTE, INT4_GROUP, INT4_INNER_K_TILES, Int4Linear, Int8Linear
+from deltafin.engine.quant.linear import COMPUTE, INT4_GROUP, INT4_INNER_K_TILES, Int4Linear, Int8Linear
 
 log = structlog.get_logger("deltafin.engine")
 

@@ -12,9 +12,9 @@ from typing import Any
 
 import torch
 
-from deltafin.engine.decode import ChoiceDecoder
+from deltafin.engine.text.choice_decoder import ChoiceDecoder
 from deltafin.engine.events import FinishReason, GenerationJob, TextDelta
-from deltafin.engine.sampler import Sampler
+from deltafin.engine.local.sampler import Sampler
 from deltafin.engine.stream import GenerationStream
 
 

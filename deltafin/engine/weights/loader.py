@@ -1,7 +1,7 @@
 """Finds and loads the weights: HF folders (safetensors) and GGUF files, placed as the config says.
 
 GGUF files of the Llama architecture whose matrices are Q4_0 / Q4_1 / Q5_0 / Q5_1 / Q8_0 are served in their
-own blocks on the CPU (`model.gguf_weights: native`, the default; `deltafin.engine.gguf_native`). Other GGUF
+own blocks on the CPU (`model.gguf_weights: native`, the default; `deltafin.engine.weights.gguf_native`). Other GGUF
 files, `model.gguf_weights: dequantize`, `placement.quantize` other than none and non-CPU placements are
 dequantized by transformers, which takes tens of seconds; the result is cached as a standard Hugging Face folder
 keyed on the file's identity, so later boots load in seconds and other engines (vLLM, SGLang) load the same folder
@@ -22,10 +22,11 @@ import structlog
 import torch
 
 from deltafin.config import ModelConfig, PlacementConfig
-from deltafin.engine import architecture, quantize
-from deltafin.engine.cache_layers import unsupported_layers
+from deltafin.engine.weights import architecture
+from deltafin.engine.quant import quantize
+from deltafin.engine.kv.cache_layers import unsupported_layers
 # (the light module's: the command line checks a path without importing torch; tests and bench import them here too)
-from deltafin.engine.paths import ModelLoadError, cache_dir_of, default_cache_dir, resolve_model_path  # noqa: F401
+from deltafin.engine.weights.paths import ModelLoadError, cache_dir_of, default_cache_dir, resolve_model_path  # noqa: F401
 
 log = structlog.get_logger("deltafin.engine")
 
@@ -227,10 +228,10 @@ def _gguf_native_refusal(model_cfg: ModelConfig, placement: PlacementConfig) -> 
 
 def _load_gguf_native(gguf: Path, cache_dir: Path, model_cfg: ModelConfig, placement: PlacementConfig,
                       started: float) -> LoadedModel | None:
-    """The model with the GGUF's own blocks (`deltafin.engine.gguf_native`), or None to dequantize instead."""
+    """The model with the GGUF's own blocks (`deltafin.engine.weights.gguf_native`), or None to dequantize instead."""
     from transformers import AutoTokenizer
 
-    from deltafin.engine import gguf_native
+    from deltafin.engine.weights import gguf_native
 
     reason = _gguf_native_refusal(model_cfg, placement) or gguf_native.unsupported(gguf)
     if reason is not None:

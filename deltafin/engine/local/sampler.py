@@ -11,7 +11,7 @@ from typing import Sequence
 
 import torch
 
-from deltafin.engine.constraint import RowConstraint
+from deltafin.engine.local.row_constraint import RowConstraint
 from deltafin.engine.events import TokenLogprob
 from deltafin.protocol.sampling import SamplingParams
 

@@ -14,8 +14,8 @@ from typing import Any
 import structlog
 
 from deltafin.config import ModelConfig
-from deltafin.engine.loader import _gguf_cache_key
-from deltafin.engine.paths import ModelLoadError, default_cache_dir, resolve_model_path
+from deltafin.engine.weights.loader import _gguf_cache_key
+from deltafin.engine.weights.paths import ModelLoadError, default_cache_dir, resolve_model_path
 
 log = structlog.get_logger("deltafin.engine")
 

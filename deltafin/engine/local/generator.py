@@ -15,7 +15,7 @@ from typing import Any, Sequence
 import torch
 
 from deltafin.engine.events import TokenLogprob
-from deltafin.engine.sampler import logprob_entries
+from deltafin.engine.local.sampler import logprob_entries
 
 #: prompt positions run per forward pass during prefill; bounds the [chunk, V] logits prompt logprobs need,
 #: and (engine.prefill_chunk_tokens) how long a prefill holds up the running rows' next decode step
@@ -120,20 +120,3 @@ def compiled_decode_step(backend: str = "inductor", step: Any = decode_step) -> 
     """`step` under torch.compile. Shapes vary only in the batch size and the cache length, both marked
     dynamic on first sight, so the graph is captured once per batch bucket instead of once per step."""
     return torch.compile(step, backend=backend, dynamic=True)
-
-
-def decode_step_for(model: Any, *, compile: bool = False, backend: str = "inductor") -> Any:
-    """The fastest decode step that covers `model`: the fused one of its architecture where there is one
-    (`deltafin.engine.fused_llama`), else transformers' forward (`decode_step`).
-
-    With `compile`, the fused step runs with static shapes per (row bucket, capacity bucket)
-    (`deltafin.engine.fused_static`); transformers' forward keeps `torch.compile(dynamic=True)`."""
-    from deltafin.engine.fused_llama import FusedLlamaStep, fused_llama_step
-    from deltafin.engine.fused_static import StaticFusedStep
-
-    fused = fused_llama_step(model)
-    if fused is None:
-        return compiled_decode_step(backend, decode_step) if compile else decode_step
-    if not isinstance(fused, FusedLlamaStep):  # GGUF blocks: the whole step is one C call, nothing to compile
-        return fused
-    return StaticFusedStep(fused, backend=backend) if compile else fused

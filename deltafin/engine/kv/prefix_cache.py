@@ -1,18 +1,18 @@
 """Reuse of earlier generations' caches when a new prompt extends one of them (multi-turn chat, agents).
 
 An attention-only cache is a list of positions: any shared prefix of it is reusable, cut back with `crop`.
-A cache holding recurrent state (linear-attention layers, `deltafin.engine.cache_layers`) is a summary of
+A cache holding recurrent state (linear-attention layers, `deltafin.engine.kv.cache_layers`) is a summary of
 exactly the tokens it saw: it is reused only when all of them start the new prompt, never cut back."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Sequence
 
-from deltafin.engine.cache_layers import exact_length_only
+from deltafin.engine.kv.cache_layers import exact_length_only
 
 #: attribute set (True) on every cache `take` hands out: nothing else references its storage past its (cropped)
 #: length, so a forward may append there in place instead of copying the whole cache to new buffers (the native
-#: step does: deltafin.engine.native_step). True of every entry the engine gives back: a prompt's cache after the
+#: step does: deltafin.engine.llama.native). True of every entry the engine gives back: a prompt's cache after the
 #: batch copied it, or a row's view into batch buffers the batch drops when the row leaves.
 SOLE_OWNER = "deltafin_sole_owner"
 

@@ -31,16 +31,17 @@ import structlog
 import torch
 from transformers import DynamicCache
 
-from deltafin.engine.batch import BatchKV
-from deltafin.engine.decode import ChoiceDecoder
+from deltafin.engine.kv.batch import BatchKV
+from deltafin.engine.text.choice_decoder import ChoiceDecoder
 from deltafin.engine.experts import PoolCounters, PoolStats, charge as charge_experts
 from deltafin.engine.events import GenerationJob, PromptLogprobs
-from deltafin.engine.generator import PREFILL_CHUNK, PromptPrefill, cache_argument, decode_step_for
+from deltafin.engine.local.generator import PREFILL_CHUNK, PromptPrefill, cache_argument
+from deltafin.engine.local.steps import decode_step_for
 from deltafin.engine.interface import EngineCapabilities, EngineClient
-from deltafin.engine.loader import LoadedModel
-from deltafin.engine.prefix_cache import PrefixCache
-from deltafin.engine.row import Row, Submission
-from deltafin.engine.sampler import Sampler
+from deltafin.engine.weights.loader import LoadedModel
+from deltafin.engine.kv.prefix_cache import PrefixCache
+from deltafin.engine.local.row import Row, Submission
+from deltafin.engine.local.sampler import Sampler
 from deltafin.engine.stream import GenerationStream
 from deltafin.errors import InvalidRequestError
 
