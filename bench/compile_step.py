@@ -22,13 +22,12 @@ from transformers import DynamicCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from deltafin.testing import compose_config  # noqa: E402
-
 from deltafin.engine.kv.batch import BatchKV  # noqa: E402
 from deltafin.engine.llama.fused import fused_llama_step  # noqa: E402
 from deltafin.engine.llama.fused_static import StaticFusedStep  # noqa: E402
 from deltafin.engine.local.generator import prefill  # noqa: E402
 from deltafin.engine.weights.loader import load_model  # noqa: E402
+from deltafin.testing import compose_config  # noqa: E402
 
 PROMPT = "Write a detailed story about a lighthouse keeper and the sea. Once upon a time, on a rocky island far"
 
@@ -67,12 +66,16 @@ def main() -> None:
     before, eager_tokens = run(model, ids, fused, args.rows, args.steps)
     static_times, static_tokens = run(model, ids, static, args.rows, args.steps)
     after, _ = run(model, ids, fused, args.rows, args.steps)
-    print(f"prompt {len(ids)} tokens, rows {args.rows}, {args.steps} steps, {args.quantize}, {args.backend}, "
-          f"threads {torch.get_num_threads()}, buckets {sorted(static.graphs)}")
+    print(
+        f"prompt {len(ids)} tokens, rows {args.rows}, {args.steps} steps, {args.quantize}, {args.backend}, "
+        f"threads {torch.get_num_threads()}, buckets {sorted(static.graphs)}"
+    )
     print(f"compiled first step (compilation): {static_times[0]:.1f} s")
-    print(f"median step: eager fused {statistics.median(before) * 1000:.2f} ms before, "
-          f"{statistics.median(after) * 1000:.2f} ms after; static compiled "
-          f"{statistics.median(static_times[1:]) * 1000:.2f} ms")
+    print(
+        f"median step: eager fused {statistics.median(before) * 1000:.2f} ms before, "
+        f"{statistics.median(after) * 1000:.2f} ms after; static compiled "
+        f"{statistics.median(static_times[1:]) * 1000:.2f} ms"
+    )
     print(f"same greedy tokens: {eager_tokens == static_tokens}")
 
 

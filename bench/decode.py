@@ -26,9 +26,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from deltafin.testing import LiveServer, compose_config  # noqa: E402
-
 from deltafin.engine.weights.loader import load_model  # noqa: E402
+from deltafin.testing import LiveServer, compose_config  # noqa: E402
 
 MESSAGES = [{"role": "user", "content": "Write a detailed story about a lighthouse keeper and the sea."}]
 
@@ -92,7 +91,9 @@ def main() -> None:
             df_rates.append((args.tokens - 1) / (arrivals[-1] - arrivals[0]))
         # The server's own view of the same requests: TTFT from request arrival vs the engine's prefill.
         # The log file also holds stderr (a progress bar without a newline can prefix a line): JSON lines only.
-        logged = [json.loads(line) for line in server.log_lines() if line.startswith("{") and '"event": "request"' in line]
+        logged = [
+            json.loads(line) for line in server.log_lines() if line.startswith("{") and '"event": "request"' in line
+        ]
         overheads = [
             entry["ttft_ms"] - entry["prefill_ms"]
             for entry in logged
@@ -118,15 +119,21 @@ def main() -> None:
 
     hf, df = statistics.median(hf_rates), statistics.median(df_rates)
     prefill, ttft = statistics.median(prefills), statistics.median(ttfts)
-    print(f"prompt tokens: {ids.shape[1]}, new tokens: {args.tokens}, reps: {args.reps}, torch threads: {torch.get_num_threads()}")
+    print(
+        f"prompt tokens: {ids.shape[1]}, new tokens: {args.tokens}, reps: {args.reps}, torch threads: {torch.get_num_threads()}"
+    )
     print(f"transformers generate decode: {hf:.1f} tok/s")
     print(f"deltafin streaming decode:    {df:.1f} tok/s")
     print(f"decode ratio deltafin/generate: {df / hf:.3f}x")
     print(f"server TTFT minus the engine's prefill, same requests (server log): {statistics.median(overheads):.1f} ms")
-    print(f"client-side TTFT over HTTP: {ttft * 1000:.1f} ms; prefill of the same prompt in this process: "
-          f"{prefill * 1000:.1f} ms")
-    print(f"memo: cold request {cold * 1000:.1f} ms, hit {statistics.median(hits) * 1000:.1f} ms "
-          f"({cold / statistics.median(hits):.0f}x faster)")
+    print(
+        f"client-side TTFT over HTTP: {ttft * 1000:.1f} ms; prefill of the same prompt in this process: "
+        f"{prefill * 1000:.1f} ms"
+    )
+    print(
+        f"memo: cold request {cold * 1000:.1f} ms, hit {statistics.median(hits) * 1000:.1f} ms "
+        f"({cold / statistics.median(hits):.0f}x faster)"
+    )
 
 
 if __name__ == "__main__":

@@ -41,8 +41,13 @@ async def answer(scope: Any, receive: Any, send: Any) -> None:
 
 def litestar_side() -> Any:
     generation = asgi(path=list(GENERATION_ROUTES), copy_scope=False, name="generation")(answer)
-    return Litestar(route_handlers=[*ROUTES, generation], dependencies={"services": Provide(lambda: None, sync_to_thread=False)},
-                    exception_handlers={Exception: handle_exception}, debug=False, logging_config=None)
+    return Litestar(
+        route_handlers=[*ROUTES, generation],
+        dependencies={"services": Provide(lambda: None, sync_to_thread=False)},
+        exception_handlers={Exception: handle_exception},
+        debug=False,
+        logging_config=None,
+    )
 
 
 class Plain:
@@ -71,10 +76,21 @@ async def per_request(app: Any, requests: int) -> float:
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(BODY)).encode())]
     started = time.perf_counter()
     for _ in range(requests):
-        scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1", "method": "POST", "scheme": "http",
-                 "path": "/v1/chat/completions", "raw_path": b"/v1/chat/completions", "query_string": b"",
-                 "root_path": "", "headers": headers, "client": ("127.0.0.1", 1), "server": ("127.0.0.1", 8000),
-                 "state": {}}
+        scope = {
+            "type": "http",
+            "asgi": {"version": "3.0"},
+            "http_version": "1.1",
+            "method": "POST",
+            "scheme": "http",
+            "path": "/v1/chat/completions",
+            "raw_path": b"/v1/chat/completions",
+            "query_string": b"",
+            "root_path": "",
+            "headers": headers,
+            "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 8000),
+            "state": {},
+        }
         await app(scope, receive, send)
     return (time.perf_counter() - started) / requests
 
@@ -82,14 +98,16 @@ async def per_request(app: Any, requests: int) -> float:
 async def main(requests: int, rounds: int) -> None:
     sides = {"plain": Plain(litestar_side()), "litestar": litestar_side()}
     times: dict[str, list[float]] = {name: [] for name in sides}
-    for name, app in sides.items():
+    for app in sides.values():
         await per_request(app, requests // 10)  # warm
     for round_ in range(rounds):
-        for name in (["plain", "litestar"] if round_ % 2 == 0 else ["litestar", "plain"]):
+        for name in ["plain", "litestar"] if round_ % 2 == 0 else ["litestar", "plain"]:
             times[name].append(await per_request(sides[name], requests))
     plain, litestar = (statistics.median(times[name]) * 1e6 for name in ("plain", "litestar"))
-    print(f"plain dispatch: {plain:.1f} us per request, Litestar @asgi: {litestar:.1f} us per request "
-          f"(median of {rounds} rounds of {requests}); Litestar adds {litestar - plain:+.1f} us")
+    print(
+        f"plain dispatch: {plain:.1f} us per request, Litestar @asgi: {litestar:.1f} us per request "
+        f"(median of {rounds} rounds of {requests}); Litestar adds {litestar - plain:+.1f} us"
+    )
 
 
 if __name__ == "__main__":

@@ -155,13 +155,14 @@ def child(spec: dict) -> dict:
     import torch
 
     from deltafin.engine import EngineFront, Finished, GenerationJob, TextDelta
-    from deltafin.engine.weights.loader import load_model
     from deltafin.engine.local.engine import LocalEngine
+    from deltafin.engine.weights.loader import load_model
     from deltafin.protocol.sampling import SamplingParams
     from deltafin.testing import compose_config
 
-    config = compose_config(["model=qwen3", f"model.path={MODEL}", "model.name=moe", f"model.cache_dir={CACHE}",
-                             *spec["overrides"]])
+    config = compose_config(
+        ["model=qwen3", f"model.path={MODEL}", "model.name=moe", f"model.cache_dir={CACHE}", *spec["overrides"]]
+    )
     threads = config.placement.num_threads or torch.get_num_threads()
     torch.set_num_threads(1)  # as engine.local.build.build_local_engine: only the engine thread runs torch's team
     started = time.perf_counter()
@@ -191,11 +192,14 @@ def child(spec: dict) -> dict:
                 timings = event.timings
         result = {"tokens": count, "decode_s": end - first, "cpu_s": end_cpu - first_cpu, "disk": end_disk - first_disk}
         if pool:
-            result.update(hits=end_stats.hits - first_stats.hits, misses=end_stats.misses - first_stats.misses,
-                          decode_bytes=timings.get("expert_decode_bytes", 0.0),
-                          prefetch_reads=end_stats.prefetch_reads - first_stats.prefetch_reads,
-                          prefetch_hits=end_stats.prefetch_hits - first_stats.prefetch_hits,
-                          wait_s=end_stats.wait_seconds - first_stats.wait_seconds)
+            result.update(
+                hits=end_stats.hits - first_stats.hits,
+                misses=end_stats.misses - first_stats.misses,
+                decode_bytes=timings.get("expert_decode_bytes", 0.0),
+                prefetch_reads=end_stats.prefetch_reads - first_stats.prefetch_reads,
+                prefetch_hits=end_stats.prefetch_hits - first_stats.prefetch_hits,
+                wait_s=end_stats.wait_seconds - first_stats.wait_seconds,
+            )
         return result
 
     async def scenario() -> list[dict]:
@@ -207,21 +211,29 @@ def child(spec: dict) -> dict:
     asyncio.run(front.aclose())
     steps = sum(r["tokens"] - 1 for r in runs)
     decode_s = sum(r["decode_s"] for r in runs)
-    out = {"name": spec["name"], "load_s": load_s, "tokens_per_s": steps / decode_s, "status": _status(),
-           # CPU time of the whole process (engine and reader threads) per token: less bent by a busy machine
-           "cpu_s_per_token": sum(r["cpu_s"] for r in runs) / steps,
-           # bytes this process had the block layer read (page-cache misses), per token: what came off the disk
-           "disk_bytes_per_token": sum(r["disk"] for r in runs) / steps}
+    out = {
+        "name": spec["name"],
+        "load_s": load_s,
+        "tokens_per_s": steps / decode_s,
+        "status": _status(),
+        # CPU time of the whole process (engine and reader threads) per token: less bent by a busy machine
+        "cpu_s_per_token": sum(r["cpu_s"] for r in runs) / steps,
+        # bytes this process had the block layer read (page-cache misses), per token: what came off the disk
+        "disk_bytes_per_token": sum(r["disk"] for r in runs) / steps,
+    }
     if pool:
         lookups = sum(r["hits"] + r["misses"] for r in runs)
         stats = pool.stats()
         out.update(
             hit_rate=sum(r["hits"] for r in runs) / lookups,
             bytes_per_token=sum(r["decode_bytes"] for r in runs) / steps,
-            prefetch_reads=sum(r["prefetch_reads"] for r in runs), prefetch_hits=sum(r["prefetch_hits"] for r in runs),
+            prefetch_reads=sum(r["prefetch_reads"] for r in runs),
+            prefetch_hits=sum(r["prefetch_hits"] for r in runs),
             wait_s_per_token=sum(r["wait_s"] for r in runs) / steps,
-            slots=stats.slots, pool_bytes=stats.slots * stats.slot_bytes,
-            experts=len(pool.index.layers) * pool.index.experts, experts_bytes=pool.index.total_bytes,
+            slots=stats.slots,
+            pool_bytes=stats.slots * stats.slot_bytes,
+            experts=len(pool.index.layers) * pool.index.experts,
+            experts_bytes=pool.index.total_bytes,
         )
     return out
 
@@ -266,8 +278,11 @@ class MemoryCap:
 
     def report(self) -> dict:
         oom = dict(line.split() for line in (self.path / "memory.oom_control").read_text().splitlines())
-        return {"cap_bytes": self.limit, "max_usage": int((self.path / "memory.max_usage_in_bytes").read_text()),
-                "oom_kills": int(oom.get("oom_kill", 0))}
+        return {
+            "cap_bytes": self.limit,
+            "max_usage": int((self.path / "memory.max_usage_in_bytes").read_text()),
+            "oom_kills": int(oom.get("oom_kill", 0)),
+        }
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -286,9 +301,14 @@ def run_child(spec: dict, cap: MemoryCap | None = None) -> dict:
     drop_page_cache(model_files())
     cmd = [sys.executable, __file__, "--child", json.dumps(spec)]
     print(f"-- {spec['name']}: {' '.join(spec['overrides'])}", flush=True)
-    done = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=cap.join if cap else None,
-                          env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
-    lines = [line for line in done.stdout.splitlines() if line.startswith("{\"name\"")]
+    done = subprocess.run(
+        cmd,
+        capture_output=True,
+        text=True,
+        preexec_fn=cap.join if cap else None,
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith('{"name"')]
     if done.returncode != 0 or not lines:
         result = {"name": spec["name"], "failed": done.returncode, "error": done.stderr.strip().splitlines()[-1:]}
     else:
@@ -310,17 +330,32 @@ def pool_spec(fraction: float, *, prefetch: bool, tokens: int, reps: int, int8: 
     slot = FloatSlots.slot_bytes((2 * s.intermediate, s.hidden), (s.hidden, s.intermediate), torch.float32)
     pool_mb = int(fraction * s.layers * s.experts * slot / MIB)
     name = f"{prefix}pool 1/{round(1 / fraction)}{' int8' if int8 else ''} {'prefetch' if prefetch else 'no prefetch'}"
-    return {"name": name, "tokens": tokens, "reps": reps,
-            "overrides": [f"placement.experts.pool_mb={pool_mb}", f"placement.experts.prefetch={str(prefetch).lower()}",
-                          *(["placement.quantize=int8"] if int8 else [])]}
+    return {
+        "name": name,
+        "tokens": tokens,
+        "reps": reps,
+        "overrides": [
+            f"placement.experts.pool_mb={pool_mb}",
+            f"placement.experts.prefetch={str(prefetch).lower()}",
+            *(["placement.quantize=int8"] if int8 else []),
+        ],
+    }
 
 
 def offload_spec(tokens: int) -> dict:
     """accelerate's disk offload with the memory of the 1/8 pool (plus 128 MiB for the dense part)."""
     pool_mb = int(pool_spec(1 / 8, prefetch=True, tokens=0, reps=0)["overrides"][0].split("=")[1])
-    return {"name": "accelerate offload", "tokens": tokens, "reps": 1, "warmup": 2, "overrides": [
-        "placement.device_map=auto", f"placement.max_memory={{cpu:{pool_mb + 128}MiB}}",
-        f"placement.offload_folder={OFFLOAD}"]}
+    return {
+        "name": "accelerate offload",
+        "tokens": tokens,
+        "reps": 1,
+        "warmup": 2,
+        "overrides": [
+            "placement.device_map=auto",
+            f"placement.max_memory={{cpu:{pool_mb + 128}MiB}}",
+            f"placement.offload_folder={OFFLOAD}",
+        ],
+    }
 
 
 def ensure_model() -> None:
@@ -342,9 +377,13 @@ def ensure_gguf() -> None:
     llama = converter_sources()
     print(f"converting to {GGUF} with llama.cpp's converter ...", flush=True)
     partial = GGUF.with_suffix(".part")
-    subprocess.run([sys.executable, "-m", "deltafin.tiny.gguf", "--convert-with", str(llama), str(MODEL), str(partial)],
-                   check=True, cwd=Path(__file__).resolve().parents[1], env={**os.environ, "HF_HUB_OFFLINE": "1"},
-                   stdout=subprocess.DEVNULL)
+    subprocess.run(
+        [sys.executable, "-m", "deltafin.tiny.gguf", "--convert-with", str(llama), str(MODEL), str(partial)],
+        check=True,
+        cwd=Path(__file__).resolve().parents[1],
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        stdout=subprocess.DEVNULL,
+    )
     partial.rename(GGUF)
 
 
@@ -361,9 +400,26 @@ def llama(tokens: int, reps: int, cap: MemoryCap | None, name: str) -> dict:
     port = free_port()
     threads = os.cpu_count() or 2
     process = subprocess.Popen(
-        [str(binary), "-m", str(GGUF), "--host", "127.0.0.1", "--port", str(port), "-c", "1024", "-np", "1",
-         "-t", str(threads), "--no-webui"],
-        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, preexec_fn=cap.join if cap else None)
+        [
+            str(binary),
+            "-m",
+            str(GGUF),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-c",
+            "1024",
+            "-np",
+            "1",
+            "-t",
+            str(threads),
+            "--no-webui",
+        ],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        preexec_fn=cap.join if cap else None,
+    )
     url = f"http://127.0.0.1:{port}"
     try:
         deadline = time.monotonic() + 600
@@ -376,17 +432,29 @@ def llama(tokens: int, reps: int, cap: MemoryCap | None, name: str) -> dict:
             time.sleep(0.5)
 
         def complete(prompt: str, n: int) -> dict:
-            body = {"prompt": prompt, "n_predict": n, "temperature": 1.0, "seed": len(prompt), "ignore_eos": True,
-                    "cache_prompt": False}
+            body = {
+                "prompt": prompt,
+                "n_predict": n,
+                "temperature": 1.0,
+                "seed": len(prompt),
+                "ignore_eos": True,
+                "cache_prompt": False,
+            }
             return httpx.post(url + "/completion", json=body, timeout=3600).json()["timings"]
 
         complete(f"{reps}. {PROMPT}", 4)
         with bench_lock():
             timings = [complete(f"{i}. {PROMPT}", tokens) for i in range(reps)]
-        result = {"name": name, "tokens_per_s": sum(t["predicted_n"] for t in timings) / sum(t["predicted_ms"] / 1000 for t in timings)}
+        result = {
+            "name": name,
+            "tokens_per_s": sum(t["predicted_n"] for t in timings) / sum(t["predicted_ms"] / 1000 for t in timings),
+        }
         status = Path(f"/proc/{process.pid}/status").read_text()
-        result["status"] = {k: int(v.split()[0]) * 1024 for k, _, v in (l.partition(":") for l in status.splitlines())
-                            if k in ("RssAnon", "RssFile", "VmHWM")}
+        result["status"] = {
+            k: int(v.split()[0]) * 1024
+            for k, _, v in (line.partition(":") for line in status.splitlines())
+            if k in ("RssAnon", "RssFile", "VmHWM")
+        }
     finally:
         process.terminate()
         process.wait(timeout=30)
@@ -401,10 +469,13 @@ def main() -> None:
     parser.add_argument("--child", help=argparse.SUPPRESS)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--reps", type=int, default=2)
-    parser.add_argument("--offload-tokens", type=int, default=4, help="accelerate's offload reads every weight per token")
+    parser.add_argument(
+        "--offload-tokens", type=int, default=4, help="accelerate's offload reads every weight per token"
+    )
     parser.add_argument("--cap-gib", type=float, default=2.0, help="memory cap of the capped runs (model: 4.9 GB)")
-    parser.add_argument("--only", nargs="+",
-                        default=["bandwidth", "pool", "int8", "resident", "accelerate", "llama", "capped"])
+    parser.add_argument(
+        "--only", nargs="+", default=["bandwidth", "pool", "int8", "resident", "accelerate", "llama", "capped"]
+    )
     parser.add_argument("--out", type=Path, default=WORK / "results.json")
     parser.add_argument("--cleanup", action="store_true")
     parser.add_argument("--report", action="store_true", help="print the table of the results file and stop")
@@ -449,9 +520,18 @@ def main() -> None:
     if "capped" in args.only:
         cap = MemoryCap(int(args.cap_gib * (1 << 30)))
         try:
-            for fraction, prefetch, int8 in ((1 / 8, True, False), (1 / 8, False, False), (1 / 4, True, False),
-                                             (1 / 8, True, True), (1 / 8, False, True)):
-                keep(run_child(pool_spec(fraction, prefetch=prefetch, tokens=t, reps=r, int8=int8, prefix="capped "), cap))
+            for fraction, prefetch, int8 in (
+                (1 / 8, True, False),
+                (1 / 8, False, False),
+                (1 / 4, True, False),
+                (1 / 8, True, True),
+                (1 / 8, False, True),
+            ):
+                keep(
+                    run_child(
+                        pool_spec(fraction, prefetch=prefetch, tokens=t, reps=r, int8=int8, prefix="capped "), cap
+                    )
+                )
             keep(llama(t, r, cap, "capped llama-server"))
             keep(run_child({**offload_spec(args.offload_tokens), "name": "capped accelerate offload"}, cap))
             keep(run_child({"name": "capped resident", "overrides": [], "tokens": t, "reps": r}, cap))
@@ -463,15 +543,19 @@ def main() -> None:
 def report(results: dict) -> None:
     """Tokens/s of every variant beside its I/O bound, and the ratios the targets name."""
     band = results.get("bandwidth", {})
-    print("\n| variant | tok/s | CPU s/token | hit rate | read/token | from disk/token | waited/token | I/O bound tok/s "
-          "| of bound | RssAnon |")
+    print(
+        "\n| variant | tok/s | CPU s/token | hit rate | read/token | from disk/token | waited/token | I/O bound tok/s "
+        "| of bound | RssAnon |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for name, result in results.items():
         if name == "bandwidth":
             continue
         if "tokens_per_s" not in result:
-            print(f"| {name} | failed: {result.get('failed')} {' '.join(result.get('error', []))} "
-                  f"{json.dumps(result.get('cap', ''))} ||||||||")
+            print(
+                f"| {name} | failed: {result.get('failed')} {' '.join(result.get('error', []))} "
+                f"{json.dumps(result.get('cap', ''))} ||||||||"
+            )
             continue
         cpu = result.get("cpu_s_per_token")
         cells = [name, f"{result['tokens_per_s']:.3f}", f"{cpu:.2f}" if cpu else ""]
@@ -480,22 +564,41 @@ def report(results: dict) -> None:
         if "bytes_per_token" in result:
             per_token = result["bytes_per_token"]
             # the int8 pool reads its copy with O_DIRECT: always the disk, whatever the page cache holds
-            key = "direct_bytes_per_s" if " int8 " in name else "cold_bytes_per_s" if name.startswith("capped") else "warm_bytes_per_s"
+            key = (
+                "direct_bytes_per_s"
+                if " int8 " in name
+                else "cold_bytes_per_s"
+                if name.startswith("capped")
+                else "warm_bytes_per_s"
+            )
             bound = band.get(key, 0) / per_token if per_token else float("inf")
-            cells += [f"{result['hit_rate']:.1%}", f"{per_token / MIB:.0f} MiB", disk_cell, f"{result['wait_s_per_token']:.3f} s",
-                      f"{bound:.2f} ({key.split('_')[0]})", f"{result['tokens_per_s'] / bound:.0%}" if bound else ""]
+            cells += [
+                f"{result['hit_rate']:.1%}",
+                f"{per_token / MIB:.0f} MiB",
+                disk_cell,
+                f"{result['wait_s_per_token']:.3f} s",
+                f"{bound:.2f} ({key.split('_')[0]})",
+                f"{result['tokens_per_s'] / bound:.0%}" if bound else "",
+            ]
         else:
             cells += ["", "", disk_cell, "", "", ""]
         anon = result.get("status", {}).get("RssAnon")
         cells.append(f"{anon / MIB:.0f} MiB" if anon else "")
         print("| " + " | ".join(cells) + " |")
     if band:
-        print(f"\nsequential read of the checkpoint: cold {band['cold_bytes_per_s'] / MIB:.0f} MiB/s, "
-              f"warm {band['warm_bytes_per_s'] / MIB:.0f} MiB/s; of the int8 copy with O_DIRECT: "
-              f"{band.get('direct_bytes_per_s', 0) / MIB:.0f} MiB/s")
+        print(
+            f"\nsequential read of the checkpoint: cold {band['cold_bytes_per_s'] / MIB:.0f} MiB/s, "
+            f"warm {band['warm_bytes_per_s'] / MIB:.0f} MiB/s; of the int8 copy with O_DIRECT: "
+            f"{band.get('direct_bytes_per_s', 0) / MIB:.0f} MiB/s"
+        )
     for prefix in ("", "capped "):
         offload = results.get(f"{prefix}accelerate offload", {}).get("tokens_per_s")
-        for variant in ("pool 1/8 prefetch", "pool 1/8 no prefetch", "pool 1/8 int8 prefetch", "pool 1/8 int8 no prefetch"):
+        for variant in (
+            "pool 1/8 prefetch",
+            "pool 1/8 no prefetch",
+            "pool 1/8 int8 prefetch",
+            "pool 1/8 int8 no prefetch",
+        ):
             pool = results.get(f"{prefix}{variant}", {}).get("tokens_per_s")
             if offload and pool:
                 print(f"{prefix}{variant} / {prefix}accelerate offload: {pool / offload:.1f}x (target >= 10x)")

@@ -54,8 +54,9 @@ PROMPT = [{"role": "user", "content": "Write a long story about a dragon who lea
 def start_upstream_llama_server(streams: int, threads: int) -> tuple[subprocess.Popen, str]:
     from deltafin.engine.weights.loader import resolve_model_path
 
-    return start_llama_server(resolve_model_path(compose_config().model.path), parallel=streams, context=1024 * streams,
-                              threads=threads)
+    return start_llama_server(
+        resolve_model_path(compose_config().model.path), parallel=streams, context=1024 * streams, threads=threads
+    )
 
 
 def pinned(cpus: set[int] | None):
@@ -102,7 +103,9 @@ async def one_stream(client: httpx.AsyncClient, url: str, tokens: int) -> tuple[
     return arrivals[0] - sent, gaps
 
 
-async def one_completion_stream(client: httpx.AsyncClient, url: str, tokens: int, prompt_ids: list[int]) -> tuple[float, list[float]]:
+async def one_completion_stream(
+    client: httpx.AsyncClient, url: str, tokens: int, prompt_ids: list[int]
+) -> tuple[float, list[float]]:
     """The direct side in front of llama-server (or the paced fake): its `/completion`, the request the gateway
     sends."""
     body = completion_body(prompt_ids, tokens)
@@ -147,8 +150,9 @@ class Clients:
             await client.aclose()
 
 
-async def burst(clients: Clients, url: str, streams: int, tokens: int,
-                prompt_ids: list[int] | None = None) -> list[tuple[float, list[float]]]:
+async def burst(
+    clients: Clients, url: str, streams: int, tokens: int, prompt_ids: list[int] | None = None
+) -> list[tuple[float, list[float]]]:
     """STREAMS concurrent streams: chat completions, or (with `prompt_ids`) llama-server completions; started
     STAGGER_S apart (TTFT counts from each one's own start)."""
     client = clients.get(url)
@@ -185,21 +189,26 @@ def in_process(tokens: int) -> None:
     from deltafin.app.factory import build_app
     from deltafin.app.services import Services
     from deltafin.engine import EngineFront
-    from deltafin.engine.weights.tokenizer_only import load_tokenizer_only
     from deltafin.engine.upstream.llama_server import LlamaServerAdapter
+    from deltafin.engine.weights.tokenizer_only import load_tokenizer_only
     from deltafin.testing.upstream_fakes import Fake, ScriptedBody, make_engine
 
     config = compose_config(["server.memo.entries=0"])
     bundle = load_tokenizer_only(config.model)
-    ids = bundle.tokenizer("The quick brown fox jumps over the lazy dog. " * (tokens // 8 + 1), add_special_tokens=False).input_ids[:tokens]
+    ids = bundle.tokenizer(
+        "The quick brown fox jumps over the lazy dog. " * (tokens // 8 + 1), add_special_tokens=False
+    ).input_ids[:tokens]
     events = [{"content": "x", "tokens": [i], "stop": False} for i in ids]
     events.append({"content": "", "tokens": [], "stop": True, "stop_type": "limit", "timings": {"cache_n": 0}})
     # A 0.1 ms pause between events makes each token its own upstream read, as with a real upstream.
     fake = Fake(lambda body, path: ScriptedBody(events, delay=1e-4, tail=b""))
     engine = make_engine(LlamaServerAdapter, bundle, fake)
-    app = build_app(config, Services.from_engine(config, EngineFront(engine, max_waiting=4, timeout_s=5, memo_entries=0)))
+    app = build_app(
+        config, Services.from_engine(config, EngineFront(engine, max_waiting=4, timeout_s=5, memo_entries=0))
+    )
     body = {"messages": PROMPT, "max_tokens": tokens, "stream": True, "temperature": 0}
     with TestClient(app) as client:
+
         def one() -> int:
             with client.stream("POST", "/v1/chat/completions", json=body) as response:
                 return sum(1 for line in response.iter_lines() if line.startswith("data: {"))
@@ -209,8 +218,10 @@ def in_process(tokens: int) -> None:
         chunks = sum(one() for _ in range(5))
         spent = time.process_time() - started
     # Per token, not per chunk: tokens that arrive in one upstream read leave in one chunk.
-    print(f"in-process gateway (fake upstream, client included): {spent * 1000 / (5 * len(ids)):.3f} ms CPU per "
-          f"streamed token ({5 * len(ids)} tokens in {chunks} chunks)")
+    print(
+        f"in-process gateway (fake upstream, client included): {spent * 1000 / (5 * len(ids)):.3f} ms CPU per "
+        f"streamed token ({5 * len(ids)} tokens in {chunks} chunks)"
+    )
 
 
 def serve_paced_fake(pace_s: float) -> None:
@@ -223,8 +234,16 @@ def serve_paced_fake(pace_s: float) -> None:
             return 200, {"status": "ok"}
         n = int(body["n_predict"])
         events = [{"content": "x", "tokens": [260 + i % 1000], "stop": False} for i in range(n)]
-        events.append({"content": "", "tokens": [], "stop": True, "stop_type": "limit", "tokens_evaluated": len(body["prompt"]),
-                       "timings": {"cache_n": 0}})
+        events.append(
+            {
+                "content": "",
+                "tokens": [],
+                "stop": True,
+                "stop_type": "limit",
+                "tokens_evaluated": len(body["prompt"]),
+                "timings": {"cache_n": 0},
+            }
+        )
         return ScriptedBody(events, delay=pace_s, tail=b"")
 
     async def run() -> None:
@@ -237,13 +256,22 @@ def serve_paced_fake(pace_s: float) -> None:
 
 
 def start_paced_fake(pace_s: float) -> tuple[subprocess.Popen, str]:
-    process = subprocess.Popen([sys.executable, __file__, "--serve-paced-fake", str(pace_s)], stdout=subprocess.PIPE,
-                               text=True, env={**os.environ, "PYTHONPATH": str(REPO)})
+    process = subprocess.Popen(
+        [sys.executable, __file__, "--serve-paced-fake", str(pace_s)],
+        stdout=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+    )
     return process, process.stdout.readline().strip()
 
 
-async def measure(args: argparse.Namespace, gateway: LiveServer, upstream_url: str,
-                  results: dict[str, list[tuple[float, list[float]]]], cpu: dict[str, float]) -> None:
+async def measure(
+    args: argparse.Namespace,
+    gateway: LiveServer,
+    upstream_url: str,
+    results: dict[str, list[tuple[float, list[float]]]],
+    cpu: dict[str, float],
+) -> None:
     """Every rep: STREAMS requests through the gateway and the same work straight to the upstream (alternating
     which goes first), then a burst with 4x the tokens for the CPU split. Adds to `results` and `cpu`."""
     clients = Clients()
@@ -278,21 +306,33 @@ async def measure(args: argparse.Namespace, gateway: LiveServer, upstream_url: s
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--upstream", choices=("llama-server", "deltafin", "fake", "paced-fake"), default="llama-server")
+    parser.add_argument(
+        "--upstream", choices=("llama-server", "deltafin", "fake", "paced-fake"), default="llama-server"
+    )
     parser.add_argument("--streams", type=int, default=16)
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--pace-ms", type=float, default=20.0, help="paced-fake: the gap between two tokens")
     parser.add_argument("--upstream-threads", type=int, default=2, help="llama-server: its -t")
-    parser.add_argument("--stagger-ms", type=float, default=0.0,
-                        help="start stream i i*STAGGER ms after the first (0: a burst of STREAMS at once, whose median "
-                             "TTFT also waits for the requests ahead of it in every server on the way)")
-    parser.add_argument("--pin", action="store_true",
-                        help="the upstream on CPU 0, the gateway and this client on the others: the gateway's CPU then "
-                             "delays its own streams (the latency it adds) instead of slowing the upstream's steps")
-    parser.add_argument("--new-connections", action="store_true",
-                        help="a new connection for every request (default: each side's client keeps its connections "
-                             "alive, as the OpenAI SDK does; llama-server closes each streamed one anyway)")
+    parser.add_argument(
+        "--stagger-ms",
+        type=float,
+        default=0.0,
+        help="start stream i i*STAGGER ms after the first (0: a burst of STREAMS at once, whose median "
+        "TTFT also waits for the requests ahead of it in every server on the way)",
+    )
+    parser.add_argument(
+        "--pin",
+        action="store_true",
+        help="the upstream on CPU 0, the gateway and this client on the others: the gateway's CPU then "
+        "delays its own streams (the latency it adds) instead of slowing the upstream's steps",
+    )
+    parser.add_argument(
+        "--new-connections",
+        action="store_true",
+        help="a new connection for every request (default: each side's client keeps its connections "
+        "alive, as the OpenAI SDK does; llama-server closes each streamed one anyway)",
+    )
     parser.add_argument("--serve-paced-fake", type=float, help=argparse.SUPPRESS)
     args = parser.parse_args()
     global STAGGER_S, NEW_CONNECTIONS
@@ -320,12 +360,21 @@ def main() -> None:
         engine = ["engine=llama_server", f"engine.max_inflight={args.streams}"]
     else:
         with pinned(upstream_cpus):
-            up = LiveServer(["server.memo.entries=0", f"server.queue.max_waiting={args.streams}", "server.queue.timeout_s=600"])
+            up = LiveServer(
+                ["server.memo.entries=0", f"server.queue.max_waiting={args.streams}", "server.queue.timeout_s=600"]
+            )
         up.wait_ready()
         stop_upstream, upstream_url = up.stop, up.base_url
         engine = ["engine=vllm", "engine.max_inflight=1"]
-    gateway = LiveServer([*engine, f"engine.url={upstream_url}", "server.memo.entries=0",
-                          f"server.queue.max_waiting={args.streams}", "server.queue.timeout_s=600"])
+    gateway = LiveServer(
+        [
+            *engine,
+            f"engine.url={upstream_url}",
+            "server.memo.entries=0",
+            f"server.queue.max_waiting={args.streams}",
+            "server.queue.timeout_s=600",
+        ]
+    )
     results: dict[str, list[tuple[float, list[float]]]] = {"direct": [], "gateway": []}
     cpu = {"short": 0.0, "long": 0.0}
     try:
@@ -342,26 +391,32 @@ def main() -> None:
         # The second half of each stream: by then every request of the burst is decoding, whatever order and
         # spacing they reached the upstream in (the gateway sends them a render apart, the direct client at
         # once, and an upstream that prefills late arrivals between decode steps slows the early streams).
-        steady = statistics.median(statistics.mean(r[1][len(r[1]) // 2:]) for r in results[side] if len(r[1]) > 1)
+        steady = statistics.median(statistics.mean(r[1][len(r[1]) // 2 :]) for r in results[side] if len(r[1]) > 1)
         return ttft * 1000, itl * 1000, steady * 1000
 
     requests = args.streams * args.reps
     tokens = requests * args.tokens
     g_ttft, g_itl, g_steady = summary("gateway")
-    print(f"upstream: {args.upstream}, streams: {args.streams}, tokens/request: {args.tokens}, reps: {args.reps}"
-          + (f", upstream pinned to CPU {min(upstream_cpus)}" if upstream_cpus else "")
-          + (f", streams started {args.stagger_ms:g} ms apart" if args.stagger_ms else "")
-          + (", a new connection per request" if args.new_connections else ""))
+    print(
+        f"upstream: {args.upstream}, streams: {args.streams}, tokens/request: {args.tokens}, reps: {args.reps}"
+        + (f", upstream pinned to CPU {min(upstream_cpus)}" if upstream_cpus else "")
+        + (f", streams started {args.stagger_ms:g} ms apart" if args.stagger_ms else "")
+        + (", a new connection per request" if args.new_connections else "")
+    )
     d_ttft, d_itl, d_steady = summary("direct")
     print(f"direct : TTFT median {d_ttft:8.1f} ms, inter-token median {d_itl:6.2f} ms (second half {d_steady:6.2f})")
     print(f"gateway: TTFT median {g_ttft:8.1f} ms, inter-token median {g_itl:6.2f} ms (second half {g_steady:6.2f})")
-    print(f"overhead: TTFT {g_ttft - d_ttft:+.1f} ms per request, inter-token {g_itl - d_itl:+.3f} ms per token "
-          f"(second half {g_steady - d_steady:+.3f})")
+    print(
+        f"overhead: TTFT {g_ttft - d_ttft:+.1f} ms per request, inter-token {g_itl - d_itl:+.3f} ms per token "
+        f"(second half {g_steady - d_steady:+.3f})"
+    )
     short_cpu = gateway_cpu / requests
     per_token = (long_cpu - short_cpu) / (3 * args.tokens)
     per_request = short_cpu - per_token * args.tokens
-    print(f"gateway CPU: {short_cpu * 1000:.2f} ms per {args.tokens}-token request, {long_cpu * 1000:.2f} ms per "
-          f"{4 * args.tokens}-token request ({requests} + {requests} requests, {tokens} + {4 * tokens} tokens)")
+    print(
+        f"gateway CPU: {short_cpu * 1000:.2f} ms per {args.tokens}-token request, {long_cpu * 1000:.2f} ms per "
+        f"{4 * args.tokens}-token request ({requests} + {requests} requests, {tokens} + {4 * tokens} tokens)"
+    )
     print(f"gateway CPU split: {per_request * 1000:.2f} ms per request + {per_token * 1000:.3f} ms per token")
 
 

@@ -36,11 +36,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from deltafin.engine.weights.loader import load_model, resolve_model_path  # noqa: E402
 from deltafin.testing import compose_config  # noqa: E402
 from deltafin.testing.kquant_files import requantize_k, rewrite_gguf  # noqa: E402
 from deltafin.testing.llama_server import llama_server_binary, start_llama_server  # noqa: E402
-
-from deltafin.engine.weights.loader import load_model, resolve_model_path  # noqa: E402
 
 PROMPTS = [
     "The capital of France is",
@@ -88,12 +87,20 @@ def native_figures(loaded, refs, tokens: int) -> dict[str, float]:
                 target = seq[pos + 1]
                 deltas.append(abs(float(logprobs[pos, target] - ref[pos, target])))
                 agree.append(int(logprobs[pos].argmax()) == int(ref[pos].argmax()))
-            own = loaded.model.generate(torch.tensor([seq[:start]]), max_new_tokens=tokens, min_new_tokens=tokens,
-                                        do_sample=False, pad_token_id=0)[0, start:].tolist()
+            own = loaded.model.generate(
+                torch.tensor([seq[:start]]),
+                max_new_tokens=tokens,
+                min_new_tokens=tokens,
+                do_sample=False,
+                pad_token_id=0,
+            )[0, start:].tolist()
             same = next((i for i, (a, b) in enumerate(zip(own, seq[start:])) if a != b), tokens)
             greedy.append(same)
-    return {"mean |dlogprob|": statistics.mean(deltas), "top-1 agreement": statistics.mean(agree),
-            "greedy tokens equal before the first difference (mean)": statistics.mean(greedy)}
+    return {
+        "mean |dlogprob|": statistics.mean(deltas),
+        "top-1 agreement": statistics.mean(agree),
+        "greedy tokens equal before the first difference (mean)": statistics.mean(greedy),
+    }
 
 
 def llama_figures(gguf: Path, refs, threads: int) -> dict[str, float]:
@@ -103,13 +110,22 @@ def llama_figures(gguf: Path, refs, threads: int) -> dict[str, float]:
         with httpx.Client(base_url=base, timeout=120) as client:
             for seq, start, ref in refs:
                 for pos in range(start - 1, len(seq) - 1):
-                    body = {"prompt": seq[: pos + 1], "n_predict": 1, "n_probs": 40, "temperature": 0,
-                            "cache_prompt": True, "samplers": ["top_k"], "top_k": 1}
+                    body = {
+                        "prompt": seq[: pos + 1],
+                        "n_predict": 1,
+                        "n_probs": 40,
+                        "temperature": 0,
+                        "cache_prompt": True,
+                        "samplers": ["top_k"],
+                        "top_k": 1,
+                    }
                     answer = client.post("/completion", json=body).json()
-                    top = answer["completion_probabilities"][0]["top_logprobs" if "top_logprobs" in
-                                                                  answer["completion_probabilities"][0] else "probs"]
-                    by_id = {entry["id"]: entry.get("logprob", math.log(max(entry.get("prob", 0.0), 1e-30)))
-                             for entry in top}
+                    top = answer["completion_probabilities"][0][
+                        "top_logprobs" if "top_logprobs" in answer["completion_probabilities"][0] else "probs"
+                    ]
+                    by_id = {
+                        entry["id"]: entry.get("logprob", math.log(max(entry.get("prob", 0.0), 1e-30))) for entry in top
+                    }
                     target = seq[pos + 1]
                     agree.append(top[0]["id"] == int(ref[pos].argmax()))
                     if target in by_id:
@@ -119,14 +135,21 @@ def llama_figures(gguf: Path, refs, threads: int) -> dict[str, float]:
     finally:
         process.terminate()
         process.wait(timeout=15)
-    return {"mean |dlogprob|": statistics.mean(deltas) if deltas else float("nan"),
-            "top-1 agreement": statistics.mean(agree), "target outside its top 40": missing}
+    return {
+        "mean |dlogprob|": statistics.mean(deltas) if deltas else float("nan"),
+        "top-1 agreement": statistics.mean(agree),
+        "target outside its top 40": missing,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--formats", nargs="+", default=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"],
-                        choices=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"])
+    parser.add_argument(
+        "--formats",
+        nargs="+",
+        default=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"],
+        choices=["Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K"],
+    )
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--out", type=Path, default=Path("/tmp/gguf-formats"))
     parser.add_argument("--no-llama", action="store_true", help="Deltafin's figures only")
@@ -151,8 +174,10 @@ def main() -> None:
             print(name, "llama.cpp", rows[f"{name} llama.cpp"], flush=True)
     print(f"{len(PROMPTS)} prompts x {args.tokens} float32 greedy tokens, teacher-forced")
     for key, figures in rows.items():
-        print(f"{key:28s} " + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}"
-                                        for k, v in figures.items()))
+        print(
+            f"{key:28s} "
+            + ", ".join(f"{k} {v:.4f}" if isinstance(v, float) else f"{k} {v}" for k, v in figures.items())
+        )
 
 
 if __name__ == "__main__":

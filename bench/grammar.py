@@ -27,11 +27,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from deltafin.testing import compose_config  # noqa: E402
-
 from deltafin.engine import EngineFront, GenerationJob, TextDelta  # noqa: E402
-from deltafin.engine.weights.loader import load_model  # noqa: E402
 from deltafin.engine.local.engine import LocalEngine  # noqa: E402
+from deltafin.engine.weights.loader import load_model  # noqa: E402
 from deltafin.grammar import constraints  # noqa: E402
 from deltafin.grammar.compiled import logits_width, tokenizer_info  # noqa: E402
 from deltafin.grammar.service import Grammars  # noqa: E402
@@ -40,10 +38,20 @@ from deltafin.markup.xtml import XTML  # noqa: E402
 from deltafin.prompt import build_chat_format  # noqa: E402
 from deltafin.protocol.chat import ChatMessage  # noqa: E402
 from deltafin.protocol.sampling import SamplingParams  # noqa: E402
+from deltafin.testing import compose_config  # noqa: E402
 
 QUESTION = "Write a detailed story about a lighthouse keeper and the sea, as JSON with one key, story."
-TOOL = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}, "required": ["city"]}}}
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {
+            "type": "object",
+            "properties": {"city": {"type": "string"}, "days": {"type": "integer"}},
+            "required": ["city"],
+        },
+    },
+}
 
 
 class TimedGrammar:
@@ -78,7 +86,11 @@ class TimedGrammar:
 
 def story_schema(tokens: int) -> dict:
     # Far more characters than `tokens` tokens can hold: the string never closes before the budget ends.
-    return {"type": "object", "properties": {"story": {"type": "string", "minLength": tokens * 16}}, "required": ["story"]}
+    return {
+        "type": "object",
+        "properties": {"story": {"type": "string", "minLength": tokens * 16}},
+        "required": ["story"],
+    }
 
 
 async def compile_times(grammars: Grammars) -> dict[str, float]:
@@ -95,7 +107,9 @@ async def compile_times(grammars: Grammars) -> dict[str, float]:
     return out
 
 
-async def decode_rate(front: EngineFront, prompt_ids: list[int], params: SamplingParams, grammar=None) -> tuple[int, float]:
+async def decode_rate(
+    front: EngineFront, prompt_ids: list[int], params: SamplingParams, grammar=None
+) -> tuple[int, float]:
     stream = await front.start([GenerationJob(tuple(prompt_ids), params, grammar)])
     arrivals: list[float] = []
     async for event in stream:
@@ -115,8 +129,12 @@ async def main(args: argparse.Namespace) -> dict:
     compiled.update(await compile_times(grammars))
     engine = LocalEngine(loaded, prefix_cache_min_tokens=None)
     front = EngineFront(engine, max_waiting=1, timeout_s=600, memo_entries=0)
-    fmt = build_chat_format(config.model.chat_format, loaded.tokenizer, content_format=config.model.content_format,
-                            default_kwargs=dict(config.model.chat_template_kwargs))
+    fmt = build_chat_format(
+        config.model.chat_format,
+        loaded.tokenizer,
+        content_format=config.model.content_format,
+        default_kwargs=dict(config.model.chat_template_kwargs),
+    )
     prompt_ids = fmt.render([ChatMessage(role="user", content=QUESTION)], None, {}).token_ids
     free = SamplingParams(max_tokens=args.tokens, temperature=0.0, ignore_eos=True)
     story = constraints.json_schema(story_schema(args.tokens))

@@ -36,8 +36,13 @@ def main() -> None:
     weights = [(torch.randint(-127, 128, (n, k), dtype=torch.int8), torch.rand(n) / 100) for n, k in SHAPES]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # quantized tensors are deprecated; fbgemm is here for comparison only
-        packed = [torch.ops.quantized.linear_prepack(torch._make_per_channel_quantized_tensor(
-            w, s.double(), torch.zeros(w.shape[0], dtype=torch.long), 0), None) for w, s in weights]
+        packed = [
+            torch.ops.quantized.linear_prepack(
+                torch._make_per_channel_quantized_tensor(w, s.double(), torch.zeros(w.shape[0], dtype=torch.long), 0),
+                None,
+            )
+            for w, s in weights
+        ]
     megabytes = sum(n * k for n, k in SHAPES) / 1e6
     print(f"{len(SHAPES)} matrices, {megabytes:.0f} MB of int8, torch threads {torch.get_num_threads()}")
     for rows in args.rows:
@@ -45,10 +50,12 @@ def main() -> None:
         xb = {k: v.bfloat16() for k, v in x.items()}
         kernels = {
             "deltafin C kernel": lambda: [kernel(x[w.shape[1]], w, s, None) for w, s in weights],
-            "torch _weight_int8pack_mm": lambda: [torch.ops.aten._weight_int8pack_mm(xb[w.shape[1]], w, s.bfloat16())
-                                                  for w, s in weights],
-            "fbgemm linear_dynamic": lambda: [torch.ops.quantized.linear_dynamic(x[w.shape[1]], p, True)
-                                              for (w, _), p in zip(weights, packed)],
+            "torch _weight_int8pack_mm": lambda: [
+                torch.ops.aten._weight_int8pack_mm(xb[w.shape[1]], w, s.bfloat16()) for w, s in weights
+            ],
+            "fbgemm linear_dynamic": lambda: [
+                torch.ops.quantized.linear_dynamic(x[w.shape[1]], p, True) for (w, _), p in zip(weights, packed)
+            ],
         }
         best = {name: min(timed(run) for _ in range(args.reps)) for name, run in kernels.items()}
         for name, ms in best.items():

@@ -37,8 +37,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-STORY = ("The lighthouse keeper climbed the stairs every evening, counting the steps and listening to the sea. "
-         "Ships passed far out, their lights small and steady, and the keeper wrote each one in a book. ")
+STORY = (
+    "The lighthouse keeper climbed the stairs every evening, counting the steps and listening to the sea. "
+    "Ships passed far out, their lights small and steady, and the keeper wrote each one in a book. "
+)
 
 
 def percentiles(gaps: list[float]) -> dict[str, float]:
@@ -46,8 +48,12 @@ def percentiles(gaps: list[float]) -> dict[str, float]:
         return {"n": 0}
     ordered = sorted(gaps)
     pick = lambda q: ordered[min(len(ordered) - 1, int(q * len(ordered)))]  # noqa: E731
-    return {"n": len(gaps), "p50_ms": round(statistics.median(ordered) * 1000, 1),
-            "p99_ms": round(pick(0.99) * 1000, 1), "max_ms": round(ordered[-1] * 1000, 1)}
+    return {
+        "n": len(gaps),
+        "p50_ms": round(statistics.median(ordered) * 1000, 1),
+        "p99_ms": round(pick(0.99) * 1000, 1),
+        "max_ms": round(ordered[-1] * 1000, 1),
+    }
 
 
 def long_text(tokenizer, tokens: int) -> str:
@@ -59,17 +65,24 @@ def long_text(tokenizer, tokens: int) -> str:
 
 # -- chunks: in process ---------------------------------------------------------------------------------------
 
-async def chunk_run(loaded, chunk: int, prompt_ids: tuple[int, ...], running_ids: tuple[int, ...],
-                    threads: int) -> dict:
+
+async def chunk_run(
+    loaded, chunk: int, prompt_ids: tuple[int, ...], running_ids: tuple[int, ...], threads: int
+) -> dict:
     from deltafin.engine import EngineFront, GenerationJob, TextDelta
     from deltafin.engine.local.engine import LocalEngine
     from deltafin.protocol.sampling import SamplingParams
 
-    front = EngineFront(LocalEngine(loaded, prefill_chunk=chunk, prefix_cache_min_tokens=None, threads=threads),
-                        max_waiting=4, timeout_s=600, memo_entries=0)
+    front = EngineFront(
+        LocalEngine(loaded, prefill_chunk=chunk, prefix_cache_min_tokens=None, threads=threads),
+        max_waiting=4,
+        timeout_s=600,
+        memo_entries=0,
+    )
     arrivals: list[float] = []
-    stream = await front.start([GenerationJob(running_ids, SamplingParams(max_tokens=4000, temperature=0.0,
-                                                                          ignore_eos=True))])
+    stream = await front.start(
+        [GenerationJob(running_ids, SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True))]
+    )
     events = stream.__aiter__()
 
     async def read() -> None:
@@ -82,7 +95,7 @@ async def chunk_run(loaded, chunk: int, prompt_ids: tuple[int, ...], running_ids
         await asyncio.sleep(0.01)
     alone_from = len(arrivals) - 1
     await asyncio.sleep(2.0)
-    alone = [b - a for a, b in zip(arrivals[alone_from:], arrivals[alone_from + 1:])]
+    alone = [b - a for a, b in zip(arrivals[alone_from:], arrivals[alone_from + 1 :])]
     sent = time.perf_counter()
     long_stream = await front.start([GenerationJob(prompt_ids, SamplingParams(max_tokens=1, temperature=0.0))])
     async for event in long_stream:
@@ -95,15 +108,19 @@ async def chunk_run(loaded, chunk: int, prompt_ids: tuple[int, ...], running_ids
     stream.close()
     await asyncio.gather(reader, return_exceptions=True)
     await front.aclose()
-    return {"chunk": chunk, "prefill_s": round(first_token - sent, 2), "itl_during_prefill": percentiles(during),
-            "itl_alone": percentiles(alone)}
+    return {
+        "chunk": chunk,
+        "prefill_s": round(first_token - sent, 2),
+        "itl_during_prefill": percentiles(during),
+        "itl_alone": percentiles(alone),
+    }
 
 
 def chunks(args: argparse.Namespace) -> dict:
+    import torch
+
     from deltafin.engine.weights.loader import load_model
     from deltafin.testing import compose_config
-
-    import torch
 
     config = compose_config(args.overrides)
     # As the server does (build_local_engine): load with one thread, run the engine's own with the configured number.
@@ -111,8 +128,11 @@ def chunks(args: argparse.Namespace) -> dict:
     torch.set_num_threads(1)
     loaded = load_model(config.model, config.placement)
     tokenizer = loaded.tokenizer
+
     def chat(text: str) -> tuple[int, ...]:
-        ids = tokenizer.apply_chat_template([{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True)
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": text}], add_generation_prompt=True, tokenize=True
+        )
         return tuple(ids["input_ids"] if hasattr(ids, "keys") else ids)
 
     prompt_ids = chat("Summarise: " + long_text(tokenizer, args.prompt_tokens))
@@ -122,6 +142,7 @@ def chunks(args: argparse.Namespace) -> dict:
 
 
 # -- gil: does xgrammar release the GIL? ----------------------------------------------------------------------
+
 
 def on_a_thread(fn) -> tuple[float, float]:
     """(seconds `fn` took on a thread, largest gap between 5 ms ticks of this thread meanwhile)."""
@@ -156,7 +177,8 @@ def gil(args: argparse.Namespace) -> dict:
 
     bundle = load_tokenizer_only(compose_config(args.overrides).model)
     info_of = lambda: xgr.TokenizerInfo.from_huggingface(  # noqa: E731
-        bundle.tokenizer, vocab_size=bundle.vocab_size, stop_token_ids=sorted(bundle.stop_token_ids))
+        bundle.tokenizer, vocab_size=bundle.vocab_size, stop_token_ids=sorted(bundle.stop_token_ids)
+    )
     info = info_of()
     compiler = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
     pattern = json.dumps({"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]{3000}$"}}})
@@ -185,6 +207,7 @@ def gil(args: argparse.Namespace) -> dict:
 
 # -- server: a real process -----------------------------------------------------------------------------------
 
+
 class Streams:
     """`count` streamed chats, each token's arrival time recorded; /health polled every 50 ms."""
 
@@ -201,8 +224,13 @@ class Streams:
             thread.start()
 
     def _stream(self, index: int) -> None:
-        body = {"messages": [{"role": "user", "content": f"Stream {index}: count from one to a thousand."}],
-                "max_tokens": 7000, "temperature": 0, "ignore_eos": True, "stream": True}
+        body = {
+            "messages": [{"role": "user", "content": f"Stream {index}: count from one to a thousand."}],
+            "max_tokens": 7000,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with httpx.Client(timeout=600) as client:
             with client.stream("POST", f"{self.base_url}/v1/chat/completions", json=body) as response:
                 for line in response.iter_lines():
@@ -236,8 +264,11 @@ class Streams:
 
 def hostile_bodies() -> list[dict]:
     def chat(schema: dict) -> dict:
-        return {"messages": [{"role": "user", "content": "JSON please"}], "max_tokens": 8,
-                "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}}}
+        return {
+            "messages": [{"role": "user", "content": "JSON please"}],
+            "max_tokens": 8,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema}},
+        }
 
     slow = {"type": "object", "properties": {f"p{i}": {"type": "string"} for i in range(10000)}}
     pattern = {"type": "object", "properties": {"a": {"type": "string", "pattern": "^[a-z]{12000}$"}}}
@@ -260,8 +291,11 @@ def server(args: argparse.Namespace) -> dict:
         t0 = time.perf_counter()
         time.sleep(args.window_s)
         t1 = time.perf_counter()
-        long_answer = httpx.post(f"{base}/v1/chat/completions", timeout=3600, json={
-            "messages": [{"role": "user", "content": text}], "max_tokens": 1})
+        long_answer = httpx.post(
+            f"{base}/v1/chat/completions",
+            timeout=3600,
+            json={"messages": [{"role": "user", "content": text}], "max_tokens": 1},
+        )
         streams.wait_past(time.perf_counter())
         t2 = time.perf_counter()
         statuses = []
@@ -271,9 +305,14 @@ def server(args: argparse.Namespace) -> dict:
         t3 = time.perf_counter()
         streams.stop.set()
         return {
-            "streams": args.streams, "long_prompt_tokens": count, "long_prompt_status": long_answer.status_code,
-            "long_prompt_s": round(t2 - t1, 2), "hostile_statuses": statuses, "hostile_s": round(t3 - t2, 2),
-            "quiet": streams.window(t0, t1), "during_long_prefill": streams.window(t1, t2),
+            "streams": args.streams,
+            "long_prompt_tokens": count,
+            "long_prompt_status": long_answer.status_code,
+            "long_prompt_s": round(t2 - t1, 2),
+            "hostile_statuses": statuses,
+            "hostile_s": round(t3 - t2, 2),
+            "quiet": streams.window(t0, t1),
+            "during_long_prefill": streams.window(t1, t2),
             "during_hostile_compiles": streams.window(t2, t3),
         }
     finally:

@@ -31,7 +31,6 @@ def main() -> None:
     from bench.gguf_quality import native_figures, reference
     from deltafin.engine.weights import gguf_native
     from deltafin.engine.weights.loader import load_model, resolve_model_path
-    from deltafin.engine.quant.linear import GGMLLinear
     from deltafin.testing import compose_config
 
     parser = argparse.ArgumentParser()

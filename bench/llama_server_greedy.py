@@ -37,20 +37,21 @@ def main() -> None:
     def body_with_top_k(top_k: int):
         def body(ids: list[int], tokens: int) -> dict:
             return {**gateway_body(ids, tokens), "top_k": top_k}
+
         return body
 
     process, url = gateway.start_upstream_llama_server(args.streams, threads=2)
     results: dict[int, list] = {0: [], 1: []}
     try:
         for rep in range(args.reps):
-            for top_k in ((0, 1) if rep % 2 == 0 else (1, 0)):
+            for top_k in (0, 1) if rep % 2 == 0 else (1, 0):
                 gateway.completion_body = body_with_top_k(top_k)
                 results[top_k] += asyncio.run(gateway.burst(url, args.streams, args.tokens, prompt_ids))
     finally:
         process.kill()
     print(f"llama-server, {args.streams} greedy streams x {args.tokens} tokens, {args.reps} reps")
     for top_k, streams in results.items():
-        steady = statistics.median(statistics.mean(gaps[len(gaps) // 2:]) for _, gaps in streams)
+        steady = statistics.median(statistics.mean(gaps[len(gaps) // 2 :]) for _, gaps in streams)
         print(f"top-k {top_k}: inter-token median (second half of each stream) {steady * 1000:6.2f} ms")
 
 

@@ -112,7 +112,9 @@ def main() -> None:
     statuses = Counter(status for status, _ in results)
     ok = [seconds for status, seconds in results if status == 200]
     print(f"clients {args.clients} x {args.requests} requests, max_tokens {args.max_tokens}, wall {wall:.1f} s")
-    print(f"successes {statuses.get(200, 0)}  429s {statuses.get(429, 0)}  other {dict(statuses - Counter({200: statuses.get(200, 0), 429: statuses.get(429, 0)}))}")
+    print(
+        f"successes {statuses.get(200, 0)}  429s {statuses.get(429, 0)}  other {dict(statuses - Counter({200: statuses.get(200, 0), 429: statuses.get(429, 0)}))}"
+    )
     if ok:
         print(f"latency of successes: p50 {statistics.median(ok):.2f} s  p99 {percentile(ok, 0.99):.2f} s")
     if before is not None and after is not None:

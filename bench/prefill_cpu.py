@@ -23,10 +23,9 @@ from transformers import DynamicCache
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from deltafin.testing import compose_config  # noqa: E402
-
 from deltafin.engine.local.generator import prefill  # noqa: E402
 from deltafin.engine.weights.loader import load_model  # noqa: E402
+from deltafin.testing import compose_config  # noqa: E402
 
 TEXT = "The lighthouse keeper walked along the shore, counting the waves and the gulls. " * 2000
 
@@ -46,8 +45,10 @@ def main() -> None:
             cache = DynamicCache(config=loaded.model.config)
             started, wall = time.process_time(), time.perf_counter()
             prefill(loaded.model, ids, cache, 0, chunk=config.engine.prefill_chunk_tokens)
-            print(f"{len(ids)} tokens: cpu {time.process_time() - started:.2f} s, wall {time.perf_counter() - wall:.2f} s",
-                  flush=True)
+            print(
+                f"{len(ids)} tokens: cpu {time.process_time() - started:.2f} s, wall {time.perf_counter() - wall:.2f} s",
+                flush=True,
+            )
 
 
 if __name__ == "__main__":

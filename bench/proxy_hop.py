@@ -57,7 +57,7 @@ async def measure(direct_url: str, proxy_url: str, reps: int) -> dict[str, list[
         for url in (direct_url, proxy_url):
             await gateway.burst(clients, url, 2, 4, PROMPT_IDS)  # warm
         for rep in range(reps):
-            for side in (["direct", "proxy"] if rep % 2 == 0 else ["proxy", "direct"]):
+            for side in ["direct", "proxy"] if rep % 2 == 0 else ["proxy", "direct"]:
                 url = direct_url if side == "direct" else proxy_url
                 ttft[side] += [r[0] for r in await gateway.burst(clients, url, 16, 16, PROMPT_IDS)]
     finally:
@@ -70,8 +70,9 @@ def main() -> None:
         serve_proxy(int(sys.argv[2]))
         return
     fake, fake_url = gateway.start_paced_fake(0.02)
-    proxy = subprocess.Popen([sys.executable, __file__, "--serve-proxy", fake_url.rsplit(":", 1)[1]],
-                             stdout=subprocess.PIPE, text=True)
+    proxy = subprocess.Popen(
+        [sys.executable, __file__, "--serve-proxy", fake_url.rsplit(":", 1)[1]], stdout=subprocess.PIPE, text=True
+    )
     try:
         proxy_url = f"http://127.0.0.1:{proxy.stdout.readline().strip()}"
         gateway.STAGGER_S = 0.01
@@ -80,8 +81,10 @@ def main() -> None:
         fake.kill()
         proxy.kill()
     direct, through = (statistics.median(ttft[side]) * 1000 for side in ("direct", "proxy"))
-    print(f"TTFT median: direct {direct:.2f} ms, through a byte-forwarding proxy {through:.2f} ms "
-          f"({through - direct:+.2f} ms; {len(ttft['direct'])} requests a side)")
+    print(
+        f"TTFT median: direct {direct:.2f} ms, through a byte-forwarding proxy {through:.2f} ms "
+        f"({through - direct:+.2f} ms; {len(ttft['direct'])} requests a side)"
+    )
 
 
 if __name__ == "__main__":

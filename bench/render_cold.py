@@ -54,8 +54,10 @@ def main() -> None:
     for _ in range(100):
         time.sleep(0.01)
         after_sleep.append(timed())
-    print(f"render, median: hot {hot:.0f} us; after 16 MB of memory traffic {statistics.median(after_traffic):.0f} us; "
-          f"after a 10 ms sleep {statistics.median(after_sleep):.0f} us")
+    print(
+        f"render, median: hot {hot:.0f} us; after 16 MB of memory traffic {statistics.median(after_traffic):.0f} us; "
+        f"after a 10 ms sleep {statistics.median(after_sleep):.0f} us"
+    )
 
 
 if __name__ == "__main__":

@@ -31,8 +31,12 @@ def main() -> None:
     gc.collect()
     gc.freeze()
     text = "Write a long story about a dragon number {} who learns to bake bread."
-    requests = [decode_request(msgspec.json.encode({"messages": [{"role": "user", "content": text.format(i)}]}),
-                               ChatCompletionRequest) for i in range(2200)]
+    requests = [
+        decode_request(
+            msgspec.json.encode({"messages": [{"role": "user", "content": text.format(i)}]}), ChatCompletionRequest
+        )
+        for i in range(2200)
+    ]
 
     def timed(request: ChatCompletionRequest) -> float:
         started = time.perf_counter()

@@ -28,7 +28,6 @@ from deltafin.engine.weights.loader import convert_gguf, default_cache_dir, reso
 from deltafin.testing import LiveServer, compose_config  # noqa: E402
 from deltafin.testing.vllm_server import VllmRouter, VllmServer, served, stream_chat  # noqa: E402
 
-
 NAME = "smollm2"
 #: a gateway whose answers are all vLLM's (no memo), as in tests/gateway/test_e2e_vllm.py
 GATEWAY = ["engine=vllm", "model.context_length=2048", "server.memo.entries=0", "engine.max_inflight=16"]
@@ -49,8 +48,9 @@ def rss_mib(pid: int) -> float:
 
 
 async def burst(url: str, streams: int, tokens: int, tag: str, flowing: threading.Event | None = None):
-    return await asyncio.gather(*(stream_chat(url, f"{tag} {i}: tell me a story.", tokens, flowing)
-                                  for i in range(streams)))
+    return await asyncio.gather(
+        *(stream_chat(url, f"{tag} {i}: tell me a story.", tokens, flowing) for i in range(streams))
+    )
 
 
 def main() -> None:
@@ -68,12 +68,16 @@ def main() -> None:
         print(f"boot, started together: A {a.boot_s:.0f} s, B {b.boot_s:.0f} s")
         router = VllmRouter([a.url, b.url], args=("--policy", "round_robin")).wait_ready()
         started.append(router)
-        alone, routed = LiveServer([*GATEWAY, f"engine.url={a.url}"]), LiveServer([*GATEWAY, f"engine.url={router.url}"])
+        alone, routed = (
+            LiveServer([*GATEWAY, f"engine.url={a.url}"]),
+            LiveServer([*GATEWAY, f"engine.url={router.url}"]),
+        )
         started += [alone, routed]
         alone.wait_ready()
         routed.wait_ready()
-        print("resident MiB: replica A %.0f, replica B %.0f, router %.0f, gateway %.0f" % (
-            rss_mib(a.process.pid), rss_mib(b.process.pid), rss_mib(router.process.pid), rss_mib(routed.process.pid)))
+        print(
+            f"resident MiB: replica A {rss_mib(a.process.pid):.0f}, replica B {rss_mib(b.process.pid):.0f}, router {rss_mib(router.process.pid):.0f}, gateway {rss_mib(routed.process.pid):.0f}"
+        )
         asyncio.run(burst(alone.base_url, 2, 4, "warm"))
         asyncio.run(burst(routed.base_url, 2, 4, "warm"))
         for label, gateway in (("A alone", alone), ("router, A+B", routed)):
@@ -83,18 +87,24 @@ def main() -> None:
             seconds = time.monotonic() - t0
             tokens = sum(r[1] for r in results)
             spread = (served(a) - before[0], served(b) - before[1])
-            print(f"{label:12s}: {args.streams} streams x {args.tokens} tokens in {seconds:5.1f} s = "
-                  f"{tokens / seconds:5.1f} tok/s; requests served by A, B: {spread[0]:.0f}, {spread[1]:.0f}")
+            print(
+                f"{label:12s}: {args.streams} streams x {args.tokens} tokens in {seconds:5.1f} s = "
+                f"{tokens / seconds:5.1f} tok/s; requests served by A, B: {spread[0]:.0f}, {spread[1]:.0f}"
+            )
 
         flowing, killed = threading.Event(), []
 
         async def kill_run():
-            first = [asyncio.create_task(stream_chat(routed.base_url, f"Kill run {i}.", args.tokens, flowing))
-                     for i in range(args.streams)]
+            first = [
+                asyncio.create_task(stream_chat(routed.base_url, f"Kill run {i}.", args.tokens, flowing))
+                for i in range(args.streams)
+            ]
             while not flowing.is_set():
                 await asyncio.sleep(0.05)
-            second = [asyncio.create_task(stream_chat(routed.base_url, f"Late {i}.", args.tokens))
-                      for i in range(args.streams)]
+            second = [
+                asyncio.create_task(stream_chat(routed.base_url, f"Late {i}.", args.tokens))
+                for i in range(args.streams)
+            ]
             await asyncio.sleep(0.3)
             b.kill()
             killed.append(time.monotonic())
@@ -103,9 +113,11 @@ def main() -> None:
         results = asyncio.run(kill_run())
         whole = [r for r in results if r[:4] == (200, args.tokens, "length", None)]
         unstarted = [r for r in results if r[4] is None or r[4] > killed[0]]
-        print(f"B killed with {len(results)} requests in flight ({len(unstarted)} had not streamed a token): "
-              f"{len(whole)} whole, {sum(1 for r in unstarted if r in whole)} of the {len(unstarted)} unstarted "
-              f"whole, {len(results) - len(whole)} cut in-stream")
+        print(
+            f"B killed with {len(results)} requests in flight ({len(unstarted)} had not streamed a token): "
+            f"{len(whole)} whole, {sum(1 for r in unstarted if r in whole)} of the {len(unstarted)} unstarted "
+            f"whole, {len(results) - len(whole)} cut in-stream"
+        )
     finally:
         for server in reversed(started):
             server.stop()

@@ -22,12 +22,11 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from deltafin.testing import compose_config  # noqa: E402
-
 from deltafin.engine.kv.batch import BatchKV  # noqa: E402
 from deltafin.engine.local.generator import prefill  # noqa: E402
 from deltafin.engine.local.steps import decode_step_for
 from deltafin.engine.weights.loader import load_model  # noqa: E402
+from deltafin.testing import compose_config  # noqa: E402
 
 PROMPT = "Write a detailed story about a lighthouse keeper and the sea."
 
@@ -48,8 +47,11 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    variants = {"native GGUF (default)": [], "fused float32": ["model.gguf_weights=dequantize"],
-                "fused int8": ["placement.quantize=int8"]}
+    variants = {
+        "native GGUF (default)": [],
+        "fused float32": ["model.gguf_weights=dequantize"],
+        "fused int8": ["placement.quantize=int8"],
+    }
     models = {}
     for name, overrides in variants.items():
         config = compose_config(overrides)

@@ -37,16 +37,17 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from deltafin.engine.weights.loader import load_model, resolve_model_path  # noqa: E402
 from deltafin.testing import LiveServer, compose_config  # noqa: E402
 from deltafin.testing.llama_server import llama_server_binary, start_llama_server  # noqa: E402
 
-from deltafin.engine.weights.loader import load_model, resolve_model_path  # noqa: E402
-
 TOPICS = ["the sea", "a lighthouse", "mountains", "a city at night", "autumn", "a library", "the desert", "rain"]
 #: ~1.1k tokens of SmolLM2's tokenizer
-LONG_PROMPT = ("Summarize the following notes in one sentence.\n" + " ".join(
+LONG_PROMPT = "Summarize the following notes in one sentence.\n" + " ".join(
     f"Note {i}: the harbour master logged ship number {i * 7} arriving at dawn with {i % 5 + 2} crates of tea, "
-    f"and the weather was {['calm', 'windy', 'foggy', 'rainy'][i % 4]}." for i in range(34)))
+    f"and the weather was {['calm', 'windy', 'foggy', 'rainy'][i % 4]}."
+    for i in range(34)
+)
 LLAMA_SERVER = llama_server_binary()
 
 
@@ -66,6 +67,7 @@ def ttft(base_url: str, content: str, reps: int = 5, fresh: bool = False) -> tup
     first request warms the server's cache of this prompt. `fresh`: every request's user message starts with
     a new word instead, so only the chat template's short system preamble can come from a cache: the whole
     prompt is prefilled each time."""
+
     def body() -> dict:
         text = f"Request {uuid.uuid4().hex[:8]}. {content}" if fresh else content
         return {"messages": [{"role": "user", "content": text}], "max_tokens": 4, "temperature": 0}
@@ -75,8 +77,9 @@ def ttft(base_url: str, content: str, reps: int = 5, fresh: bool = False) -> tup
     times = []
     for _ in range(reps):
         started = time.perf_counter()
-        with httpx.stream("POST", f"{base_url}/v1/chat/completions", json={**body(), "stream": True},
-                          timeout=600) as response:
+        with httpx.stream(
+            "POST", f"{base_url}/v1/chat/completions", json={**body(), "stream": True}, timeout=600
+        ) as response:
             lines = response.iter_lines()
             for line in lines:
                 if line.startswith("data: {") and '"content":"' in line and '"content":""' not in line:
@@ -94,7 +97,9 @@ def side(base_url: str, args: argparse.Namespace, streams: list[int]) -> dict[st
     for n in streams:
         out[f"{n} streams"] = aggregate(base_url, n, args.tokens)
     out["ttft_s"], out["prompt_tokens"] = ttft(base_url, LONG_PROMPT)
-    out["fresh_ttft_s"], out["fresh_prompt_tokens"] = ttft(base_url, LONG_PROMPT * args.fresh_copies, reps=3, fresh=True)
+    out["fresh_ttft_s"], out["fresh_prompt_tokens"] = ttft(
+        base_url, LONG_PROMPT * args.fresh_copies, reps=3, fresh=True
+    )
     return out
 
 
@@ -122,8 +127,9 @@ def generate_rate(loaded, streams: int, tokens: int) -> float:
     batch = tok(texts, return_tensors="pt", padding=True, add_special_tokens=False)
     with torch.inference_mode():
         started = time.perf_counter()
-        loaded.model.generate(**batch, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                              pad_token_id=tok.pad_token_id or 0)
+        loaded.model.generate(
+            **batch, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False, pad_token_id=tok.pad_token_id or 0
+        )
     return streams * tokens / (time.perf_counter() - started)
 
 
@@ -153,8 +159,9 @@ def ttft_beside_seven(server: LiveServer, tokens: int) -> tuple[float, float, fl
         time.sleep(0.1)
     request_id = uuid.uuid4().hex
     body = {"messages": messages(7), "max_tokens": 4, "temperature": 0, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=600,
-                      headers={"x-request-id": request_id}) as response:
+    with httpx.stream(
+        "POST", f"{server.base_url}/v1/chat/completions", json=body, timeout=600, headers={"x-request-id": request_id}
+    ) as response:
         for _ in response.iter_lines():
             pass
     step_ms = statistics.median(gaps[-10:]) * 1000
@@ -170,7 +177,8 @@ def extras(args: argparse.Namespace, rows: dict) -> None:
     config = compose_config(["model.gguf_weights=dequantize"])
     loaded = load_model(config.model, config.placement)
     rows["transformers generate (padded batch, float32)"] = {
-        n: generate_rate(loaded, n, args.tokens) for n in (1, 4, args.streams)}
+        n: generate_rate(loaded, n, args.tokens) for n in (1, 4, args.streams)
+    }
     for mode in ("int8", "int4"):
         quantized = LiveServer(["server.memo.entries=0", f"placement.quantize={mode}"])
         try:
@@ -195,8 +203,12 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--extras", action="store_true", help="generate, int8/int4, TTFT beside seven")
-    parser.add_argument("--fresh-copies", type=int, default=1,
-                        help="the new-prompt TTFT's prompt: this many copies of the ~1.1k-token notes")
+    parser.add_argument(
+        "--fresh-copies",
+        type=int,
+        default=1,
+        help="the new-prompt TTFT's prompt: this many copies of the ~1.1k-token notes",
+    )
     args = parser.parse_args()
     config = compose_config()
     threads = torch.get_num_threads()
@@ -211,8 +223,9 @@ def main() -> None:
         server.stop()
     print("measured:", rows, flush=True)
     if LLAMA_SERVER.exists():
-        process, base = start_llama_server(resolve_model_path(config.model.path), parallel=args.streams,
-                                           context=16384, threads=threads, ready_s=600)
+        process, base = start_llama_server(
+            resolve_model_path(config.model.path), parallel=args.streams, context=16384, threads=threads, ready_s=600
+        )
         try:
             rows["llama-server -np 8"] = side(base, args, streams)
         finally:
@@ -223,21 +236,35 @@ def main() -> None:
     if args.extras:
         extras(args, rows)
 
-    print(f"single stream {args.single_tokens} tokens, {args.streams} streams x {args.tokens} tokens, "
-          f"torch threads: {threads}, load average: {os.getloadavg()[0]:.1f}")
-    print("figures: " + json.dumps({k: {n: round(v, 4 if n.endswith("ttft_s") else 1) for n, v in r.items()}
-                                    for k, r in rows.items()}))
+    print(
+        f"single stream {args.single_tokens} tokens, {args.streams} streams x {args.tokens} tokens, "
+        f"torch threads: {threads}, load average: {os.getloadavg()[0]:.1f}"
+    )
+    print(
+        "figures: "
+        + json.dumps(
+            {k: {n: round(v, 4 if n.endswith("ttft_s") else 1) for n, v in r.items()} for k, r in rows.items()}
+        )
+    )
     own, llama = rows["deltafin (default)"], rows.get("llama-server -np 8")
     if llama:
-        print(f"decode, 1 stream: deltafin {own['single']:.1f} tok/s, llama-server {llama['single']:.1f}: "
-              f"{own['single'] / llama['single']:.2f}x (target >= 1.0x)")
+        print(
+            f"decode, 1 stream: deltafin {own['single']:.1f} tok/s, llama-server {llama['single']:.1f}: "
+            f"{own['single'] / llama['single']:.2f}x (target >= 1.0x)"
+        )
         key = f"{args.streams} streams"
-        print(f"aggregate, {key}: deltafin {own[key]:.1f} tok/s, llama-server {llama[key]:.1f}: "
-              f"{own[key] / llama[key]:.2f}x (target >= 1.5x)")
-        print(f"TTFT, repeated {own['prompt_tokens']:.0f}-token prompt: deltafin {own['ttft_s'] * 1000:.1f} ms, "
-              f"llama-server {llama['ttft_s'] * 1000:.1f} ms: {own['ttft_s'] / llama['ttft_s']:.2f}x (target <= 1.0x)")
-        print(f"TTFT, new {own['fresh_prompt_tokens']:.0f}-token prompt: deltafin {own['fresh_ttft_s'] * 1000:.1f} ms, "
-              f"llama-server {llama['fresh_ttft_s'] * 1000:.1f} ms: {own['fresh_ttft_s'] / llama['fresh_ttft_s']:.2f}x")
+        print(
+            f"aggregate, {key}: deltafin {own[key]:.1f} tok/s, llama-server {llama[key]:.1f}: "
+            f"{own[key] / llama[key]:.2f}x (target >= 1.5x)"
+        )
+        print(
+            f"TTFT, repeated {own['prompt_tokens']:.0f}-token prompt: deltafin {own['ttft_s'] * 1000:.1f} ms, "
+            f"llama-server {llama['ttft_s'] * 1000:.1f} ms: {own['ttft_s'] / llama['ttft_s']:.2f}x (target <= 1.0x)"
+        )
+        print(
+            f"TTFT, new {own['fresh_prompt_tokens']:.0f}-token prompt: deltafin {own['fresh_ttft_s'] * 1000:.1f} ms, "
+            f"llama-server {llama['fresh_ttft_s'] * 1000:.1f} ms: {own['fresh_ttft_s'] / llama['fresh_ttft_s']:.2f}x"
+        )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,13 @@ from deltafin.testing import LiveServer  # noqa: E402
 def first_content_ms(base_url: str, body: dict, request_id: str) -> float:
     started = time.perf_counter()
     first = None
-    with httpx.stream("POST", f"{base_url}/v1/chat/completions", json={**body, "stream": True}, timeout=600,
-                      headers={"x-request-id": request_id}) as response:
+    with httpx.stream(
+        "POST",
+        f"{base_url}/v1/chat/completions",
+        json={**body, "stream": True},
+        timeout=600,
+        headers={"x-request-id": request_id},
+    ) as response:
         for line in response.iter_lines():
             if first is None and '"content":"' in line and '"content":""' not in line:
                 first = time.perf_counter() - started
@@ -62,8 +67,10 @@ def main() -> None:
             cached.append(entry.get("cached_tokens"))
     finally:
         server.stop()
-    print(f"overrides {args.overrides}, prompt {warm.json()['usage']['prompt_tokens']} tokens, cached {set(cached)}, "
-          f"load average {os.getloadavg()[0]:.1f}")
+    print(
+        f"overrides {args.overrides}, prompt {warm.json()['usage']['prompt_tokens']} tokens, cached {set(cached)}, "
+        f"load average {os.getloadavg()[0]:.1f}"
+    )
     print(f"client TTFT median {statistics.median(client):.1f} ms: {sorted(client)}")
     print(f"server prefill median {statistics.median(prefill):.1f} ms: {sorted(prefill)}")
 

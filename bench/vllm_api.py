@@ -48,20 +48,30 @@ def main() -> None:
     try:
         vllm.wait_ready()
         for api in ("generate", "completions"):
-            gateways[api] = LiveServer([*TINY_OVERRIDES["qwen3"], f"model.path={model}", "engine=vllm",
-                                        f"engine.url={vllm.url}", f"engine.api={api}", "server.memo.entries=0"])
+            gateways[api] = LiveServer(
+                [
+                    *TINY_OVERRIDES["qwen3"],
+                    f"model.path={model}",
+                    "engine=vllm",
+                    f"engine.url={vllm.url}",
+                    f"engine.api={api}",
+                    "server.memo.entries=0",
+                ]
+            )
         for server in gateways.values():
             server.wait_ready()
             asyncio.run(burst(server.base_url, 2, 4))  # warm
         times: dict[str, list[float]] = {api: [] for api in gateways}
         for rep in range(args.reps):
-            for api in (("generate", "completions") if rep % 2 == 0 else ("completions", "generate")):
+            for api in ("generate", "completions") if rep % 2 == 0 else ("completions", "generate"):
                 times[api].append(asyncio.run(burst(gateways[api].base_url, args.streams, args.tokens)))
         print(f"vLLM (tiny Qwen3), {args.streams} streams x {args.tokens} tokens, {args.reps} reps, median burst:")
         for api, values in times.items():
             median = statistics.median(values)
-            print(f"  engine.api={api:11s} {median:6.2f} s  ({args.streams * args.tokens / median:6.1f} tok/s; "
-                  f"all: {', '.join(f'{v:.2f}' for v in values)})")
+            print(
+                f"  engine.api={api:11s} {median:6.2f} s  ({args.streams * args.tokens / median:6.1f} tok/s; "
+                f"all: {', '.join(f'{v:.2f}' for v in values)})"
+            )
     finally:
         for server in gateways.values():
             server.stop()

@@ -10,8 +10,8 @@ from __future__ import annotations
 import errno
 import socket
 import sys
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from typing import Iterator, Sequence
 
 from omegaconf import OmegaConf
 
@@ -68,8 +68,9 @@ def checked_configs(overrides: Sequence[str] = (), *, check_paths: bool = False)
     for name, entry in config.models.items():
         with _naming_entry(name):
             configs.append(checked_config(entry_overrides(name, list(entry)), check_path=check_paths))
-    check_served_names([(entry or "", [each.model.name, *each.model.aliases])
-                        for entry, each in zip([None, *config.models], configs)])
+    check_served_names(
+        [(entry or "", [each.model.name, *each.model.aliases]) for entry, each in zip([None, *config.models], configs)]
+    )
     return configs
 
 
@@ -169,8 +170,10 @@ def _check_expert_pool(config: DeltafinConfig) -> None:
 
     placement = config.placement
     if placement.experts.pool_mb and placement.device_map:
-        raise ConfigError("placement.experts.pool_mb: the expert pool places the experts itself; it cannot run with "
-                          f"placement.device_map={placement.device_map!r} (set one of them)")
+        raise ConfigError(
+            "placement.experts.pool_mb: the expert pool places the experts itself; it cannot run with "
+            f"placement.device_map={placement.device_map!r} (set one of them)"
+        )
     try:
         check_expert_pool(config.model, placement, max_batch=config.engine.max_batch)
     except ModelLoadError as exc:

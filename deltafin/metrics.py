@@ -10,7 +10,8 @@ request sent, so the config bounds the set.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
@@ -26,24 +27,42 @@ class Metrics:
     def __init__(self) -> None:
         # A registry per app, so several apps in one process (tests) do not collide.
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("deltafin_requests", "HTTP requests by route template and status", ["route", "status"], registry=r)
+        self.requests = Counter(
+            "deltafin_requests", "HTTP requests by route template and status", ["route", "status"], registry=r
+        )
         self.latency = Histogram("deltafin_request_seconds", "Request latency by route template", ["route"], registry=r)
         model = ["model"]
         self.prompt_tokens = Counter("deltafin_prompt_tokens", "Prompt tokens processed", model, registry=r)
         self.completion_tokens = Counter("deltafin_completion_tokens", "Completion tokens generated", model, registry=r)
-        self.memo_hits = Counter("deltafin_memo_hits", "Requests answered from the deterministic memo", model, registry=r)
-        self.prefix_hits = Counter("deltafin_prefix_cache_hits", "Requests that reused a cached prompt prefix", model, registry=r)
-        self.cached_tokens = Counter("deltafin_prefix_cache_tokens", "Prompt tokens served from the prefix cache", model, registry=r)
-        self.ttft = Histogram("deltafin_time_to_first_token_seconds", "Time to first token", model, buckets=_TOKEN_BUCKETS,
-                              registry=r)
+        self.memo_hits = Counter(
+            "deltafin_memo_hits", "Requests answered from the deterministic memo", model, registry=r
+        )
+        self.prefix_hits = Counter(
+            "deltafin_prefix_cache_hits", "Requests that reused a cached prompt prefix", model, registry=r
+        )
+        self.cached_tokens = Counter(
+            "deltafin_prefix_cache_tokens", "Prompt tokens served from the prefix cache", model, registry=r
+        )
+        self.ttft = Histogram(
+            "deltafin_time_to_first_token_seconds", "Time to first token", model, buckets=_TOKEN_BUCKETS, registry=r
+        )
         self.inter_token = Histogram(
-            "deltafin_inter_token_seconds", "Mean time between output tokens, per request", model, buckets=_TOKEN_BUCKETS,
+            "deltafin_inter_token_seconds",
+            "Mean time between output tokens, per request",
+            model,
+            buckets=_TOKEN_BUCKETS,
             registry=r,
         )
-        self.rule_firings = Counter("deltafin_rule_firings", "Requests a compat rule changed, by rule", ["rule"], registry=r)
+        self.rule_firings = Counter(
+            "deltafin_rule_firings", "Requests a compat rule changed, by rule", ["rule"], registry=r
+        )
         # Gateway mode (an upstream engine): how long each upstream generation took, and what went wrong.
-        self.upstream_seconds = Histogram("deltafin_upstream_seconds", "Upstream generation time per choice", ["engine"], registry=r)
-        self.upstream_errors = Counter("deltafin_upstream_errors", "Upstream failures by kind", ["engine", "kind"], registry=r)
+        self.upstream_seconds = Histogram(
+            "deltafin_upstream_seconds", "Upstream generation time per choice", ["engine"], registry=r
+        )
+        self.upstream_errors = Counter(
+            "deltafin_upstream_errors", "Upstream failures by kind", ["engine", "kind"], registry=r
+        )
 
     def watch_engines(self, engines: Callable[[], list[tuple[str, float, float]]]) -> None:
         """Each loaded model's queue and state, read at scrape time (no bookkeeping on the request path):
@@ -91,21 +110,55 @@ class _ExpertPoolCollector:
 
     #: (name, kind, help, value of a PoolStats)
     SERIES = (
-        ("deltafin_expert_pool_hits", CounterMetricFamily, "Routed-expert lookups served by the pool (prefetched included)",
-         lambda s: s.hits),
-        ("deltafin_expert_pool_misses", CounterMetricFamily, "Routed-expert lookups that had to read the expert",
-         lambda s: s.misses),
-        ("deltafin_expert_bytes_read", CounterMetricFamily, "Bytes of routed experts read from the checkpoint (misses and prefetches)",
-         lambda s: s.bytes_read),
-        ("deltafin_expert_prefetch_reads", CounterMetricFamily, "Experts read ahead by prefetch", lambda s: s.prefetch_reads),
-        ("deltafin_expert_prefetch_hits", CounterMetricFamily, "Prefetched experts used before being evicted",
-         lambda s: s.prefetch_hits),
-        ("deltafin_expert_read_wait_seconds", CounterMetricFamily, "Time the engine waited for expert reads",
-         lambda s: s.wait_seconds),
+        (
+            "deltafin_expert_pool_hits",
+            CounterMetricFamily,
+            "Routed-expert lookups served by the pool (prefetched included)",
+            lambda s: s.hits,
+        ),
+        (
+            "deltafin_expert_pool_misses",
+            CounterMetricFamily,
+            "Routed-expert lookups that had to read the expert",
+            lambda s: s.misses,
+        ),
+        (
+            "deltafin_expert_bytes_read",
+            CounterMetricFamily,
+            "Bytes of routed experts read from the checkpoint (misses and prefetches)",
+            lambda s: s.bytes_read,
+        ),
+        (
+            "deltafin_expert_prefetch_reads",
+            CounterMetricFamily,
+            "Experts read ahead by prefetch",
+            lambda s: s.prefetch_reads,
+        ),
+        (
+            "deltafin_expert_prefetch_hits",
+            CounterMetricFamily,
+            "Prefetched experts used before being evicted",
+            lambda s: s.prefetch_hits,
+        ),
+        (
+            "deltafin_expert_read_wait_seconds",
+            CounterMetricFamily,
+            "Time the engine waited for expert reads",
+            lambda s: s.wait_seconds,
+        ),
         ("deltafin_expert_pool_slots", GaugeMetricFamily, "Expert slots in the pool", lambda s: s.slots),
-        ("deltafin_expert_pool_occupancy", GaugeMetricFamily, "Fraction of the pool's slots holding an expert",
-         lambda s: s.occupied / max(1, s.slots)),
-        ("deltafin_expert_pool_bytes", GaugeMetricFamily, "Bytes of the pool's slots", lambda s: s.slots * s.slot_bytes),
+        (
+            "deltafin_expert_pool_occupancy",
+            GaugeMetricFamily,
+            "Fraction of the pool's slots holding an expert",
+            lambda s: s.occupied / max(1, s.slots),
+        ),
+        (
+            "deltafin_expert_pool_bytes",
+            GaugeMetricFamily,
+            "Bytes of the pool's slots",
+            lambda s: s.slots * s.slot_bytes,
+        ),
     )
 
     def __init__(self, pools: Callable[[], list[tuple[str, Any]]]) -> None:

@@ -17,7 +17,8 @@ tokenizer it wraps.
 from __future__ import annotations
 
 import weakref
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 
 def _direct_backend(tokenizer: Any) -> Any | None:
@@ -71,7 +72,9 @@ class TokenCodec:
             return []
         backend = self._backend
         if backend is None:
-            return list(self.tokenizer(text, add_special_tokens=False, split_special_tokens=split_special_tokens).input_ids)
+            return list(
+                self.tokenizer(text, add_special_tokens=False, split_special_tokens=split_special_tokens).input_ids
+            )
         if backend.encode_special_tokens != split_special_tokens:
             backend.encode_special_tokens = split_special_tokens
         if len(text) > _GIL_FREE_CHARS:

@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import asyncio
 import os
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Iterator
 
 import pytest
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from deltafin.config import DeltafinConfig  # noqa: E402
+
 # Test modules import these from here too (tests.conftest), as they did before they moved to the package.
 from deltafin.testing import (  # noqa: E402, F401
     TINY_FAMILIES,
@@ -57,7 +58,9 @@ def make_engine(loaded_model, *, max_waiting: int = 4, timeout_s: float = 5.0, m
     from deltafin.engine import EngineFront
     from deltafin.engine.local.engine import LocalEngine
 
-    return EngineFront(LocalEngine(loaded_model), max_waiting=max_waiting, timeout_s=timeout_s, memo_entries=memo_entries)
+    return EngineFront(
+        LocalEngine(loaded_model), max_waiting=max_waiting, timeout_s=timeout_s, memo_entries=memo_entries
+    )
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +89,9 @@ def tiny_models(tmp_path_factory) -> dict[str, Path]:
     from deltafin.tiny import write_tiny_model
 
     root = tmp_path_factory.mktemp("tiny")
-    return {name: write_tiny_model(family, root / name, variant=variant) for name, (family, variant) in TINY_SPECS.items()}
+    return {
+        name: write_tiny_model(family, root / name, variant=variant) for name, (family, variant) in TINY_SPECS.items()
+    }
 
 
 def tiny_config(family: str, path: Path, extra: list[str] | None = None) -> DeltafinConfig:

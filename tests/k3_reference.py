@@ -33,8 +33,21 @@ def wheel() -> Path:
     if not path.exists():
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.TemporaryDirectory(dir=folder) as work:
-            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "-d", work,
-                            "llmcompressor==0.14.0.1"], check=True, stdout=subprocess.DEVNULL)
+            subprocess.run(
+                [
+                    sys.executable,
+                    "-m",
+                    "pip",
+                    "download",
+                    "--quiet",
+                    "--no-deps",
+                    "-d",
+                    work,
+                    "llmcompressor==0.14.0.1",
+                ],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
             os.replace(Path(work) / WHEEL, path)  # one step: a concurrent session never reads half a wheel
     digest = hashlib.sha256(path.read_bytes()).hexdigest()
     if digest != SHA256:
@@ -50,8 +63,9 @@ def _modules() -> types.ModuleType:
 
     class ShortConvolution(nn.Conv1d):  # fla.modules.ShortConvolution: a depthwise Conv1d
         def __init__(self, hidden_size: int, kernel_size: int, bias: bool = False, activation: Any = None, **_: Any):
-            super().__init__(hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=bias,
-                             padding=kernel_size - 1)
+            super().__init__(
+                hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=bias, padding=kernel_size - 1
+            )
 
     class FusedRMSNormGated(nn.Module):  # fla.modules.FusedRMSNormGated: one weight of the head size
         def __init__(self, hidden_size: int, eps: float = 1e-5, activation: Any = None, **_: Any):

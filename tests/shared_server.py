@@ -17,9 +17,9 @@ memory is measured, and gateways whose upstream is started by the module.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
 
 #: the main model's overrides: the default model, one row at a time, a queue of one that times out in a second
 MAIN = ["engine.max_batch=1", "server.queue.timeout_s=1.0", "server.queue.max_waiting=1"]
@@ -74,5 +74,8 @@ def multi_model_overrides(entries: list[tuple[str, list[str]]]) -> list[str]:
     (main_name, main), *others = entries
     keys = {override.split("=", 1)[0].lstrip("+~") for override in main}
     defaults = {**ENTRY_DEFAULTS, "model.name": f"model.name={main_name}"}
-    return [*main, *(default for key, default in defaults.items() if key not in keys),
-            *(entry_override(name, overrides) for name, overrides in others)]
+    return [
+        *main,
+        *(default for key, default in defaults.items() if key not in keys),
+        *(entry_override(name, overrides) for name, overrides in others),
+    ]

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from deltafin.engine import EngineFront, GenerationJob, TextDelta
-from deltafin.engine.weights.loader import load_model
 from deltafin.engine.local.engine import LocalEngine
+from deltafin.engine.weights.loader import load_model
 from deltafin.protocol.sampling import SamplingParams
 from tests.conftest import compose_config
 from tests.tiers import unavailable

@@ -29,8 +29,15 @@ FLOORS: list[set[str]] = [
     {"deltafin.grammar", "deltafin.prompt"},  # constrained decoding; chat formats, the template sandbox
     # how models write reasoning and tool calls, one module per markup (parser, structural tag, GBNF style)
     {"deltafin.markup"},
-    {"deltafin.protocol", "deltafin.errors", "deltafin.config", "deltafin.logging", "deltafin.metrics",
-     "deltafin.token_codec", "deltafin"},
+    {
+        "deltafin.protocol",
+        "deltafin.errors",
+        "deltafin.config",
+        "deltafin.logging",
+        "deltafin.metrics",
+        "deltafin.token_codec",
+        "deltafin",
+    },
 ]
 
 #: The engine's rooms (docs/architecture.md), top first, the same way: a room may import its own floor and the
@@ -162,8 +169,11 @@ def engine_floor_of(module: str) -> int:
 
 
 def test_no_import_runs_up_an_engine_room():
-    inside = {m: {t for t in targets if t.startswith("deltafin.engine")} for m, targets in GRAPH.items()
-              if m.startswith("deltafin.engine")}
+    inside = {
+        m: {t for t in targets if t.startswith("deltafin.engine")}
+        for m, targets in GRAPH.items()
+        if m.startswith("deltafin.engine")
+    }
     upward = {(m, t) for m, targets in inside.items() for t in targets if engine_floor_of(t) < engine_floor_of(m)}
     assert upward == set(), "imports from a lower engine room to a higher one"
 

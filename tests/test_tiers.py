@@ -18,10 +18,16 @@ def test_the_whole_suite(args, monkeypatch):
     assert _whole_suite(config(args))
 
 
-@pytest.mark.parametrize("args, keyword, markexpr", [
-    (["tests/e2e"], "", ""), (["tests/e2e/test_auth.py"], "", ""), (["tests::x"], "", ""),
-    ([], "auth", ""), ([], "", "e2e"),
-])
+@pytest.mark.parametrize(
+    "args, keyword, markexpr",
+    [
+        (["tests/e2e"], "", ""),
+        (["tests/e2e/test_auth.py"], "", ""),
+        (["tests::x"], "", ""),
+        ([], "auth", ""),
+        ([], "", "e2e"),
+    ],
+)
 def test_a_part_of_it(args, keyword, markexpr, monkeypatch):
     monkeypatch.chdir(REPO)
     assert not _whole_suite(config(args, keyword, markexpr))

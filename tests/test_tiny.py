@@ -9,10 +9,20 @@ from transformers import AutoConfig, AutoTokenizer
 
 from tests.conftest import REPO, TINY_FAMILIES
 
-ARCHITECTURE = {"kimi_k3": "KimiLinearForCausalLM", "kimi_k2": "DeepseekV3ForCausalLM",
-                "glm45": "Glm4MoeForCausalLM", "glm47": "Glm4MoeForCausalLM", "qwen3": "Qwen3ForCausalLM"}
-MARKERS = {"kimi_k3": "<|open|>", "kimi_k2": "<|tool_call_begin|>", "glm45": "<arg_value>", "glm47": "<|observation|>",
-           "qwen3": "<tool_call>"}
+ARCHITECTURE = {
+    "kimi_k3": "KimiLinearForCausalLM",
+    "kimi_k2": "DeepseekV3ForCausalLM",
+    "glm45": "Glm4MoeForCausalLM",
+    "glm47": "Glm4MoeForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+MARKERS = {
+    "kimi_k3": "<|open|>",
+    "kimi_k2": "<|tool_call_begin|>",
+    "glm45": "<arg_value>",
+    "glm47": "<|observation|>",
+    "qwen3": "<tool_call>",
+}
 
 
 @pytest.mark.parametrize("family", TINY_FAMILIES)
@@ -30,7 +40,10 @@ def test_tiny_model_has_the_family_architecture_tokens_and_small_context(tiny_mo
 def test_command_line(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "deltafin.tiny", "--family", "glm", "--variant", "glm47", "--out", str(tmp_path / "m")],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr
     written = json.loads((tmp_path / "m" / "deltafin_tiny.json").read_text())
@@ -40,7 +53,10 @@ def test_command_line(tmp_path):
 def test_command_line_refuses_an_unknown_variant(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "deltafin.tiny", "--family", "glm", "--variant", "glm46", "--out", str(tmp_path / "m")],
-        cwd=REPO, capture_output=True, text=True, timeout=120,
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode != 0 and "glm46" in result.stderr
 

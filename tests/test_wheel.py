@@ -28,8 +28,21 @@ def wheel(tmp_path_factory) -> Path:
     for name in ("deltafin", "conf"):
         shutil.copytree(REPO / name, source / name, ignore=shutil.ignore_patterns("__pycache__"))
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(root), str(source)],
-        check=True, capture_output=True, timeout=300,
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(root),
+            str(source),
+        ],
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     return next(root.glob("deltafin-*.whl"))
 
@@ -46,17 +59,26 @@ def test_an_installed_copy_prints_its_config_outside_the_checkout(wheel, tmp_pat
     target = tmp_path / "site"
     subprocess.run(
         [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", str(target), str(wheel)],
-        check=True, capture_output=True, timeout=300,
+        check=True,
+        capture_output=True,
+        timeout=300,
     )
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     # The installed copy first on the path: the dependencies come from this environment, deltafin from `target`.
     env = {**os.environ, "PYTHONPATH": str(target), "HF_HUB_OFFLINE": "1"}
     probe = "import deltafin.config as c; print(c.__file__); print(c.CONF_DIR)"
-    where = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, env=env, capture_output=True, text=True,
-                           timeout=60, check=True).stdout.split()
+    where = subprocess.run(
+        [sys.executable, "-c", probe], cwd=elsewhere, env=env, capture_output=True, text=True, timeout=60, check=True
+    ).stdout.split()
     assert where == [str(target / "deltafin" / "config" / "__init__.py"), str(target / "deltafin" / "conf")]
-    result = subprocess.run([sys.executable, "-m", "deltafin", "--cfg", "job", "model=glm", "model.path=/m"],
-                            cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [sys.executable, "-m", "deltafin", "--cfg", "job", "model=glm", "model.path=/m"],
+        cwd=elsewhere,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 0, result.stderr
     assert "family: glm" in result.stdout and "content_format: openai" in result.stdout

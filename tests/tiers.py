@@ -25,15 +25,18 @@ TIERS = ("fast", "e2e", "llama_server", "vllm", "gpu", "wheel")
 #: tiers whose tests start real servers: under pytest-xdist their modules run as one unit, in file order, on one
 #: worker (`TierScheduling`)
 SERVER_TIERS = ("e2e", "llama_server", "vllm", "gpu")
-_MODULE_MARK = re.compile(r"^pytestmark\s*=.*\bpytest\.mark\.(%s)\b" % "|".join(SERVER_TIERS), re.MULTILINE)
+_MODULE_MARK = re.compile(r"^pytestmark\s*=.*\bpytest\.mark\.({})\b".format("|".join(SERVER_TIERS)), re.MULTILINE)
 
 
 def server_modules(root: Path) -> frozenset[str]:
     """Test modules (as node ids name them) whose module-level `pytestmark` names a server tier. Read from the
     files, because xdist's controller schedules by node id alone; `pytest_collection_modifyitems` checks every
     collected test against it, so the two cannot drift."""
-    return frozenset(path.relative_to(root).as_posix() for path in (root / "tests").rglob("test_*.py")
-                     if _MODULE_MARK.search(path.read_text()))
+    return frozenset(
+        path.relative_to(root).as_posix()
+        for path in (root / "tests").rglob("test_*.py")
+        if _MODULE_MARK.search(path.read_text())
+    )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
@@ -43,8 +46,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.fast)
         serves = any(item.get_closest_marker(tier) for tier in SERVER_TIERS)
         if serves != (item.nodeid.split("::")[0] in servers):
-            raise pytest.UsageError(f"{item.nodeid}: a server tier is marked on a test, not its module's "
-                                    f"pytestmark (tests/tiers.py schedules server tiers by module)")
+            raise pytest.UsageError(
+                f"{item.nodeid}: a server tier is marked on a test, not its module's "
+                f"pytestmark (tests/tiers.py schedules server tiers by module)"
+            )
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -96,8 +101,11 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 def _whole_suite(config: pytest.Config) -> bool:
     """This run is the whole suite: no -k, no -m, no paths but the test folder."""
     tests = config.rootpath / "tests"
-    return (not config.option.keyword and not config.option.markexpr
-            and all("::" not in arg and Path(arg).resolve() in (tests, config.rootpath) for arg in config.args))
+    return (
+        not config.option.keyword
+        and not config.option.markexpr
+        and all("::" not in arg and Path(arg).resolve() in (tests, config.rootpath) for arg in config.args)
+    )
 
 
 @pytest.hookimpl(optionalhook=True)
@@ -113,6 +121,8 @@ def pytest_terminal_summary(terminalreporter) -> None:
     if boots and not hasattr(terminalreporter.config, "workeroutput"):
         terminalreporter.write_line(f"deltafin server boots: {len(boots)} ({len(set(boots))} distinct override sets)")
         if len(boots) > BOOT_BUDGET and _whole_suite(terminalreporter.config):
-            terminalreporter.write_line(f"FAILED: the whole suite may start {BOOT_BUDGET} servers (tests/tiers.py "
-                                        "BOOT_BUDGET): serve a new configuration as a model of a shared server",
-                                        red=True)
+            terminalreporter.write_line(
+                f"FAILED: the whole suite may start {BOOT_BUDGET} servers (tests/tiers.py "
+                "BOOT_BUDGET): serve a new configuration as a model of a shared server",
+                red=True,
+            )

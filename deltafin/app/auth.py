@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from deltafin.app.errors import send_error
 from deltafin.app.request_context import ROUTE_KEY, STATS_KEY
@@ -22,7 +23,7 @@ def is_open(path: str, open_routes: Sequence[str]) -> bool:
 
 def owner_of(authorization: bytes) -> str:
     """Who a request with this (valid) key is, for what it stores (responses): a digest, never the key."""
-    return hashlib.sha256(authorization[len(_BEARER):].strip()).hexdigest()[:32]
+    return hashlib.sha256(authorization[len(_BEARER) :].strip()).hexdigest()[:32]
 
 
 def key_matches(authorization: bytes, keys: Sequence[bytes]) -> bool:

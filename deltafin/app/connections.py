@@ -99,7 +99,9 @@ def guarded_http(limits: ConnectionsConfig, base: type = _BaseProtocol) -> type:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             if len(self.connections) > max_open:
-                self._refuse(EngineUnavailableError("Too many open connections; retry later.", code="too_many_connections"))
+                self._refuse(
+                    EngineUnavailableError("Too many open connections; retry later.", code="too_many_connections")
+                )
                 return
             self._arm()
 
@@ -144,10 +146,14 @@ def guarded_http(limits: ConnectionsConfig, base: type = _BaseProtocol) -> type:
         def _headers_too_large(self) -> None:
             self._refused = True
             self._disarm()
-            self.transport.write(_raw_response(HeadersTooLargeError(
-                f"The request line and headers are larger than {max_header_bytes} bytes "
-                "(server.connections.max_header_bytes)."
-            )))
+            self.transport.write(
+                _raw_response(
+                    HeadersTooLargeError(
+                        f"The request line and headers are larger than {max_header_bytes} bytes "
+                        "(server.connections.max_header_bytes)."
+                    )
+                )
+            )
             # A lingering close, as nginx does: stop sending, drop whatever the client still sends for a moment
             # (data_received), then close. Closing at once would make the kernel answer the unread bytes with a
             # reset, which can destroy the 431 before the client reads it.

@@ -9,7 +9,8 @@ four tasks and two waits per request, a tenth of what the gateway spent on one.)
 from __future__ import annotations
 
 import asyncio
-from typing import Any, Awaitable, Callable, Sequence, TypeVar
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, TypeVar
 
 from deltafin.errors import ClientClosedRequest
 

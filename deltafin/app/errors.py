@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Awaitable, Callable
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import msgspec
 import structlog
@@ -41,7 +42,9 @@ def _validation_error(exc: ValidationException) -> InvalidRequestError:
     missing = _MISSING_FIELD.search(message)
     if missing:
         parent = "" if key in (None, "data", "body") else f"{key}."
-        return InvalidRequestError(f"Missing required field `{parent}{missing.group(1)}`", param=parent + missing.group(1))
+        return InvalidRequestError(
+            f"Missing required field `{parent}{missing.group(1)}`", param=parent + missing.group(1)
+        )
     if key in (None, "data", "body"):
         if "JSON is malformed" in message or "malformed" in message.lower():
             return InvalidRequestError(f"The request body is not valid JSON: {message}")

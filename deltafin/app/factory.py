@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import gc
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from typing import Any, AsyncIterator, Sequence
+from typing import Any
 
 import structlog
 from litestar import Litestar, Response, get
@@ -14,19 +15,19 @@ from litestar.di import Provide
 from litestar.openapi import OpenAPIConfig
 
 from deltafin import __version__
-from deltafin.app.errors import handle_exception
-from deltafin.app.request_context import RequestContext
 from deltafin.app.auth import ApiKeyGate
 from deltafin.app.body import publish_body_schemas
 from deltafin.app.connections import BodyDeadline
+from deltafin.app.errors import handle_exception
 from deltafin.app.generation import GenerationEndpoints, document_generation_routes
+from deltafin.app.request_context import RequestContext
 from deltafin.app.routes import BODY_TYPES, ROUTES
 from deltafin.app.served import ServedModel, ServedModels
 from deltafin.app.services import Services, engine_name, start_fork_server
 from deltafin.app.shutdown import Drain, DrainGate
 from deltafin.config import DeltafinConfig
-from deltafin.serving.responses import open_store
 from deltafin.metrics import Metrics
+from deltafin.serving.responses import open_store
 
 log = structlog.get_logger("deltafin.app")
 
@@ -37,8 +38,14 @@ def _provide_models(state: State) -> ServedModels:
 
 def _engine_states(models: ServedModels) -> list[tuple[str, float, float]]:
     """(model, requests waiting, 1.0 while generating) of each loaded model, for the gauges."""
-    return [(services.ctx.model_name, float(services.ctx.engine.admission.waiting),
-             float(services.ctx.engine.admission.busy)) for services in models.loaded()]
+    return [
+        (
+            services.ctx.model_name,
+            float(services.ctx.engine.admission.waiting),
+            float(services.ctx.engine.admission.busy),
+        )
+        for services in models.loaded()
+    ]
 
 
 def _expert_pools(models: ServedModels) -> list[tuple[str, Any]]:
@@ -47,8 +54,11 @@ def _expert_pools(models: ServedModels) -> list[tuple[str, Any]]:
     return [(model, stats) for model, stats in pools if stats is not None]
 
 
-@get("/health", summary="200 when every served model is loaded (and its upstream answers), else 503",
-     include_in_schema=True)
+@get(
+    "/health",
+    summary="200 when every served model is loaded (and its upstream answers), else 503",
+    include_in_schema=True,
+)
 async def health(state: State) -> Response:
     models: ServedModels = state.models
     statuses = {model.name: model.status for model in models}
@@ -63,19 +73,22 @@ async def health(state: State) -> Response:
             down = down or {"model": model, "engine": engine.name, "error": upstream.detail}
     if down:
         body = {"status": "upstream_unavailable", "engine": down["engine"], "error": down["error"]}
-        return Response({**body, **_named(models, statuses, down["model"])}, status_code=503,
-                        headers={"Retry-After": "5"})
+        return Response(
+            {**body, **_named(models, statuses, down["model"])}, status_code=503, headers={"Retry-After": "5"}
+        )
     failed = next((model for model in models if model.error), None)
     if failed is not None:
-        return Response({"status": "failed", "error": failed.error, **_named(models, statuses, failed)},
-                        status_code=503)
+        return Response(
+            {"status": "failed", "error": failed.error, **_named(models, statuses, failed)}, status_code=503
+        )
     loading = next((model for model in models if model.services is None), None)
     if loading is not None:
         return Response({"status": "loading", "error": None, **_named(models, statuses, loading)}, status_code=503)
     main = models.main.services
     assert main is not None
-    return Response({"status": "ok", "model": models.main.name, "engine": main.ctx.engine.name,
-                     **_named(models, statuses, None)})
+    return Response(
+        {"status": "ok", "model": models.main.name, "engine": main.ctx.engine.name, **_named(models, statuses, None)}
+    )
 
 
 def first_line(exc: BaseException) -> str:
@@ -105,8 +118,12 @@ def _freeze_loaded_heap() -> None:
     gc.freeze()
 
 
-def build_app(config: DeltafinConfig, services: Services | Sequence[Services] | None = None, *,
-              models: Sequence[DeltafinConfig] = ()) -> Any:
+def build_app(
+    config: DeltafinConfig,
+    services: Services | Sequence[Services] | None = None,
+    *,
+    models: Sequence[DeltafinConfig] = (),
+) -> Any:
     """The ASGI app for `config`'s model and the other `models` (deltafin.config.models), loaded in the
     background one after another, the main one first. With `services` given (tests: one, or one per model, the
     main one first) it is ready at once."""

@@ -16,8 +16,9 @@ generation route is one `GenerationRoute` and its paths in `GENERATION_ROUTES`.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Awaitable, Callable
+from typing import Any
 
 import msgspec
 from litestar import Litestar, asgi
@@ -52,13 +53,25 @@ class GenerationRoute:
     create: Callable[[Services, Any, RequestStats], Awaitable[Any]]
 
 
-_CHAT = GenerationRoute(ChatCompletionRequest, "Create a chat completion", "ChatCompletions",
-                        lambda services, request, stats: services.chat.create(request, stats))
-_COMPLETION = GenerationRoute(CompletionRequest, "Create a text completion", "Completions",
-                              lambda services, request, stats: services.completions.create(request, stats))
+_CHAT = GenerationRoute(
+    ChatCompletionRequest,
+    "Create a chat completion",
+    "ChatCompletions",
+    lambda services, request, stats: services.chat.create(request, stats),
+)
+_COMPLETION = GenerationRoute(
+    CompletionRequest,
+    "Create a text completion",
+    "Completions",
+    lambda services, request, stats: services.completions.create(request, stats),
+)
 
-_RESPONSE = GenerationRoute(ResponsesRequest, "Create a model response (Responses API)", "Responses",
-                            lambda services, request, stats: services.responses.create(request, stats))
+_RESPONSE = GenerationRoute(
+    ResponsesRequest,
+    "Create a model response (Responses API)",
+    "Responses",
+    lambda services, request, stats: services.responses.create(request, stats),
+)
 
 #: path -> route, the versioned path first (both are served and documented)
 GENERATION_ROUTES: dict[str, GenerationRoute] = {
@@ -122,8 +135,9 @@ class GenerationEndpoints:
         # Queue wait and non-streamed generation stop at the client's disconnect or a shutdown
         # (deltafin.app.shutdown); a streamed body stops when the client goes (send_event_stream) or the drain's
         # grace ends.
-        result = await cancel_when(route.create(services, request, stats),
-                                   [on_disconnect(receive), self._drain.stopper(admitted)], _close)
+        result = await cancel_when(
+            route.create(services, request, stats), [on_disconnect(receive), self._drain.stopper(admitted)], _close
+        )
         if isinstance(result, StreamingResponse):
             head = {"type": "http.response.start", "status": 200, "headers": _SSE_HEADERS}
             if result.ready:  # the first chunk comes at once: the head leaves with it, one wake-up for the client
@@ -232,7 +246,11 @@ def document_generation_routes(app: Litestar) -> None:
             "text/event-stream": OpenAPIMediaType(schema=Schema(description="chunks, when `stream` is true")),
         }
         prefix = "V1" if path.startswith("/v1/") else ""
-        operation = Operation(summary=route.summary, operation_id=prefix + route.operation_id, request_body=body,
-                              responses={"200": OpenAPIResponse(description="Request fulfilled", content=answers)})
+        operation = Operation(
+            summary=route.summary,
+            operation_id=prefix + route.operation_id,
+            request_body=body,
+            responses={"200": OpenAPIResponse(description="Request fulfilled", content=answers)},
+        )
         paths[path] = PathItem(post=operation)
     openapi.paths = paths

@@ -93,7 +93,9 @@ class RequestContext:
             if stats.ttft_s is not None:
                 m.ttft.labels(model=model).observe(stats.ttft_s)
                 if stats.generated_tokens > 1:
-                    m.inter_token.labels(model=model).observe(max(0.0, total - stats.ttft_s) / (stats.generated_tokens - 1))
+                    m.inter_token.labels(model=model).observe(
+                        max(0.0, total - stats.ttft_s) / (stats.generated_tokens - 1)
+                    )
         for rule in stats.rules:  # rule names come from the config, so this label set is bounded
             m.rule_firings.labels(rule=rule).inc()
 

@@ -22,10 +22,16 @@ from deltafin.serving.chat import brings_template
 from deltafin.serving.context import RequestStats
 from deltafin.serving.models import get_model, list_models
 
-
 #: The request types whose schemas /schema publishes (deltafin.app.body.publish_body_schemas), the generation
 #: routes' included.
-BODY_TYPES = [ChatCompletionRequest, CompletionRequest, ResponsesRequest, TokenizeRequest, DetokenizeRequest, ParseRequest]
+BODY_TYPES = [
+    ChatCompletionRequest,
+    CompletionRequest,
+    ResponsesRequest,
+    TokenizeRequest,
+    DetokenizeRequest,
+    ParseRequest,
+]
 
 
 def _body(request_type: type) -> dict[str, Any]:
@@ -49,24 +55,47 @@ async def model(name: FromPath[str], models: NamedDependency[ServedModels]) -> d
     return get_model(models.require(name).ctx, name)
 
 
-@post(["/tokenize", "/v1/tokenize"], status_code=200, summary="Tokenize a prompt or chat messages", **_body(TokenizeRequest))
+@post(
+    ["/tokenize", "/v1/tokenize"],
+    status_code=200,
+    summary="Tokenize a prompt or chat messages",
+    **_body(TokenizeRequest),
+)
 async def tokenize(
     request: Request, payload: NamedDependency[TokenizeRequest], models: NamedDependency[ServedModels]
 ) -> dict[str, Any]:
     stats = _stats(request)
     services = models.require(payload.model)
     stats.answered_by(services.ctx)
-    return await services.ctx.off_loop(services.tokenize.tokenize, payload, stats, size=stats.body_bytes, stats=stats,
-                                       inline=not brings_template(payload))
+    return await services.ctx.off_loop(
+        services.tokenize.tokenize,
+        payload,
+        stats,
+        size=stats.body_bytes,
+        stats=stats,
+        inline=not brings_template(payload),
+    )
 
 
-@post(["/detokenize", "/v1/detokenize"], status_code=200, summary="Turn token ids back into text", **_body(DetokenizeRequest))
-async def detokenize(payload: NamedDependency[DetokenizeRequest], models: NamedDependency[ServedModels]) -> dict[str, Any]:
+@post(
+    ["/detokenize", "/v1/detokenize"],
+    status_code=200,
+    summary="Turn token ids back into text",
+    **_body(DetokenizeRequest),
+)
+async def detokenize(
+    payload: NamedDependency[DetokenizeRequest], models: NamedDependency[ServedModels]
+) -> dict[str, Any]:
     services = models.require(payload.model)
     return await services.ctx.off_loop(services.tokenize.detokenize, payload)
 
 
-@post(["/parse", "/v1/parse"], status_code=200, summary="Parse raw model output with the served model's parsers", **_body(ParseRequest))
+@post(
+    ["/parse", "/v1/parse"],
+    status_code=200,
+    summary="Parse raw model output with the served model's parsers",
+    **_body(ParseRequest),
+)
 async def parse(payload: NamedDependency[ParseRequest], models: NamedDependency[ServedModels]) -> dict[str, Any]:
     services = models.require(payload.model)
     return await services.ctx.off_loop(services.parse.parse, payload)
@@ -75,20 +104,34 @@ async def parse(payload: NamedDependency[ParseRequest], models: NamedDependency[
 # The Responses API's stored responses (POST /v1/responses is a generation route: deltafin.app.generation). The
 # store is the process's, whichever model answered: any loaded model's service reads it.
 @get(["/v1/responses/{response_id:str}", "/responses/{response_id:str}"], summary="Retrieve a stored response")
-async def retrieve_response(request: Request, response_id: FromPath[str], models: NamedDependency[ServedModels]) -> dict[str, Any]:
+async def retrieve_response(
+    request: Request, response_id: FromPath[str], models: NamedDependency[ServedModels]
+) -> dict[str, Any]:
     return await models.any().responses.retrieve(_stats(request).owner, response_id)
 
 
-@delete(["/v1/responses/{response_id:str}", "/responses/{response_id:str}"], status_code=200, summary="Delete a stored response")
-async def delete_response(request: Request, response_id: FromPath[str], models: NamedDependency[ServedModels]) -> dict[str, Any]:
+@delete(
+    ["/v1/responses/{response_id:str}", "/responses/{response_id:str}"],
+    status_code=200,
+    summary="Delete a stored response",
+)
+async def delete_response(
+    request: Request, response_id: FromPath[str], models: NamedDependency[ServedModels]
+) -> dict[str, Any]:
     return await models.any().responses.delete(_stats(request).owner, response_id)
 
 
-@get(["/v1/responses/{response_id:str}/input_items", "/responses/{response_id:str}/input_items"],
-     summary="List a stored response's input items")
+@get(
+    ["/v1/responses/{response_id:str}/input_items", "/responses/{response_id:str}/input_items"],
+    summary="List a stored response's input items",
+)
 async def response_input_items(
-    request: Request, response_id: FromPath[str], models: NamedDependency[ServedModels],
-    limit: FromQuery[int] = 20, order: FromQuery[str] = "desc", after: FromQuery[str | None] = None,
+    request: Request,
+    response_id: FromPath[str],
+    models: NamedDependency[ServedModels],
+    limit: FromQuery[int] = 20,
+    order: FromQuery[str] = "desc",
+    after: FromQuery[str | None] = None,
 ) -> dict[str, Any]:
     if not 1 <= limit <= 100:
         raise InvalidRequestError("limit must be between 1 and 100", param="limit")

@@ -3,7 +3,7 @@ which one a request's `model` chooses."""
 
 from __future__ import annotations
 
-from typing import Iterator, Sequence
+from collections.abc import Iterator, Sequence
 
 from deltafin.app.services import Services
 from deltafin.config import DeltafinConfig
@@ -32,7 +32,9 @@ class ServedModel:
                 raise EngineUnavailableError(
                     f"Service unavailable: {which} failed to load: {self.error.rstrip('.')}.", code="model_load_failed"
                 )
-            raise EngineUnavailableError(f"Service unavailable: {which} is still loading.", headers={"Retry-After": "5"})
+            raise EngineUnavailableError(
+                f"Service unavailable: {which} is still loading.", headers={"Retry-After": "5"}
+            )
         return self.services
 
 
@@ -60,8 +62,9 @@ class ServedModels:
         model = self._by_name.get(name)
         if model is None:
             served = ", ".join(f"`{each.name}`" for each in self.models)
-            raise ModelNotFoundError(f"The model `{quoted_name(name)}` does not exist. This server serves {served}.",
-                                     param="model")
+            raise ModelNotFoundError(
+                f"The model `{quoted_name(name)}` does not exist. This server serves {served}.", param="model"
+            )
         return model.require(several=True)
 
     def any(self) -> Services:

@@ -13,11 +13,11 @@ from deltafin.rules import build_pipeline
 from deltafin.serving.chat import ChatService
 from deltafin.serving.completions import CompletionService
 from deltafin.serving.context import ServingContext, prompt_work_for
-from deltafin.serving.prompt_work import PerThreadChatFormat
 from deltafin.serving.parse import ParseService
+from deltafin.serving.prompt_work import PerThreadChatFormat
 from deltafin.serving.responses import ResponsesService, open_store
-from deltafin.serving.responses.store import ResponseStore
 from deltafin.serving.responses.conversation import speaks_developer
+from deltafin.serving.responses.store import ResponseStore
 from deltafin.serving.tokenize import TokenizeService
 
 
@@ -31,8 +31,9 @@ class Services:
     responses: ResponsesService
 
     @classmethod
-    def from_engine(cls, config: DeltafinConfig, engine: EngineFront, store: ResponseStore | None = None) -> "Services":
+    def from_engine(cls, config: DeltafinConfig, engine: EngineFront, store: ResponseStore | None = None) -> Services:
         """`store`: where stored responses live, shared by every model of the process (else one of its own)."""
+
         def chat_format_with(tokenizer: Any) -> Any:
             return build_chat_format(
                 config.model.chat_format,
@@ -47,8 +48,14 @@ class Services:
         chat_format = PerThreadChatFormat(chat_format_with, prompt.tokenizers)
         prompt.prepare(chat_format.prepare)
         rules = build_pipeline(config.compat.rules, config.model.family)
-        ctx = ServingContext(config=config, engine=engine, chat_format=chat_format, rules=rules, prompt=prompt,
-                             grammars=grammars_for(config, engine))
+        ctx = ServingContext(
+            config=config,
+            engine=engine,
+            chat_format=chat_format,
+            rules=rules,
+            prompt=prompt,
+            grammars=grammars_for(config, engine),
+        )
         chat = ChatService(ctx)
         return cls(
             ctx=ctx,
@@ -57,13 +64,17 @@ class Services:
             tokenize=TokenizeService(ctx, chat),
             parse=ParseService(chat),
             responses=ResponsesService(
-                ctx, chat, store if store is not None else open_store(config.server.responses),
-                developer_role=speaks_developer(config.model.chat_format, getattr(engine.tokenizer, "chat_template", None)),
+                ctx,
+                chat,
+                store if store is not None else open_store(config.server.responses),
+                developer_role=speaks_developer(
+                    config.model.chat_format, getattr(engine.tokenizer, "chat_template", None)
+                ),
             ),
         )
 
     @classmethod
-    def load(cls, config: DeltafinConfig, store: ResponseStore | None = None) -> "Services":
+    def load(cls, config: DeltafinConfig, store: ResponseStore | None = None) -> Services:
         """The model's engine built and loaded (this blocks: seconds to minutes), and its services."""
         return cls.from_engine(config, front_for(config, build_engine(config)), store)
 
@@ -103,8 +114,13 @@ def grammars_for(config: DeltafinConfig, engine: EngineFront) -> Any:
     # An upstream compiles for itself: its workers only check (limits, and xgrammar's reading of the schema).
     info = tokenizer_info(engine.tokenizer, engine.vocab_size, engine.stop_token_ids) if caps.compiled_grammar else None
     grammar = config.server.grammar
-    return Grammars(info, engine.vocab_size, workers=grammar.workers, timeout_s=grammar.compile_timeout_s,
-                    retry_after_s=config.server.queue.timeout_s)
+    return Grammars(
+        info,
+        engine.vocab_size,
+        workers=grammar.workers,
+        timeout_s=grammar.compile_timeout_s,
+        retry_after_s=config.server.queue.timeout_s,
+    )
 
 
 def engine_name(config: DeltafinConfig) -> str:

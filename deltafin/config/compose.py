@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Sequence
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
@@ -63,8 +63,9 @@ def compose_raw(overrides: Sequence[str] = ()) -> DictConfig:
         raise ConfigError(f"hydra.searchpath: {text}" if "searchpath" in text else f"config: {text}") from None
     except Exception as exc:  # OmegaConf's own failures while merging an override (raised as plain Python errors)
         key = re.search(r"full_key: (\S+)", str(exc))
-        raise ConfigError(f"{key.group(1) if key else 'config'}: cannot take this override "
-                          f"({str(exc).splitlines()[0]})") from None
+        raise ConfigError(
+            f"{key.group(1) if key else 'config'}: cannot take this override ({str(exc).splitlines()[0]})"
+        ) from None
 
 
 def _named_in_full(reason: str, overrides: Sequence[str]) -> str:
@@ -74,7 +75,7 @@ def _named_in_full(reason: str, overrides: Sequence[str]) -> str:
     for override in overrides:
         parts = override.split("=", 1)[0].lstrip("+~").split(".")
         if key in parts[1:]:  # `+models.glm=5` names `glm`; `+models.a.b=[...]` names `a`
-            return f"{'.'.join(parts[:parts.index(key, 1) + 1])}: {rest}"
+            return f"{'.'.join(parts[: parts.index(key, 1) + 1])}: {rest}"
     return reason
 
 

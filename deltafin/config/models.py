@@ -10,14 +10,22 @@ silently does nothing.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 from deltafin.config.validate import ConfigError
 
 #: keys the process has once, whichever model a request names
 PROCESS_KEYS = (
-    "server.host", "server.port", "server.api_keys", "server.open_routes", "server.max_body_bytes",
-    "server.log_level", "server.shutdown_grace_s", "server.connections", "server.responses", "models",
+    "server.host",
+    "server.port",
+    "server.api_keys",
+    "server.open_routes",
+    "server.max_body_bytes",
+    "server.log_level",
+    "server.shutdown_grace_s",
+    "server.connections",
+    "server.responses",
+    "models",
 )
 
 
@@ -30,11 +38,15 @@ def entry_overrides(name: str, overrides: Sequence[str]) -> list[str]:
         names_itself = names_itself or key == "model.name"
         for process_key in PROCESS_KEYS:
             if key == process_key or key.startswith(process_key + "."):
-                raise ConfigError(f"models.{name}: {key} belongs to the whole process, not to one model: "
-                                  "set it on the main command line")
+                raise ConfigError(
+                    f"models.{name}: {key} belongs to the whole process, not to one model: "
+                    "set it on the main command line"
+                )
             if process_key.startswith(key + "."):  # `server={...}`, `server=default`: the whole group at once
-                raise ConfigError(f"models.{name}: {key} holds {process_key}, which belongs to the whole process: "
-                                  f"set the model's own keys one by one ({key}.queue.max_waiting=...)")
+                raise ConfigError(
+                    f"models.{name}: {key} holds {process_key}, which belongs to the whole process: "
+                    f"set the model's own keys one by one ({key}.queue.max_waiting=...)"
+                )
     return list(overrides) if names_itself else [*overrides, f"model.name={name}"]
 
 
@@ -46,6 +58,8 @@ def check_served_names(names_by_model: Sequence[tuple[str, Sequence[str]]]) -> N
         for name in names:
             if name in seen and seen[name] != entry:
                 first = f"models.{seen[name]}" if seen[name] else "the main model"
-                raise ConfigError(f"models.{entry}: the name {name!r} is served by {first} already "
-                                  "(an entry of a model file's family takes its aliases too: model.aliases=[] drops them)")
+                raise ConfigError(
+                    f"models.{entry}: the name {name!r} is served by {first} already "
+                    "(an entry of a model file's family takes its aliases too: model.aliases=[] drops them)"
+                )
             seen[name] = entry

@@ -16,10 +16,10 @@ from __future__ import annotations
 
 import ipaddress
 import re
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from enum import StrEnum
-from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 from omegaconf import MISSING
 

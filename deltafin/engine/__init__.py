@@ -10,6 +10,14 @@ from deltafin.engine.interface import EngineCapabilities, EngineClient, Readines
 from deltafin.engine.stream import GenerationStream
 
 __all__ = [
-    "EngineCapabilities", "EngineClient", "EngineFront", "Finished", "GenerationJob", "GenerationStream",
-    "PromptLogprobs", "Readiness", "TextDelta", "TokenLogprob",
+    "EngineCapabilities",
+    "EngineClient",
+    "EngineFront",
+    "Finished",
+    "GenerationJob",
+    "GenerationStream",
+    "PromptLogprobs",
+    "Readiness",
+    "TextDelta",
+    "TokenLogprob",
 ]

@@ -61,7 +61,7 @@ class Admission:
         self._waiters.append(entry)
         try:
             await asyncio.wait_for(asyncio.shield(future), timeout=max(0.0, deadline - time.monotonic()))
-        except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+        except (TimeoutError, asyncio.CancelledError) as exc:
             if future.done() and not future.cancelled():
                 # Granted in the same instant it gave up: hand the units on.
                 self.release(units)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from deltafin.engine.admission import Admission
 from deltafin.engine.events import Finished, GenerationJob, PromptLogprobs, TextDelta

@@ -19,8 +19,9 @@ generation is known to run: an error raised there is a real HTTP status, not an 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Any
 
 from deltafin.engine.events import GenerationJob
 
@@ -63,16 +64,16 @@ class EngineClient(ABC):
     observer: Any = None
 
     @abstractmethod
-    def submit(self, jobs: Sequence[GenerationJob], stream: "GenerationStream") -> None:
+    def submit(self, jobs: Sequence[GenerationJob], stream: GenerationStream) -> None:
         """Start generating `jobs` (the choices of one request); see the module docstring."""
 
-    async def started(self, stream: "GenerationStream") -> None:
+    async def started(self, stream: GenerationStream) -> None:  # noqa: B027 (optional: most engines start at once)
         """Return once `stream`'s generation is under way, or raise the DeltafinError that prevents it."""
 
     async def readiness(self) -> Readiness:
         return Readiness(True)
 
-    async def aclose(self) -> None:
+    async def aclose(self) -> None:  # noqa: B027 (optional: an engine with nothing to release)
         """Release threads, connections and device memory; no submission follows."""
 
     def expert_stats(self) -> Any:

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import importlib
 import pkgutil
-from typing import Any, Sequence, TypeVar
+from collections.abc import Sequence
+from typing import Any, TypeVar
 
 from deltafin.config import ConfigError
 from deltafin.families.base import ModelFamily, TinyRecipe

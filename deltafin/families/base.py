@@ -8,8 +8,9 @@ recipe of a tiny model for tests. Families that differ only in small ways (GLM-4
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Sequence
+from typing import Any, ClassVar
 
 from deltafin.markup import IdFactory, Markup, OutputParser, PlainOutputParser
 from deltafin.markup.selection import forced_calls
@@ -71,7 +72,12 @@ class ModelFamily:
         return markup is not None and markup.chooses_calls
 
     def tool_call_structure(
-        self, variant: str | None, tools: Sequence[Any], tool_choice: Any, *, prompt_text: str,
+        self,
+        variant: str | None,
+        tools: Sequence[Any],
+        tool_choice: Any,
+        *,
+        prompt_text: str,
         parallel_tool_calls: bool | None = None,
     ) -> dict[str, Any] | None:
         """An xgrammar structural tag forcing this family's native tool-call syntax when `tool_choice` forces a
@@ -83,7 +89,9 @@ class ModelFamily:
             return None
         return markup.calls(forced, markup.reasoning(prompt_text))
 
-    def answer_structure(self, variant: str | None, content: dict[str, Any], *, prompt_text: str) -> dict[str, Any] | None:
+    def answer_structure(
+        self, variant: str | None, content: dict[str, Any], *, prompt_text: str
+    ) -> dict[str, Any] | None:
         """A structural tag letting this family's reasoning through, then `content` (an xgrammar format, e.g.
         JSON under a schema) as the answer; None when the output starts with the answer (no open reasoning)."""
         markup = self.markup(variant)

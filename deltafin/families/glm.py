@@ -10,12 +10,27 @@ from __future__ import annotations
 
 from deltafin.families import register
 from deltafin.families.base import ModelFamily, TinyRecipe
-from deltafin.markup.glm import GLM45, GLM47, Glm as GlmMarkup
+from deltafin.markup.glm import GLM45, GLM47
+from deltafin.markup.glm import Glm as GlmMarkup
 
 TOKENS = [
-    "[gMASK]", "<sop>", "<|system|>", "<|user|>", "<|assistant|>", "<|observation|>", "<|endoftext|>",
-    "<think>", "</think>", "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>",
-    "</arg_value>", "<tool_response>", "</tool_response>",
+    "[gMASK]",
+    "<sop>",
+    "<|system|>",
+    "<|user|>",
+    "<|assistant|>",
+    "<|observation|>",
+    "<|endoftext|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<arg_key>",
+    "</arg_key>",
+    "<arg_value>",
+    "</arg_value>",
+    "<tool_response>",
+    "</tool_response>",
 ]
 
 

@@ -5,13 +5,25 @@ from __future__ import annotations
 
 from deltafin.families import register
 from deltafin.families.base import ModelFamily, TinyRecipe
-from deltafin.markup.kimi_k2 import KIMI_K2, KimiK2 as KimiK2Markup
+from deltafin.markup.kimi_k2 import KIMI_K2
+from deltafin.markup.kimi_k2 import KimiK2 as KimiK2Markup
 
 TOKENS = [
-    "<|im_system|>", "<|im_user|>", "<|im_assistant|>", "<|im_middle|>", "<|im_end|>",
-    "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_section_begin|>",
-    "<|tool_call_section_end|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>", "<|tool_call_end|>",
-    "<think>", "</think>", "<|pad|>",
+    "<|im_system|>",
+    "<|im_user|>",
+    "<|im_assistant|>",
+    "<|im_middle|>",
+    "<|im_end|>",
+    "<|tool_calls_section_begin|>",
+    "<|tool_calls_section_end|>",
+    "<|tool_call_section_begin|>",
+    "<|tool_call_section_end|>",
+    "<|tool_call_begin|>",
+    "<|tool_call_argument_begin|>",
+    "<|tool_call_end|>",
+    "<think>",
+    "</think>",
+    "<|pad|>",
 ]
 
 

@@ -8,8 +8,15 @@ from deltafin.families.base import ModelFamily, TinyRecipe
 from deltafin.markup.hermes import HERMES, Hermes
 
 TOKENS = [
-    "<|endoftext|>", "<|im_start|>", "<|im_end|>", "<think>", "</think>", "<tool_call>", "</tool_call>",
-    "<tool_response>", "</tool_response>",
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
 ]
 
 

@@ -7,8 +7,9 @@ processes). `tokenizer_info` is what xgrammar needs per tokenizer (built once, a
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Any, Iterable
+from typing import Any
 
 import xgrammar as xgr
 

@@ -44,9 +44,18 @@ class _Pending:
 
 
 class Grammars:
-    def __init__(self, info: xgr.TokenizerInfo | None, vocab_size: int, *, workers: int = 1, timeout_s: float = 10.0,
-                 entries: int = 64, cache_bytes: int = 512 * 2**20, failures: int = 1024,
-                 retry_after_s: float = 30.0) -> None:
+    def __init__(
+        self,
+        info: xgr.TokenizerInfo | None,
+        vocab_size: int,
+        *,
+        workers: int = 1,
+        timeout_s: float = 10.0,
+        entries: int = 64,
+        cache_bytes: int = 512 * 2**20,
+        failures: int = 1024,
+        retry_after_s: float = 30.0,
+    ) -> None:
         """info: the engine's tokenizer info (compile for it), or None (check only)."""
         self._info = info
         # Each lane thread compiles with a compiler of its own (made on its first proven grammar).
@@ -58,8 +67,9 @@ class Grammars:
         self._failures = failures
         self._retry_after = str(max(1, math.ceil(retry_after_s)))
         self.timeout_s = timeout_s
-        self._pool = CompileWorkers(info.serialize_json().encode("utf-8") if info is not None else b"",
-                                    workers=workers, timeout_s=timeout_s)
+        self._pool = CompileWorkers(
+            info.serialize_json().encode("utf-8") if info is not None else b"", workers=workers, timeout_s=timeout_s
+        )
         self._ready: OrderedDict[Constraint, ReadyGrammar | None] = OrderedDict()
         self._refused: OrderedDict[Constraint, ValueError] = OrderedDict()
         self._inflight: dict[Constraint, _Pending] = {}
@@ -70,7 +80,9 @@ class Grammars:
     def workers(self) -> CompileWorkers:
         return self._pool
 
-    async def prepare(self, constraint: Constraint, *, deadline: float | None = None) -> tuple[ReadyGrammar | None, float]:
+    async def prepare(
+        self, constraint: Constraint, *, deadline: float | None = None
+    ) -> tuple[ReadyGrammar | None, float]:
         """(the ready grammar, or None when checking only; seconds this request's compile ran). Raises
         ValueError (TooComplex when over a limit or the time budget) for a constraint that cannot be enforced,
         EngineBusyError when no worker took it by `deadline` (monotonic)."""
@@ -144,7 +156,9 @@ class Grammars:
                 ready = done.result()
                 self._ready[constraint] = ready
                 self._held_bytes += _size(ready)
-                while len(self._ready) > self._entries or (self._held_bytes > self._cache_bytes and len(self._ready) > 1):
+                while len(self._ready) > self._entries or (
+                    self._held_bytes > self._cache_bytes and len(self._ready) > 1
+                ):
                     self._held_bytes -= _size(self._ready.popitem(last=False)[1])
             elif isinstance(error, ValueError) and not isinstance(error, WorkerFailed):
                 # A crash is not cached: it may have been the worker's (out of memory), not the constraint's.

@@ -72,8 +72,9 @@ def build(constraint: Constraint, compiler: xgr.GrammarCompiler | None) -> xgr.G
     if compiler is not None:
         size = compile_grammar(compiler, grammar).memory_size_bytes
         if size > MAX_COMPILED_BYTES:
-            raise TooComplex(f"its compiled grammar would take {size // 2**20} MiB "
-                             f"(at most {MAX_COMPILED_BYTES // 2**20} MiB)")
+            raise TooComplex(
+                f"its compiled grammar would take {size // 2**20} MiB (at most {MAX_COMPILED_BYTES // 2**20} MiB)"
+            )
     return grammar
 
 

@@ -18,9 +18,10 @@ import multiprocessing.forkserver
 import queue
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 import structlog
 
@@ -65,8 +66,9 @@ class _Worker:
 
     def __init__(self, context: Any, tokenizer_info: bytes, timeout_s: float) -> None:
         self.conn, child = context.Pipe()
-        self.process = context.Process(target=worker_module.serve, args=(child, timeout_s), daemon=True,
-                                       name="deltafin-grammar")
+        self.process = context.Process(
+            target=worker_module.serve, args=(child, timeout_s), daemon=True, name="deltafin-grammar"
+        )
         self.process.start()
         child.close()
         self.conn.send_bytes(tokenizer_info)

@@ -22,8 +22,17 @@ import pkgutil
 from deltafin.markup.base import MARKUPS, Markup, XmlArgumentStyle
 from deltafin.markup.parsing import IdFactory, OutputParser, ParsedDelta, PlainOutputParser, ToolCallDelta
 
-__all__ = ["MARKUPS", "IdFactory", "Markup", "OutputParser", "ParsedDelta", "PlainOutputParser", "ToolCallDelta",
-           "XmlArgumentStyle", "get_markup"]
+__all__ = [
+    "MARKUPS",
+    "IdFactory",
+    "Markup",
+    "OutputParser",
+    "ParsedDelta",
+    "PlainOutputParser",
+    "ToolCallDelta",
+    "XmlArgumentStyle",
+    "get_markup",
+]
 
 
 def get_markup(name: str) -> Markup:

@@ -23,8 +23,9 @@ Families pick a markup (deltafin.families); nothing here knows a family or a mod
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar, Mapping, Sequence, TypeVar
+from typing import Any, ClassVar, TypeVar
 
 from deltafin.markup.formats import Format
 from deltafin.markup.parsing import IdFactory, OutputParser
@@ -62,7 +63,12 @@ class Markup:
     prompt_endings: ClassVar[Mapping[str, str]] = {"disabled": ""}
 
     def output_parser(
-        self, *, prompt_text: str, tools: Sequence[Any], calls_allowed: bool, new_id: IdFactory,
+        self,
+        *,
+        prompt_text: str,
+        tools: Sequence[Any],
+        calls_allowed: bool,
+        new_id: IdFactory,
         forced: ForcedCalls | None = None,
     ) -> OutputParser:
         """A fresh parser for one choice. `prompt_text` tells where output starts; tool calls are read only when
@@ -83,8 +89,14 @@ class Markup:
         markup has no reasoning to let through."""
         return None
 
-    def write(self, calls: Sequence[Call], *, reasoning: str = "disabled", thought: str = "",
-              forced: ForcedCalls | None = None) -> str:
+    def write(
+        self,
+        calls: Sequence[Call],
+        *,
+        reasoning: str = "disabled",
+        thought: str = "",
+        forced: ForcedCalls | None = None,
+    ) -> str:
         """The output `calls(forced, reasoning)` lets a model write: `thought` as its reasoning (where the mode
         has any), then `calls` in this markup."""
         raise NotImplementedError

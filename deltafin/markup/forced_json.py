@@ -18,7 +18,8 @@ what it needs: strings, nesting depth, and the keys of each call object.
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from deltafin.markup.base import Call, Markup, register
 from deltafin.markup.formats import arguments, structural_tag
@@ -38,11 +39,19 @@ def forced_call_schema(forced: ForcedCalls) -> dict[str, Any]:
     if arguments_only(forced) is not None:
         return dict(forced.functions[0].schema)
     calls = [
-        {"type": "object", "properties": {"name": {"const": f.name}, "arguments": dict(f.schema)},
-         "required": ["name", "arguments"], "additionalProperties": False}
+        {
+            "type": "object",
+            "properties": {"name": {"const": f.name}, "arguments": dict(f.schema)},
+            "required": ["name", "arguments"],
+            "additionalProperties": False,
+        }
         for f in forced.functions
     ]
-    schema: dict[str, Any] = {"type": "array", "items": calls[0] if len(calls) == 1 else {"anyOf": calls}, "minItems": 1}
+    schema: dict[str, Any] = {
+        "type": "array",
+        "items": calls[0] if len(calls) == 1 else {"anyOf": calls},
+        "minItems": 1,
+    }
     if forced.single:
         schema["maxItems"] = 1
     return schema
@@ -96,7 +105,9 @@ class ForcedJsonCallParser:
 
     def _head(self, out: ParsedDelta, fragment: list[str]) -> None:
         self._flush(out, fragment)
-        out.tool_calls.append(ToolCallDelta(self._index, self._new_id(self._index, self._call_name), self._call_name, ""))
+        out.tool_calls.append(
+            ToolCallDelta(self._index, self._new_id(self._index, self._call_name), self._call_name, "")
+        )
         if self._held:
             fragment.extend(self._held)
             self._held.clear()
@@ -156,8 +167,15 @@ class ForcedJson(Markup):
     name = "forced_json"
     chooses_calls = False
 
-    def output_parser(self, *, prompt_text: str, tools: Sequence[Any], calls_allowed: bool, new_id: IdFactory,
-                      forced: ForcedCalls | None = None) -> OutputParser:
+    def output_parser(
+        self,
+        *,
+        prompt_text: str,
+        tools: Sequence[Any],
+        calls_allowed: bool,
+        new_id: IdFactory,
+        forced: ForcedCalls | None = None,
+    ) -> OutputParser:
         if forced is None:
             raise ValueError("forced JSON calls are read only where a constraint forced them")
         return ForcedJsonCallParser(new_id, name=arguments_only(forced))
@@ -165,8 +183,14 @@ class ForcedJson(Markup):
     def calls(self, forced: ForcedCalls, reasoning: str) -> dict[str, Any]:
         return structural_tag(arguments(forced_call_schema(forced)))
 
-    def write(self, calls: Sequence[Call], *, reasoning: str = "disabled", thought: str = "",
-              forced: ForcedCalls | None = None) -> str:
+    def write(
+        self,
+        calls: Sequence[Call],
+        *,
+        reasoning: str = "disabled",
+        thought: str = "",
+        forced: ForcedCalls | None = None,
+    ) -> str:
         if forced is not None and arguments_only(forced) is not None:
             return json.dumps(dict(calls[0][1]))
         return json.dumps([{"name": name, "arguments": dict(args)} for name, args in calls])

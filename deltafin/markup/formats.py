@@ -52,8 +52,13 @@ def arguments(schema: dict[str, Any] | bool, style: str = "json", excludes: tupl
 
 def calls(tags: list[Format], separator: str, *, single: bool) -> Format:
     """One or more of `tags` (exactly one when `single`: a named tool_choice or parallel_tool_calls=false)."""
-    return {"type": "tags_with_separator", "tags": tags, "separator": separator, "at_least_one": True,
-            "stop_after_first": single}
+    return {
+        "type": "tags_with_separator",
+        "tags": tags,
+        "separator": separator,
+        "at_least_one": True,
+        "stop_after_first": single,
+    }
 
 
 def structural_tag(fmt: Format) -> dict[str, Any]:

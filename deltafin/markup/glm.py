@@ -22,12 +22,20 @@ builtin "glm_4_7" tag is not used: it has no GLM-4.5 form, its `glm_xml` style p
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from deltafin.markup.base import Call, XmlArgumentStyle, register
 from deltafin.markup.formats import Format, const, sequence, tag
 from deltafin.markup.formats import calls as one_or_more
-from deltafin.markup.parsing import IdFactory, ParsedDelta, ToolCallDelta, random_call_id, released_at_finish, split_at_marker
+from deltafin.markup.parsing import (
+    IdFactory,
+    ParsedDelta,
+    ToolCallDelta,
+    random_call_id,
+    released_at_finish,
+    split_at_marker,
+)
 from deltafin.markup.selection import ForcedCalls
 from deltafin.markup.think import END, START, ThinkMarkup
 from deltafin.markup.values import json_fragment, schema_types, typed_value
@@ -44,7 +52,11 @@ _NAMELESS = "nameless"  # inside a call without a name: swallowed up to its </to
 
 class GlmToolParser:
     def __init__(
-        self, *, newline_after_name: bool, types: dict[str, dict[str, str]] | None = None, new_id: IdFactory = random_call_id
+        self,
+        *,
+        newline_after_name: bool,
+        types: dict[str, dict[str, str]] | None = None,
+        new_id: IdFactory = random_call_id,
     ) -> None:
         self._name_ends = (KEY_BEGIN, CALL_END, "\n") if newline_after_name else (KEY_BEGIN, CALL_END)
         self._types = types or {}
@@ -128,7 +140,9 @@ class GlmToolParser:
                 opening = "{" if self._args == 0 else ", "
                 self._args += 1
                 quote = '"' if self._kind() == "string" else ""
-                out.tool_calls.append(ToolCallDelta(self._index, arguments=f"{opening}{json.dumps(self._key)}: {quote}"))
+                out.tool_calls.append(
+                    ToolCallDelta(self._index, arguments=f"{opening}{json.dumps(self._key)}: {quote}")
+                )
                 buffer, self._value = after, ""
                 self._state = _VALUE
             else:  # _VALUE: raw text, never stripped
@@ -180,14 +194,22 @@ class Glm(ThinkMarkup):
 
     def _argument(self, key: str, schema: Mapping[str, Any]) -> Format:
         nl = self._newline
-        return sequence(const(f"{KEY_BEGIN}{key}{KEY_END}{nl}"), tag(VALUE_BEGIN, self._value(schema), f"{VALUE_END}{nl}"))
+        return sequence(
+            const(f"{KEY_BEGIN}{key}{KEY_END}{nl}"), tag(VALUE_BEGIN, self._value(schema), f"{VALUE_END}{nl}")
+        )
 
     def call_formats(self, forced: ForcedCalls) -> list[Format]:
         nl = self._newline
-        any_argument = sequence(const(KEY_BEGIN), any_key(), const(f"{KEY_END}{nl}"),
-                                tag(VALUE_BEGIN, raw_text({}, self.markers), f"{VALUE_END}{nl}"))
-        tags = [tag(f"{CALL_BEGIN}{f.name}{nl}", per_property(f.schema, self._argument, any_argument), CALL_END)
-                for f in forced.functions]
+        any_argument = sequence(
+            const(KEY_BEGIN),
+            any_key(),
+            const(f"{KEY_END}{nl}"),
+            tag(VALUE_BEGIN, raw_text({}, self.markers), f"{VALUE_END}{nl}"),
+        )
+        tags = [
+            tag(f"{CALL_BEGIN}{f.name}{nl}", per_property(f.schema, self._argument, any_argument), CALL_END)
+            for f in forced.functions
+        ]
         return [one_or_more(tags, nl, single=forced.single)]
 
     def write_calls(self, calls: Sequence[Call]) -> str:

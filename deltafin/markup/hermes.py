@@ -18,12 +18,20 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 from deltafin.markup.base import Call, register
 from deltafin.markup.formats import Format, arguments, tag
 from deltafin.markup.formats import calls as one_or_more
-from deltafin.markup.parsing import IdFactory, ParsedDelta, ToolCallDelta, random_call_id, released_at_finish, split_at_marker
+from deltafin.markup.parsing import (
+    IdFactory,
+    ParsedDelta,
+    ToolCallDelta,
+    random_call_id,
+    released_at_finish,
+    split_at_marker,
+)
 from deltafin.markup.selection import ForcedCalls
 from deltafin.markup.think import END, START, ThinkMarkup
 
@@ -133,7 +141,11 @@ class Hermes(ThinkMarkup):
 
     def call_formats(self, forced: ForcedCalls) -> list[Format]:
         tags = [
-            tag(f'{CALL_BEGIN}\n{{"name": {json.dumps(f.name)}, "arguments": ', arguments(dict(f.schema)), f"}}\n{CALL_END}")
+            tag(
+                f'{CALL_BEGIN}\n{{"name": {json.dumps(f.name)}, "arguments": ',
+                arguments(dict(f.schema)),
+                f"}}\n{CALL_END}",
+            )
             for f in forced.functions
         ]
         return [one_or_more(tags, "\n", single=forced.single)]

@@ -18,12 +18,20 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from deltafin.markup.base import Call, register
 from deltafin.markup.formats import Format, arguments, const, regex, sequence, tag
 from deltafin.markup.formats import calls as one_or_more
-from deltafin.markup.parsing import IdFactory, ParsedDelta, ToolCallDelta, random_call_id, released_at_finish, split_at_marker
+from deltafin.markup.parsing import (
+    IdFactory,
+    ParsedDelta,
+    ToolCallDelta,
+    random_call_id,
+    released_at_finish,
+    split_at_marker,
+)
 from deltafin.markup.selection import ForcedCalls
 from deltafin.markup.think import END, START, ThinkMarkup
 from deltafin.markup.values import tool_properties
@@ -74,7 +82,9 @@ def infer_tool(tools: Mapping[str, Mapping[str, Any]], arguments: str) -> str | 
 
 
 class KimiK2ToolParser:
-    def __init__(self, tools: Mapping[str, Mapping[str, Any]] | None = None, new_id: IdFactory = random_call_id) -> None:
+    def __init__(
+        self, tools: Mapping[str, Mapping[str, Any]] | None = None, new_id: IdFactory = random_call_id
+    ) -> None:
         """`tools`: {declared name: its parameters' properties}."""
         self._tools = dict(tools or {})
         self._new_id = new_id
@@ -211,8 +221,10 @@ class KimiK2(ThinkMarkup):
         return [const(SECTION_BEGIN[0]), one_or_more(tags, "", single=forced.single), const(SECTION_END[0])]
 
     def write_calls(self, calls: Sequence[Call]) -> str:
-        body = "".join(f"{CALL_BEGIN}functions.{name}:{index}{ARGS_BEGIN}{json.dumps(dict(args))}{CALL_END}"
-                       for index, (name, args) in enumerate(calls))
+        body = "".join(
+            f"{CALL_BEGIN}functions.{name}:{index}{ARGS_BEGIN}{json.dumps(dict(args))}{CALL_END}"
+            for index, (name, args) in enumerate(calls)
+        )
         return f"{SECTION_BEGIN[0]}{body}{SECTION_END[0]}"
 
 

@@ -9,8 +9,9 @@ max_tokens a cut-off marker is dropped.
 from __future__ import annotations
 
 import uuid
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, Sequence
+from typing import Protocol
 
 
 @dataclass
@@ -32,7 +33,7 @@ class ParsedDelta:
     def __bool__(self) -> bool:
         return bool(self.content or self.reasoning or self.tool_calls)
 
-    def extend(self, other: "ParsedDelta") -> "ParsedDelta":
+    def extend(self, other: ParsedDelta) -> ParsedDelta:
         self.content += other.content
         self.reasoning += other.reasoning
         self.tool_calls.extend(other.tool_calls)
@@ -49,7 +50,7 @@ def random_call_id(index: int, name: str) -> str:
     return f"call_{uuid.uuid4().hex[:24]}"
 
 
-def kimi_call_ids(offset: int) -> "IdFactory":
+def kimi_call_ids(offset: int) -> IdFactory:
     """Kimi's `functions.NAME:IDX`, IDX counted over the whole conversation (calls in history + position)."""
     return lambda index, name: f"functions.{name}:{offset + index}"
 

@@ -3,8 +3,9 @@
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Mapping, Sequence
+from typing import Any
 
 
 @dataclass(frozen=True)
@@ -42,7 +43,9 @@ def named_choice(tool_choice: Any) -> str | None:
     return None
 
 
-def forced_calls(tools: Sequence[Any] | None, tool_choice: Any, *, parallel_tool_calls: bool | None = None) -> ForcedCalls | None:
+def forced_calls(
+    tools: Sequence[Any] | None, tool_choice: Any, *, parallel_tool_calls: bool | None = None
+) -> ForcedCalls | None:
     """None when nothing is forced. ValueError when the named function is not among `tools`."""
     if not tools or tool_choice in (None, "auto", "none"):
         return None

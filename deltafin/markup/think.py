@@ -10,7 +10,8 @@ opened inside reasoning ends it.
 
 from __future__ import annotations
 
-from typing import Any, ClassVar, Sequence
+from collections.abc import Sequence
+from typing import Any, ClassVar
 
 from deltafin.markup.base import Markup
 from deltafin.markup.chain import BlankContentBesideCalls, ChainedParser
@@ -113,11 +114,22 @@ class ThinkMarkup(Markup):
     def write_calls(self, calls: Sequence[Any]) -> str:
         raise NotImplementedError
 
-    def output_parser(self, *, prompt_text: str, tools: Sequence[Any], calls_allowed: bool, new_id: IdFactory,
-                      forced: ForcedCalls | None = None) -> OutputParser:
+    def output_parser(
+        self,
+        *,
+        prompt_text: str,
+        tools: Sequence[Any],
+        calls_allowed: bool,
+        new_id: IdFactory,
+        forced: ForcedCalls | None = None,
+    ) -> OutputParser:
         # Where reasoning starts is read off the prompt (a prefilled `<think>`: K2.5+, GLM-4.7, Qwen3 thinking-only).
-        reasoning = ThinkReasoningParser(start=START, end=END, terminators=self.call_openers,
-                                         starts_in_reasoning=prompt_text.rstrip().endswith(START))
+        reasoning = ThinkReasoningParser(
+            start=START,
+            end=END,
+            terminators=self.call_openers,
+            starts_in_reasoning=prompt_text.rstrip().endswith(START),
+        )
         calls = self.tool_parser(tools, new_id) if calls_allowed else None
         chained = ChainedParser(reasoning, calls)
         return BlankContentBesideCalls(chained) if calls is not None else chained
@@ -137,7 +149,8 @@ class ThinkMarkup(Markup):
             )
         )
 
-    def write(self, calls: Sequence[Any], *, reasoning: str = "disabled", thought: str = "",
-              forced: ForcedCalls | None = None) -> str:
+    def write(
+        self, calls: Sequence[Any], *, reasoning: str = "disabled", thought: str = "", forced: ForcedCalls | None = None
+    ) -> str:
         opened = {"enabled": f"{thought}{END}\n", "auto": f"{START}{thought}{END}\n" if thought else ""}
         return opened.get(reasoning, "") + self.write_calls(calls)

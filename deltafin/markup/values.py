@@ -7,7 +7,8 @@ streamed as the inside of a JSON string.
 from __future__ import annotations
 
 import json
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 
 def json_fragment(text: str) -> str:
@@ -30,7 +31,9 @@ def _allowed_types(prop: Any) -> list[str]:
     if not isinstance(prop, dict):
         return []
     kind = prop.get("type")
-    types = [kind] if isinstance(kind, str) else [k for k in kind if isinstance(k, str)] if isinstance(kind, list) else []
+    types = (
+        [kind] if isinstance(kind, str) else [k for k in kind if isinstance(k, str)] if isinstance(kind, list) else []
+    )
     for key in ("anyOf", "oneOf"):
         for branch in prop.get(key) or ():
             types += _allowed_types(branch)

@@ -8,7 +8,8 @@ string values as raw text without the markup's markers, other values as JSON und
 
 from __future__ import annotations
 
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from deltafin.markup.formats import Format, arguments, const, one_of, optional, regex, sequence, star
 

@@ -33,14 +33,21 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 from deltafin.markup.base import Call, Markup, XmlArgumentStyle, register
 from deltafin.markup.chain import BlankContentBesideCalls
 from deltafin.markup.formats import Format, const, one_of, regex, sequence, structural_tag, tag, think_prefix
 from deltafin.markup.formats import calls as one_or_more
 from deltafin.markup.parsing import (
-    IdFactory, OutputParser, ParsedDelta, ToolCallDelta, random_call_id, released_at_finish, split_at_marker,
+    IdFactory,
+    OutputParser,
+    ParsedDelta,
+    ToolCallDelta,
+    random_call_id,
+    released_at_finish,
+    split_at_marker,
 )
 from deltafin.markup.selection import ForcedCalls
 from deltafin.markup.values import json_fragment, typed_value
@@ -169,7 +176,9 @@ class KimiK3Parser:
                 value = typed_value(self._value, self._arg_type)
                 out.tool_calls.append(ToolCallDelta(self._index, arguments=json.dumps(value, ensure_ascii=False)))
         elif name == "call" and self._in_call:
-            out.tool_calls.append(ToolCallDelta(self._index, arguments="}" if self._args else "" if self._raw else "{}"))
+            out.tool_calls.append(
+                ToolCallDelta(self._index, arguments="}" if self._args else "" if self._raw else "{}")
+            )
             self._in_call = False
 
     def finish(self, finish_reason: str) -> ParsedDelta:
@@ -178,7 +187,13 @@ class KimiK3Parser:
         if self._ended or held.startswith((OPEN, CLOSE)):
             return out  # a header cut off after its marker: never text
         self._text(released_at_finish(held, (OPEN, CLOSE, END), finish_reason), out)
-        if self._stack and self._stack[-1] == "argument" and self._in_call and self._arg_type != "string" and self._value:
+        if (
+            self._stack
+            and self._stack[-1] == "argument"
+            and self._in_call
+            and self._arg_type != "string"
+            and self._value
+        ):
             out.tool_calls.append(ToolCallDelta(self._index, arguments=self._value))  # a cut value, as written
         return out
 
@@ -188,8 +203,15 @@ class KimiK3Parser:
 _MARKERS = (OPEN, CLOSE, SEP)
 _ARG_END = f"{CLOSE}argument{SEP}"
 #: JSON-schema type -> the type K3's encoder writes (an integer is a `number`)
-TYPE_NAMES = {"string": "string", "integer": "number", "number": "number", "boolean": "boolean", "object": "object",
-              "array": "array", "null": "null"}
+TYPE_NAMES = {
+    "string": "string",
+    "integer": "number",
+    "number": "number",
+    "boolean": "boolean",
+    "object": "object",
+    "array": "array",
+    "null": "null",
+}
 _JSON_TYPES = ("integer", "number", "boolean", "null", "array", "object")
 _TYPE_NAMES = ("number", "boolean", "null", "array", "object")
 
@@ -223,8 +245,17 @@ def _written(value: Any) -> tuple[str, str]:
     """(type name, value text) as K3's encoder writes an argument."""
     if isinstance(value, str):
         return "string", value
-    kind = ("null" if value is None else "boolean" if isinstance(value, bool) else "number" if isinstance(value, (int, float))
-            else "array" if isinstance(value, list) else "object")
+    kind = (
+        "null"
+        if value is None
+        else "boolean"
+        if isinstance(value, bool)
+        else "number"
+        if isinstance(value, (int, float))
+        else "array"
+        if isinstance(value, list)
+        else "object"
+    )
     return kind, json.dumps(value, ensure_ascii=False)
 
 
@@ -234,8 +265,15 @@ class Xtml(Markup):
     gbnf_style = XmlArgumentStyle("kimi_k3_xml", f'{OPEN}argument key="', '" type="', f'"{SEP}', _ARG_END, TYPE_NAMES)
     prompt_endings = {"enabled": f"{OPEN}think{SEP}", "disabled": f"{OPEN}response{SEP}"}
 
-    def output_parser(self, *, prompt_text: str, tools: Sequence[Any], calls_allowed: bool, new_id: IdFactory,
-                      forced: ForcedCalls | None = None) -> OutputParser:
+    def output_parser(
+        self,
+        *,
+        prompt_text: str,
+        tools: Sequence[Any],
+        calls_allowed: bool,
+        new_id: IdFactory,
+        forced: ForcedCalls | None = None,
+    ) -> OutputParser:
         parser = KimiK3Parser(channels=starting_channels(prompt_text), calls_allowed=calls_allowed, new_id=new_id)
         return BlankContentBesideCalls(parser) if calls_allowed else parser
 
@@ -275,14 +313,25 @@ class Xtml(Markup):
         opened = self._opened(reasoning, f"{OPEN}response{SEP}")
         return structural_tag(sequence(opened, content, const(f"{CLOSE}response{SEP}{CLOSE}message{SEP}")))
 
-    def write(self, calls: Sequence[Call], *, reasoning: str = "disabled", thought: str = "",
-              forced: ForcedCalls | None = None) -> str:
-        opened = (f"{thought}{CLOSE}think{SEP}{OPEN}response{SEP}{CLOSE}response{SEP}" if reasoning == "enabled"
-                  else f"{CLOSE}response{SEP}")
+    def write(
+        self,
+        calls: Sequence[Call],
+        *,
+        reasoning: str = "disabled",
+        thought: str = "",
+        forced: ForcedCalls | None = None,
+    ) -> str:
+        opened = (
+            f"{thought}{CLOSE}think{SEP}{OPEN}response{SEP}{CLOSE}response{SEP}"
+            if reasoning == "enabled"
+            else f"{CLOSE}response{SEP}"
+        )
         body = "".join(
             f'{OPEN}call tool="{_attr(name)}" index="{index}"{SEP}'
-            + "".join(f'{OPEN}argument key="{_attr(key)}" type="{kind}"{SEP}{text}{_ARG_END}'
-                      for key, (kind, text) in ((k, _written(v)) for k, v in args.items()))
+            + "".join(
+                f'{OPEN}argument key="{_attr(key)}" type="{kind}"{SEP}{text}{_ARG_END}'
+                for key, (kind, text) in ((k, _written(v)) for k, v in args.items())
+            )
             + f"{CLOSE}call{SEP}"
             for index, (name, args) in enumerate(calls, start=1)
         )

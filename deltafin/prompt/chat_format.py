@@ -5,13 +5,22 @@ from the format, never from anything a client wrote."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from deltafin.prompt.format import NO_OPTIONS, ChatFormat, PromptOptions, RenderedPrompt, message_text
 from deltafin.prompt.template import TemplateChatFormat
 from deltafin.prompt.xtml import XtmlChatFormat
 
-__all__ = ["CHAT_FORMATS", "NO_OPTIONS", "ChatFormat", "PromptOptions", "RenderedPrompt", "build_chat_format", "message_text"]
+__all__ = [
+    "CHAT_FORMATS",
+    "NO_OPTIONS",
+    "ChatFormat",
+    "PromptOptions",
+    "RenderedPrompt",
+    "build_chat_format",
+    "message_text",
+]
 
 CHAT_FORMATS: dict[str, Callable[..., ChatFormat]] = {"template": TemplateChatFormat, "xtml": XtmlChatFormat}
 

@@ -5,8 +5,9 @@ messages and tools look to a renderer. The formats themselves are `template` (a 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol, Sequence
+from typing import Any, Protocol
 
 from deltafin.errors import InvalidRequestError
 from deltafin.protocol.chat import ChatMessage, ImagePart, ResponseFormat, TextPart, ToolDefinition

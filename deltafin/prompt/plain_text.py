@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import inspect
 import re
-from typing import Any, Callable, Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from deltafin.token_codec import TokenCodec
 
@@ -36,10 +37,14 @@ class PlainText:
         self._own = _own_plain_encoder(tokenizer)
         wanted = set(controls)
         added = getattr(tokenizer, "added_tokens_decoder", {}) or {}
-        matched_anyway = sorted({t.content for t in added.values() if not t.special and t.content in wanted}, key=len, reverse=True)
+        matched_anyway = sorted(
+            {t.content for t in added.values() if not t.special and t.content in wanted}, key=len, reverse=True
+        )
         self._backend = getattr(tokenizer, "backend_tokenizer", None)
         self._matched_anyway = (
-            re.compile("|".join(map(re.escape, matched_anyway))) if matched_anyway and self._backend is not None else None
+            re.compile("|".join(map(re.escape, matched_anyway)))
+            if matched_anyway and self._backend is not None
+            else None
         )
 
     def encode(self, text: str) -> list[int]:

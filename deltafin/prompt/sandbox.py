@@ -20,10 +20,11 @@ import ctypes
 import heapq
 import threading
 import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
@@ -36,7 +37,10 @@ class TemplateBudget:
     max_chars: int = 8 * 1024 * 1024
 
 
-_budget: ContextVar[TemplateBudget] = ContextVar("deltafin_template_budget", default=TemplateBudget())
+_budget: ContextVar[TemplateBudget] = ContextVar(
+    "deltafin_template_budget",
+    default=TemplateBudget(),  # noqa: B039 (frozen: never mutated)
+)
 
 
 @contextmanager
@@ -106,7 +110,7 @@ class _Alarm:
         self.fire = fire
         self.cancelled = False
 
-    def __lt__(self, other: "_Alarm") -> bool:
+    def __lt__(self, other: _Alarm) -> bool:
         return self.due < other.due
 
 

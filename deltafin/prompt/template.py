@@ -18,8 +18,9 @@ import os
 import random
 import re
 from collections import OrderedDict
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 from jinja2 import nodes
 
@@ -187,11 +188,12 @@ class TemplateChatFormat:
             if _joined(pieces, marked.controls) != as_written:
                 # The template did string work on its own marked text: render it as written, with the clients'
                 # control-token text marked instead (transformers' sanitize_control_tokens, keys included).
-                return encoder.sanitized(self._sanitized_render(marked, conversation, tool_dicts, kwargs,
-                                                                add_generation_prompt))
+                return encoder.sanitized(
+                    self._sanitized_render(marked, conversation, tool_dicts, kwargs, add_generation_prompt)
+                )
         return encoder.encode(pieces, marked.controls)
 
-    def _marked(self, source: str) -> tuple[MarkedTemplate, "_PieceEncoder"]:
+    def _marked(self, source: str) -> tuple[MarkedTemplate, _PieceEncoder]:
         entry = self._compiled.get(source)
         if entry is None:
             from jinja2 import TemplateError
@@ -207,8 +209,14 @@ class TemplateChatFormat:
         self._compiled.move_to_end(source)
         return entry
 
-    def _apply(self, marked: MarkedTemplate, conversation: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-               kwargs: dict[str, Any], gen: bool) -> list[str]:
+    def _apply(
+        self,
+        marked: MarkedTemplate,
+        conversation: list[dict[str, Any]],
+        tools: list[dict[str, Any]] | None,
+        kwargs: dict[str, Any],
+        gen: bool,
+    ) -> list[str]:
         """The rendered text split at the markers: text, control index, text, ... (as `re.split` with one group)."""
         nonce = f"{_OPEN_MARK}{_NONCES.getrandbits(48)}."
         marks = [f"{nonce}{k}{_CLOSE_MARK}" for k in range(len(marked.controls))]
@@ -224,8 +232,9 @@ class TemplateChatFormat:
             raise _altered()
         return pieces
 
-    def _render(self, template: Any, conversation: Any, tools: Any, kwargs: dict[str, Any], gen: bool,
-                marks: list[str]) -> str:
+    def _render(
+        self, template: Any, conversation: Any, tools: Any, kwargs: dict[str, Any], gen: bool, marks: list[str]
+    ) -> str:
         from jinja2 import TemplateError
         from transformers.utils.chat_template_utils import _alias_reasoning_fields, _plain_template_data
 
@@ -235,16 +244,26 @@ class TemplateChatFormat:
         chat = _alias_reasoning_fields(conversation)
         try:
             # Bounded in time and size: the template is code, and a request may bring its own (sandbox.py).
-            return render_bounded(lambda: template.render(
-                messages=chat, tools=tools, documents=None, add_generation_prompt=gen, **variables, **{MARKS: marks},
-            ))
+            return render_bounded(
+                lambda: template.render(
+                    messages=chat,
+                    tools=tools,
+                    documents=None,
+                    add_generation_prompt=gen,
+                    **variables,
+                    **{MARKS: marks},
+                )
+            )
         except (TemplateError, TypeError, ValueError, KeyError, IndexError, AttributeError) as exc:
             # Templates raise on conversations they do not support (e.g. role order); that is the client's input.
             message = _MARKER.sub("", str(exc))  # a marker never leaves: its nonce must stay unknown to clients
-            raise InvalidRequestError(f"the chat template rejected these messages: {message}", param="messages") from None
+            raise InvalidRequestError(
+                f"the chat template rejected these messages: {message}", param="messages"
+            ) from None
 
-    def _sanitized_render(self, marked: MarkedTemplate, conversation: Any, tools: Any, kwargs: dict[str, Any],
-                          gen: bool) -> str:
+    def _sanitized_render(
+        self, marked: MarkedTemplate, conversation: Any, tools: Any, kwargs: dict[str, Any], gen: bool
+    ) -> str:
         from transformers.utils.chat_template_utils import _get_control_token_patterns
 
         pattern, _ = _get_control_token_patterns(marked.controls)
@@ -298,9 +317,13 @@ class _PieceEncoder:
         self._live = TokenCodec(tokenizer).encode_template
         self._ids = [tokenizer.convert_tokens_to_ids(token) for token in controls]
         added = getattr(tokenizer, "added_tokens_decoder", None) or {}
-        self._strips = [(getattr(added.get(i), "lstrip", False), getattr(added.get(i), "rstrip", False)) for i in self._ids]
+        self._strips = [
+            (getattr(added.get(i), "lstrip", False), getattr(added.get(i), "rstrip", False)) for i in self._ids
+        ]
         self._newline = self._plain.encode("\n")
-        self._prefix_space = self._newline and self._plain.encode("\na")[len(self._newline):] != self._plain.encode("a")
+        self._prefix_space = self._newline and self._plain.encode("\na")[len(self._newline) :] != self._plain.encode(
+            "a"
+        )
 
     def encode(self, pieces: list[str], controls: Sequence[str]) -> RenderedPrompt:
         texts = pieces[0::2]
@@ -355,7 +378,7 @@ class _PieceEncoder:
         if after_marker and self._prefix_space:
             ids = self._plain.encode("\n" + piece)
             if ids[: len(self._newline)] == self._newline:
-                return tuple(ids[len(self._newline):])
+                return tuple(ids[len(self._newline) :])
         return tuple(self._plain.encode(piece))
 
 
@@ -369,7 +392,10 @@ def _mark_inputs(value: Any, pattern: re.Pattern) -> Any:
     from transformers.utils.chat_template_utils import mark_control_tokens
 
     if isinstance(value, dict):
-        return {mark_control_tokens(k, pattern) if isinstance(k, str) else k: _mark_inputs(v, pattern) for k, v in value.items()}
+        return {
+            mark_control_tokens(k, pattern) if isinstance(k, str) else k: _mark_inputs(v, pattern)
+            for k, v in value.items()
+        }
     if isinstance(value, (list, tuple)):
         return [_mark_inputs(v, pattern) for v in value]
     return mark_control_tokens(value, pattern)
@@ -388,4 +414,3 @@ def _arguments(arguments: str | dict[str, Any]) -> dict[str, Any] | str:
     except json.JSONDecodeError:
         return arguments
     return decoded if isinstance(decoded, dict) else arguments
-

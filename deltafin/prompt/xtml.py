@@ -18,8 +18,9 @@ with no resolvable name) are 400s naming the field.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any, Iterable, Sequence
+from typing import Any
 
 from deltafin.errors import InvalidRequestError
 from deltafin.prompt.format import NO_OPTIONS, PromptOptions, RenderedPrompt, refuse_images, text_parts, tool_as_sent
@@ -123,8 +124,10 @@ class _Builder:
 
     def tool_declaration(self, tools: list[dict[str, Any]], *, added: bool) -> None:
         header = _NEW_TOOLS_HEADER if added else _TOOLS_HEADER
-        self.message([("role", "system"), ("type", "tool-declare")],
-                     [f"{header}```json\n{compact_json(sorted_deep(tools))}\n```"])
+        self.message(
+            [("role", "system"), ("type", "tool-declare")],
+            [f"{header}```json\n{compact_json(sorted_deep(tools))}\n```"],
+        )
 
 
 def thinking_mode(defaults: dict[str, Any], request: dict[str, Any], reasoning_effort: str | None) -> tuple[bool, str]:
@@ -143,7 +146,7 @@ def thinking_mode(defaults: dict[str, Any], request: dict[str, Any], reasoning_e
         effort, param = defaults.get("thinking_effort", "max"), "model.chat_template_kwargs.thinking_effort"
     if effort not in EFFORTS:
         raise InvalidRequestError(
-            f"Kimi K3 supports thinking efforts {', '.join(EFFORTS)} (and reasoning_effort \"none\" to turn "
+            f'Kimi K3 supports thinking efforts {", ".join(EFFORTS)} (and reasoning_effort "none" to turn '
             f"thinking off), not {effort!r}",
             param=param,
         )
@@ -221,8 +224,9 @@ class XtmlChatFormat:
         add_generation_prompt: bool = True,
         options: PromptOptions = NO_OPTIONS,
     ) -> RenderedPrompt:
-        segments = self.segments(messages, tools, template_kwargs, add_generation_prompt=add_generation_prompt,
-                                 options=options)
+        segments = self.segments(
+            messages, tools, template_kwargs, add_generation_prompt=add_generation_prompt, options=options
+        )
         token_ids: list[int] = []
         for segment in segments:
             token_ids += self._encode(segment)
@@ -262,7 +266,8 @@ class XtmlChatFormat:
                 if tool is None:
                     raise InvalidRequestError(
                         "a tool result needs the name of its tool: a tool_call_id of the last assistant message's "
-                        "calls, a `name`, or a call at its position", param=f"messages[{index}]",
+                        "calls, a `name`, or a call at its position",
+                        param=f"messages[{index}]",
                     )
                 out.message([("role", "tool"), ("tool", tool), ("index", results)], text_parts(index, message))
             elif role == "system" and message.tools:
@@ -321,5 +326,8 @@ class XtmlChatFormat:
                     "response_format of type json_schema needs json_schema.schema", param="response_format.json_schema"
                 )
             schema = compact_json(sorted_deep(spec.schema))
-            out.system("response-format", _RAW_JSON.format("json_schema")
-                       + f"\nThe JSON data must match the following schema:\n```json\n{schema}\n```")
+            out.system(
+                "response-format",
+                _RAW_JSON.format("json_schema")
+                + f"\nThe JSON data must match the following schema:\n```json\n{schema}\n```",
+            )

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal, Optional, Union
+from typing import Annotated, Any, Literal
 
 from msgspec import Meta, Struct
 
@@ -18,34 +18,34 @@ class TextPart(Struct, tag="text", tag_field="type"):
 
 class ImageURL(Struct):
     url: str
-    detail: Optional[str] = None
+    detail: str | None = None
 
 
 class ImagePart(Struct, tag="image_url", tag_field="type"):
     # A bare string is accepted as {"url": ...}; serving normalizes it.
-    image_url: Union[str, ImageURL]
+    image_url: str | ImageURL
 
 
-ContentPart = Union[TextPart, ImagePart]
+ContentPart = TextPart | ImagePart
 
 
 class FunctionCall(Struct):
     name: str
     # History may carry arguments as a JSON string (OpenAI) or an already-decoded object.
-    arguments: Union[str, dict[str, Any]] = ""
+    arguments: str | dict[str, Any] = ""
 
 
 class ToolCall(Struct, kw_only=True):
     function: FunctionCall
-    id: Optional[str] = None
+    id: str | None = None
     type: Literal["function"] = "function"
 
 
 class FunctionDefinition(Struct, kw_only=True):
     name: Annotated[str, Meta(min_length=1)]
-    description: Optional[str] = None
-    parameters: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class ToolDefinition(Struct, kw_only=True):
@@ -55,23 +55,23 @@ class ToolDefinition(Struct, kw_only=True):
 
 class ChatMessage(Struct, kw_only=True, omit_defaults=True):
     role: Role
-    content: Union[str, list[ContentPart], None] = None
-    name: Optional[str] = None
-    tool_calls: Optional[list[ToolCall]] = None
-    tool_call_id: Optional[str] = None
-    reasoning_content: Optional[str] = None
-    reasoning: Optional[str] = None  # the same, under the name newer vLLM returns (clients send it back)
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+    reasoning: str | None = None  # the same, under the name newer vLLM returns (clients send it back)
     # Tools declared mid-conversation by a system message (Kimi K3 renders them as "New Tools Available").
-    tools: Optional[list[ToolDefinition]] = None
+    tools: list[ToolDefinition] | None = None
 
 
 class JsonSchemaFormat(Struct, kw_only=True):
-    name: Optional[str] = None
-    description: Optional[str] = None
+    name: str | None = None
+    description: str | None = None
     # `schema` is the OpenAI field name; msgspec maps it as is.
-    schema: Optional[dict[str, Any]] = None
+    schema: dict[str, Any] | None = None
     # Deltafin enforces the schema whether strict is true or not (not enforcing is never better for a client).
-    strict: Optional[bool] = None
+    strict: bool | None = None
 
 
 class ResponseFormat(Struct, kw_only=True):
@@ -79,7 +79,7 @@ class ResponseFormat(Struct, kw_only=True):
     so that an unknown one is a 400 naming `response_format.type`."""
 
     type: str
-    json_schema: Optional[JsonSchemaFormat] = None
+    json_schema: JsonSchemaFormat | None = None
 
 
 RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
@@ -87,18 +87,18 @@ RESPONSE_FORMAT_TYPES = ("text", "json_object", "json_schema")
 
 class ChatCompletionRequest(SamplingFields, kw_only=True):
     messages: Annotated[list[ChatMessage], Meta(min_length=1)]
-    max_tokens: Optional[PositiveInt] = None
-    max_completion_tokens: Optional[PositiveInt] = None
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
     logprobs: bool = False
-    top_logprobs: Optional[Annotated[int, Meta(ge=0)]] = None
-    tools: Optional[list[ToolDefinition]] = None
-    tool_choice: Union[str, dict[str, Any], None] = None
-    parallel_tool_calls: Optional[bool] = None
-    response_format: Optional[ResponseFormat] = None
-    chat_template_kwargs: Optional[dict[str, Any]] = None
+    top_logprobs: Annotated[int, Meta(ge=0)] | None = None
+    tools: list[ToolDefinition] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: ResponseFormat | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
     # Kimi's request field ({"type": "enabled" | "disabled"}), mapped by a compat rule.
-    thinking: Optional[dict[str, Any]] = None
-    reasoning_effort: Optional[str] = None
+    thinking: dict[str, Any] | None = None
+    reasoning_effort: str | None = None
 
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens` wins over the legacy `max_tokens` when both are given."""
@@ -128,11 +128,10 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
             if message.role in ("system", "developer", "user") and message.content is None and not message.tools:
                 raise InvalidRequestError(f"a {message.role} message needs content", param=f"messages[{i}].content")
         self.check_response_format()
-        if self.tool_choice is not None and isinstance(self.tool_choice, str):
-            if self.tool_choice not in ("none", "auto", "required"):
-                raise InvalidRequestError(
-                    "tool_choice must be 'none', 'auto', 'required' or a function object", param="tool_choice"
-                )
+        if isinstance(self.tool_choice, str) and self.tool_choice not in ("none", "auto", "required"):
+            raise InvalidRequestError(
+                "tool_choice must be 'none', 'auto', 'required' or a function object", param="tool_choice"
+            )
 
     def check_response_format(self) -> None:
         rf = self.response_format

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Optional, Union
+from typing import Annotated
 
 from msgspec import Meta, Struct
 
@@ -29,27 +29,27 @@ class StreamOptions(Struct, kw_only=True):
 class SamplingFields(Struct, kw_only=True):
     """Sampling fields common to /v1/chat/completions and /v1/completions."""
 
-    model: Optional[str] = None
+    model: str | None = None
     n: PositiveInt = 1
     stream: bool = False
-    stream_options: Optional[StreamOptions] = None
-    stop: Union[str, list[str], None] = None
-    seed: Optional[Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)]] = None
-    temperature: Optional[Temperature] = None
-    top_p: Optional[UnitOpenLeft] = None
-    top_k: Optional[Annotated[int, Meta(ge=-1)]] = None
-    min_p: Optional[Unit] = None
-    presence_penalty: Optional[Penalty] = None
-    frequency_penalty: Optional[Penalty] = None
-    repetition_penalty: Optional[RepetitionPenalty] = None
-    logit_bias: Optional[dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]]] = None
-    stop_token_ids: Optional[list[Annotated[int, Meta(ge=0)]]] = None
+    stream_options: StreamOptions | None = None
+    stop: str | list[str] | None = None
+    seed: Annotated[int, Meta(ge=-(2**63), le=2**63 - 1)] | None = None
+    temperature: Temperature | None = None
+    top_p: UnitOpenLeft | None = None
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Unit | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    repetition_penalty: RepetitionPenalty | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100.0, le=100.0)]] | None = None
+    stop_token_ids: list[Annotated[int, Meta(ge=0)]] | None = None
     ignore_eos: bool = False
-    user: Optional[str] = None
+    user: str | None = None
     # Internal, set only by the server's rules (chat_default_max_tokens, max_tokens_cap): bounded by the room
     # the prompt leaves instead of failing the context check. decode_request drops a client's value for it
     # and /schema leaves it out (deltafin.protocol.decode.INTERNAL_FIELDS).
-    max_tokens_default: Optional[PositiveInt] = None
+    max_tokens_default: PositiveInt | None = None
 
     @property
     def include_usage(self) -> bool:
@@ -103,4 +103,3 @@ class SamplingFields(Struct, kw_only=True):
             top_logprobs=top_logprobs,
             ignore_eos=self.ignore_eos,
         )
-

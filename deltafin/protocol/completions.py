@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any
 
 from msgspec import Meta
 
 from deltafin.errors import InvalidRequestError
 from deltafin.protocol.common import PositiveInt, SamplingFields
-
 
 TokenId = Annotated[int, Meta(ge=0)]
 #: prompts x n of one request at most: each is a row of the batch (vLLM sets no bound; one is kept here so a
@@ -21,12 +20,12 @@ class CompletionRequest(SamplingFields, kw_only=True):
     # accept them (ids are checked against the vocabulary). None may be empty: with no token to condition on (this
     # tokenizer adds no BOS) it is a 400, not generation from nothing. The list forms are checked in `prompts`
     # (msgspec cannot tell a list of ids from a list of strings in one union).
-    prompt: Union[Annotated[str, Meta(min_length=1)], Annotated[list[Any], Meta(min_length=1)]]
-    max_tokens: Optional[PositiveInt] = None
+    prompt: Annotated[str, Meta(min_length=1)] | Annotated[list[Any], Meta(min_length=1)]
+    max_tokens: PositiveInt | None = None
     echo: bool = False
     # Completions' logprobs is the number of alternatives per position (0 = only the chosen token).
-    logprobs: Optional[Annotated[int, Meta(ge=0)]] = None
-    suffix: Optional[str] = None
+    logprobs: Annotated[int, Meta(ge=0)] | None = None
+    suffix: str | None = None
     # vLLM's extensions: the prompt's and each choice's token ids in the answer; logprob tokens as "token_id:N".
     return_token_ids: bool = False
     return_tokens_as_token_ids: bool = False
@@ -59,7 +58,8 @@ class CompletionRequest(SamplingFields, kw_only=True):
         else:
             raise InvalidRequestError(
                 "prompt must be a string, a list of token ids, a list of strings or a list of token-id lists",
-                param="prompt")
+                param="prompt",
+            )
         if len(prompts) * self.n > MAX_CHOICES:
             raise InvalidRequestError(f"prompts x n must be at most {MAX_CHOICES}", param="prompt")
         return prompts
@@ -76,6 +76,7 @@ def _token_ids(entry: list[Any], vocab_size: int, param: str) -> list[int]:
         if not _is_id(token) or token < 0:
             raise InvalidRequestError(f"{param}: token ids are non-negative integers", param=param)
         if token >= vocab_size:
-            raise InvalidRequestError(f"{param}: token id {token} is outside the vocabulary (size {vocab_size})",
-                                      param=param)
+            raise InvalidRequestError(
+                f"{param}: token id {token} is outside the vocabulary (size {vocab_size})", param=param
+            )
     return list(entry)

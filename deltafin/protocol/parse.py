@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal, Optional
+from typing import Literal
 
 from msgspec import Struct
 
@@ -11,8 +11,8 @@ from deltafin.protocol.chat import ToolDefinition
 
 class ParseRequest(Struct, kw_only=True):
     text: str
-    tools: Optional[list[ToolDefinition]] = None
+    tools: list[ToolDefinition] | None = None
     # None: the model's default; true/false: as if the prompt had thinking on/off.
-    thinking: Optional[bool] = None
+    thinking: bool | None = None
     finish_reason: Literal["stop", "length"] = "stop"
-    model: Optional[str] = None
+    model: str | None = None

@@ -9,7 +9,7 @@ outside the API are tolerated, as chat tolerates them.
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Optional, Union
+from typing import Annotated, Any
 
 from msgspec import Meta, Struct
 
@@ -17,16 +17,18 @@ from deltafin.errors import InvalidRequestError
 from deltafin.protocol.common import PositiveInt, Temperature, UnitOpenLeft
 
 #: `include` values: served, or about hosted-tool items that Deltafin never produces (so there is nothing to add)
-INCLUDABLE = frozenset({
-    "reasoning.encrypted_content",
-    "message.output_text.logprobs",
-    "web_search_call.action.sources",
-    "web_search_call.results",
-    "file_search_call.results",
-    "code_interpreter_call.outputs",
-    "computer_call_output.output.image_url",
-    "message.input_image.image_url",
-})
+INCLUDABLE = frozenset(
+    {
+        "reasoning.encrypted_content",
+        "message.output_text.logprobs",
+        "web_search_call.action.sources",
+        "web_search_call.results",
+        "file_search_call.results",
+        "code_interpreter_call.outputs",
+        "computer_call_output.output.image_url",
+        "message.input_image.image_url",
+    }
+)
 #: reasoning.effort values of the API; "none" and "minimal" ask for no reasoning
 EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 #: reasoning.summary values: accepted; Deltafin writes no summaries (the reasoning itself is returned)
@@ -38,53 +40,53 @@ class TextFormat(Struct, kw_only=True):
     """`text.format`: the flat Responses form of chat's response_format (`name`/`schema` beside `type`)."""
 
     type: str
-    name: Optional[str] = None
-    description: Optional[str] = None
-    schema: Optional[dict[str, Any]] = None
-    strict: Optional[bool] = None
+    name: str | None = None
+    description: str | None = None
+    schema: dict[str, Any] | None = None
+    strict: bool | None = None
 
 
 class TextConfig(Struct, kw_only=True):
-    format: Optional[TextFormat] = None
-    verbosity: Optional[str] = None
+    format: TextFormat | None = None
+    verbosity: str | None = None
 
 
 class ReasoningConfig(Struct, kw_only=True):
-    effort: Optional[str] = None
-    summary: Optional[str] = None
-    generate_summary: Optional[str] = None  # the API's older name for `summary`
+    effort: str | None = None
+    summary: str | None = None
+    generate_summary: str | None = None  # the API's older name for `summary`
 
 
 class ResponsesRequest(Struct, kw_only=True):
-    model: Optional[str] = None
-    input: Union[str, list[dict[str, Any]], None] = None
-    instructions: Optional[str] = None
-    tools: Optional[list[dict[str, Any]]] = None
-    tool_choice: Union[str, dict[str, Any], None] = None
-    parallel_tool_calls: Optional[bool] = None
-    text: Optional[TextConfig] = None
-    reasoning: Optional[ReasoningConfig] = None
-    max_output_tokens: Optional[PositiveInt] = None
-    temperature: Optional[Temperature] = None
-    top_p: Optional[UnitOpenLeft] = None
-    top_logprobs: Optional[Annotated[int, Meta(ge=0, le=20)]] = None
+    model: str | None = None
+    input: str | list[dict[str, Any]] | None = None
+    instructions: str | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    text: TextConfig | None = None
+    reasoning: ReasoningConfig | None = None
+    max_output_tokens: PositiveInt | None = None
+    temperature: Temperature | None = None
+    top_p: UnitOpenLeft | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     stream: bool = False
-    store: Optional[bool] = None
-    previous_response_id: Optional[str] = None
-    metadata: Optional[dict[str, str]] = None
-    user: Optional[str] = None
-    truncation: Optional[str] = None
-    include: Optional[list[str]] = None
+    store: bool | None = None
+    previous_response_id: str | None = None
+    metadata: dict[str, str] | None = None
+    user: str | None = None
+    truncation: str | None = None
+    include: list[str] | None = None
     # Hints and labels that change nothing about the answer; accepted and echoed (prompt caching is automatic:
     # the prefix cache reuses any shared prefix).
-    prompt_cache_key: Optional[str] = None
-    prompt_cache_retention: Optional[str] = None
-    safety_identifier: Optional[str] = None
-    service_tier: Optional[str] = None
-    client_metadata: Optional[dict[str, Any]] = None
-    stream_options: Optional[dict[str, Any]] = None
+    prompt_cache_key: str | None = None
+    prompt_cache_retention: str | None = None
+    safety_identifier: str | None = None
+    service_tier: str | None = None
+    client_metadata: dict[str, Any] | None = None
+    stream_options: dict[str, Any] | None = None
     # Parts of the API Deltafin does not serve: any value but null/false is a 400 naming the field.
-    background: Optional[bool] = None
+    background: bool | None = None
     conversation: Any = None
     prompt: Any = None
     max_tool_calls: Any = None
@@ -97,13 +99,25 @@ class ResponsesRequest(Struct, kw_only=True):
 
     def check(self) -> None:
         """Checks beyond types: values the API allows that Deltafin does not serve are refused by name."""
-        for name in ("conversation", "prompt", "max_tool_calls", "context_management", "background_options",
-                     "moderation", "image", "access_programs", "prompt_cache_options"):
+        for name in (
+            "conversation",
+            "prompt",
+            "max_tool_calls",
+            "context_management",
+            "background_options",
+            "moderation",
+            "image",
+            "access_programs",
+            "prompt_cache_options",
+        ):
             if getattr(self, name) is not None:
                 raise InvalidRequestError(f"`{name}` is not supported by this server", param=name)
         if self.background:
-            raise InvalidRequestError("background responses are not supported by this server; send "
-                                      "`background: false` (or leave it out) and stream instead", param="background")
+            raise InvalidRequestError(
+                "background responses are not supported by this server; send "
+                "`background: false` (or leave it out) and stream instead",
+                param="background",
+            )
         if self.truncation not in (None, "auto", "disabled"):
             raise InvalidRequestError("truncation must be 'auto' or 'disabled'", param="truncation")
         for i, value in enumerate(self.include or ()):
@@ -114,31 +128,42 @@ class ResponsesRequest(Struct, kw_only=True):
                 raise InvalidRequestError("metadata may have at most 16 keys", param="metadata")
             for key, value in self.metadata.items():
                 if len(key) > 64 or len(value) > 512:
-                    raise InvalidRequestError("metadata keys are at most 64 characters, values at most 512",
-                                              param=f"metadata.{key[:64]}")
+                    raise InvalidRequestError(
+                        "metadata keys are at most 64 characters, values at most 512", param=f"metadata.{key[:64]}"
+                    )
         reasoning = self.reasoning
         if reasoning is not None:
             if reasoning.effort is not None and reasoning.effort not in EFFORTS:
-                raise InvalidRequestError(f"reasoning.effort must be one of {', '.join(EFFORTS)}", param="reasoning.effort")
+                raise InvalidRequestError(
+                    f"reasoning.effort must be one of {', '.join(EFFORTS)}", param="reasoning.effort"
+                )
             for name in ("summary", "generate_summary"):
                 value = getattr(reasoning, name)
                 if value is not None and value not in SUMMARIES:
-                    raise InvalidRequestError(f"reasoning.{name} must be one of {', '.join(SUMMARIES)}",
-                                              param=f"reasoning.{name}")
+                    raise InvalidRequestError(
+                        f"reasoning.{name} must be one of {', '.join(SUMMARIES)}", param=f"reasoning.{name}"
+                    )
         text = self.text
         if text is not None:
             if text.verbosity not in (None, "medium"):
-                raise InvalidRequestError("text.verbosity other than 'medium' is not supported by this server",
-                                          param="text.verbosity")
+                raise InvalidRequestError(
+                    "text.verbosity other than 'medium' is not supported by this server", param="text.verbosity"
+                )
             fmt = text.format
             if fmt is not None:
                 if fmt.type not in TEXT_FORMATS:
-                    raise InvalidRequestError(f"text.format.type must be one of {', '.join(TEXT_FORMATS)}, got {fmt.type!r}",
-                                              param="text.format.type")
+                    raise InvalidRequestError(
+                        f"text.format.type must be one of {', '.join(TEXT_FORMATS)}, got {fmt.type!r}",
+                        param="text.format.type",
+                    )
                 if fmt.type == "json_schema" and fmt.schema is None:
-                    raise InvalidRequestError("text.format of type json_schema needs `schema`", param="text.format.schema")
+                    raise InvalidRequestError(
+                        "text.format of type json_schema needs `schema`", param="text.format.schema"
+                    )
         if self.service_tier not in (None, "auto", "default", "flex", "priority", "scale"):
-            raise InvalidRequestError("service_tier must be auto, default, flex, priority or scale", param="service_tier")
+            raise InvalidRequestError(
+                "service_tier must be auto, default, flex, priority or scale", param="service_tier"
+            )
 
     @property
     def stores(self) -> bool:
@@ -154,4 +179,4 @@ class InputItemsQuery(Struct, kw_only=True):
 
     limit: Annotated[int, Meta(ge=1, le=100)] = 20
     order: str = "desc"
-    after: Optional[str] = None
+    after: str | None = None

@@ -10,14 +10,15 @@ Conventions every rule follows (and the pipeline relies on):
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import AsyncIterator, ClassVar, Union
+from typing import ClassVar
 
 from deltafin.errors import DeltafinError
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.completions import CompletionRequest
 
-Request = Union[ChatCompletionRequest, CompletionRequest]
+Request = ChatCompletionRequest | CompletionRequest
 Chunk = dict
 
 

@@ -20,4 +20,6 @@ class ContextOverflowStatus(Rule):
     def error(self, error: DeltafinError, ctx: RuleContext) -> DeltafinError:
         if not isinstance(error, ContextLengthError):
             return error
-        return PayloadTooLargeError(error.message, param=error.param, code="context_length_exceeded", headers=error.headers)
+        return PayloadTooLargeError(
+            error.message, param=error.param, code="context_length_exceeded", headers=error.headers
+        )

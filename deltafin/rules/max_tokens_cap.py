@@ -22,11 +22,10 @@ class MaxTokensCap(Rule):
     def request(self, request: Request, ctx: RuleContext) -> Request:
         if self.value == 0:
             return request
-        if isinstance(request, ChatCompletionRequest):
-            if request.max_completion_tokens is not None:
-                if request.max_completion_tokens <= self.value:
-                    return request
-                return msgspec.structs.replace(request, max_completion_tokens=self.value)
+        if isinstance(request, ChatCompletionRequest) and request.max_completion_tokens is not None:
+            if request.max_completion_tokens <= self.value:
+                return request
+            return msgspec.structs.replace(request, max_completion_tokens=self.value)
         if request.max_tokens is not None:
             if request.max_tokens <= self.value:
                 return request

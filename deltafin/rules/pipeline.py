@@ -8,8 +8,9 @@ Rules whose `families` do not include the served model's family are dropped when
 from __future__ import annotations
 
 import copy
+from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Iterable, Mapping
+from typing import Any
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -101,7 +102,7 @@ def build_pipeline(rules: Mapping[str, Any] | DictConfig, family: str) -> RulePi
         except InstantiationException as exc:
             cause = exc.__cause__
             reason = f"{type(cause).__name__}: {cause}" if cause is not None else str(exc)
-            reason = " ".join(reason.split(', set env var HYDRA_FULL_ERROR')[0].split())
+            reason = " ".join(reason.split(", set env var HYDRA_FULL_ERROR")[0].split())
             raise ConfigError(f"{where}: {reason}") from None
         except Exception as exc:  # a rule's constructor validating its own arguments
             raise ConfigError(f"{where}: {exc}") from None

@@ -7,7 +7,7 @@ Leaves alone: streams without `stream_options.include_usage`, completions.
 
 from __future__ import annotations
 
-from typing import AsyncIterator
+from collections.abc import AsyncIterator
 
 from deltafin.rules.base import Chunk, Rule, RuleContext
 

@@ -13,7 +13,16 @@ import msgspec
 
 from deltafin.rules.base import Request, Rule, RuleContext
 
-PINNABLE = ("top_p", "top_k", "min_p", "temperature", "presence_penalty", "frequency_penalty", "repetition_penalty", "n")
+PINNABLE = (
+    "top_p",
+    "top_k",
+    "min_p",
+    "temperature",
+    "presence_penalty",
+    "frequency_penalty",
+    "repetition_penalty",
+    "n",
+)
 
 
 class SamplingPins(Rule):

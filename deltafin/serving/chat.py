@@ -2,19 +2,20 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field, replace
-from typing import Any, AsyncIterator
+from typing import Any
 
 from deltafin.engine import Finished, GenerationJob, GenerationStream, TextDelta, TokenLogprob
 from deltafin.errors import InvalidRequestError
-from deltafin.prompt import PromptOptions, RenderedPrompt
 from deltafin.families import build_output_parser
 from deltafin.markup import OutputParser, ParsedDelta
+from deltafin.markup.forced_json import ForcedJsonCallParser, arguments_only
+from deltafin.markup.parsing import random_call_id
+from deltafin.prompt import PromptOptions, RenderedPrompt
 from deltafin.prompt.sandbox import TemplateBudget, template_budget
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.rules import RuleContext
-from deltafin.markup.forced_json import ForcedJsonCallParser, arguments_only
-from deltafin.markup.parsing import random_call_id
 from deltafin.serving.constraints import check_tools, forced_without_parser, prepared_constraint
 from deltafin.serving.context import RequestStats, ServingContext, new_id
 from deltafin.serving.logprobs import chat_logprobs
@@ -73,8 +74,12 @@ def tool_call_deltas(parsed: ParsedDelta) -> list[dict[str, Any]]:
     for delta in parsed.tool_calls:
         if delta.id is not None:
             out.append(
-                {"index": delta.index, "id": delta.id, "type": "function",
-                 "function": {"name": delta.name, "arguments": delta.arguments}}
+                {
+                    "index": delta.index,
+                    "id": delta.id,
+                    "type": "function",
+                    "function": {"name": delta.name, "arguments": delta.arguments},
+                }
             )
         elif out and out[-1]["index"] == delta.index and "id" not in out[-1]:
             out[-1]["function"]["arguments"] += delta.arguments  # never into a head: its arguments stay ""
@@ -144,8 +149,9 @@ class ChatService:
             for i in range(request.n)
         ]
 
-    async def constrained(self, request: ChatCompletionRequest, prompt: RenderedPrompt, jobs: list[GenerationJob],
-                          stats: RequestStats) -> list[GenerationJob]:
+    async def constrained(
+        self, request: ChatCompletionRequest, prompt: RenderedPrompt, jobs: list[GenerationJob], stats: RequestStats
+    ) -> list[GenerationJob]:
         """The jobs with the request's constraint (response_format, enforced tool_choice), if any, and its
         grammar compiled (waited for here, in the request's own lane: see deltafin.grammar.service)."""
         prepared = await prepared_constraint(request, self.ctx, prompt.text, stats)
@@ -170,8 +176,14 @@ class ChatService:
             history_calls=sum(len(m.tool_calls or ()) for m in request.messages),
         )
 
-    async def create(self, request: ChatCompletionRequest, stats: RequestStats, *, frame: Frame = encode_sse,
-                     rule_ctx: RuleContext | None = None) -> dict[str, Any] | StreamingResponse:
+    async def create(
+        self,
+        request: ChatCompletionRequest,
+        stats: RequestStats,
+        *,
+        frame: Frame = encode_sse,
+        rule_ctx: RuleContext | None = None,
+    ) -> dict[str, Any] | StreamingResponse:
         """`frame` turns the streamed chunks into the SSE body (/v1/responses sends its own events); `rule_ctx`
         is read back by callers that need what serving counted (reasoning tokens)."""
         rule_ctx = rule_ctx or self.rule_context(request)
@@ -180,21 +192,25 @@ class ChatService:
             self.ctx.check_model(request.model)
             check_tools(request, self.ctx.config.model, self.ctx.model_name)
             # A request's own template is code of unknown cost: never run on the event loop.
-            prompt = await self.ctx.off_loop(self.render, request, size=stats.body_bytes, stats=stats,
-                                             inline=not brings_template(request))
+            prompt = await self.ctx.off_loop(
+                self.render, request, size=stats.body_bytes, stats=stats, inline=not brings_template(request)
+            )
             jobs = await self.constrained(request, prompt, self.jobs(request, prompt), stats)
             stats.prompt_tokens = len(prompt.token_ids)
             choices = [ChoiceAssembly(self.output_parser(request, prompt.text)) for _ in jobs]
             stream = await self.ctx.engine.start(jobs, deadline=self.ctx.deadline(stats))
             stats.queue_wait_s = stream.queue_wait
             if request.stream:
-                return ChunkStream(self._chunks(request, stream, choices, stats, rule_ctx), stream.close,
-                                   ready=stream.has_events())
+                return ChunkStream(
+                    self._chunks(request, stream, choices, stats, rule_ctx), stream.close, ready=stream.has_events()
+                )
             return await self._collect(request, stream, choices, stats, rule_ctx)
 
         return await serve_with_rules(self.ctx, request, rule_ctx, stats, produce, frame)
 
-    def _finish(self, choice: ChoiceAssembly, event: Finished, stats: RequestStats, rule_ctx: RuleContext) -> ParsedDelta:
+    def _finish(
+        self, choice: ChoiceAssembly, event: Finished, stats: RequestStats, rule_ctx: RuleContext
+    ) -> ParsedDelta:
         parsed = choice.add(choice.parser.finish(event.reason))
         choice.finished = event
         stats.record(event)
@@ -225,7 +241,12 @@ class ChatService:
         for index, choice in enumerate(choices):
             logprobs = {"content": chat_logprobs(choice.logprobs, self.ctx.token_text)} if request.logprobs else None
             body_choices.append(
-                {"index": index, "message": choice.message(), "logprobs": logprobs, "finish_reason": choice.finish_reason}
+                {
+                    "index": index,
+                    "message": choice.message(),
+                    "logprobs": logprobs,
+                    "finish_reason": choice.finish_reason,
+                }
             )
         return {
             **self._envelope("chat.completion"),
@@ -254,7 +275,10 @@ class ChatService:
         include_usage = request.include_usage
 
         def chunk(index: int, delta: dict[str, Any], *, finish: str | None = None, logprobs: Any = None) -> dict:
-            body = {**base, "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}]}
+            body = {
+                **base,
+                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
+            }
             if include_usage:
                 body["usage"] = None
             return body

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
-from typing import Any, AsyncIterator
+from typing import Any
 
 from deltafin.engine import Finished, GenerationJob, GenerationStream, PromptLogprobs, TextDelta, TokenLogprob
 from deltafin.errors import InvalidRequestError
 from deltafin.protocol.completions import CompletionRequest
+from deltafin.rules import RuleContext
 from deltafin.serving.context import RequestStats, ServingContext, new_id
 from deltafin.serving.logprobs import completion_logprobs
-from deltafin.rules import RuleContext
 from deltafin.serving.ruled import serve_with_rules
 from deltafin.serving.sse import ChunkStream, StreamingResponse
 
@@ -20,7 +21,7 @@ class CompletionService:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    def jobs(self, request: CompletionRequest, prompts: list["_Prompt"]) -> list[GenerationJob]:
+    def jobs(self, request: CompletionRequest, prompts: list[_Prompt]) -> list[GenerationJob]:
         """n jobs per prompt, prompt-major (choice index = prompt index * n + i), as vLLM numbers them."""
         limits = self.ctx.config.server
         request.check(max_n=limits.max_n, max_stop=limits.max_stop_sequences, max_top_logprobs=limits.max_top_logprobs)
@@ -75,7 +76,9 @@ class CompletionService:
 
         async def produce(request: CompletionRequest) -> dict[str, Any] | ChunkStream:
             self.ctx.check_model(request.model)
-            prompts = [await self._prompt(request, prompt, stats) for prompt in request.prompts(self.ctx.engine.vocab_size)]
+            prompts = [
+                await self._prompt(request, prompt, stats) for prompt in request.prompts(self.ctx.engine.vocab_size)
+            ]
             jobs = self.jobs(request, prompts)
             stats.prompt_tokens = sum(len(prompt.ids) for prompt in prompts)  # each prompt once, as vLLM counts
             # the prompt of each choice
@@ -83,12 +86,14 @@ class CompletionService:
             stream = await self.ctx.engine.start(jobs, deadline=self.ctx.deadline(stats))
             stats.queue_wait_s = stream.queue_wait
             if request.stream:
-                return ChunkStream(self._chunks(request, of_choice, stream, stats), stream.close, ready=stream.has_events())
+                return ChunkStream(
+                    self._chunks(request, of_choice, stream, stats), stream.close, ready=stream.has_events()
+                )
             return await self._collect(request, of_choice, stream, stats)
 
         return await serve_with_rules(self.ctx, request, rule_ctx, stats, produce)
 
-    async def _prompt(self, request: CompletionRequest, prompt: str | list[int], stats: RequestStats) -> "_Prompt":
+    async def _prompt(self, request: CompletionRequest, prompt: str | list[int], stats: RequestStats) -> _Prompt:
         # ctx.tokenizer is the prompt thread's own (deltafin.serving.prompt_work), so it is read on that thread.
         size = stats.body_bytes
         if isinstance(prompt, str):
@@ -99,7 +104,9 @@ class CompletionService:
         # Token ids in: the echoed text is their decoding, special tokens included.
         if not request.echo:
             return _Prompt(ids, "")
-        text = await self.ctx.off_loop(lambda: self.ctx.tokenizer.decode(ids, skip_special_tokens=False), size=size, stats=stats)
+        text = await self.ctx.off_loop(
+            lambda: self.ctx.tokenizer.decode(ids, skip_special_tokens=False), size=size, stats=stats
+        )
         return _Prompt(ids, text)
 
     def _token_text(self, request: CompletionRequest) -> Any:
@@ -108,10 +115,15 @@ class CompletionService:
         return self.ctx.token_text
 
     def _base(self) -> dict[str, Any]:
-        return {"id": new_id("cmpl"), "object": "text_completion", "created": self.ctx.created_now(), "model": self.ctx.model_name}
+        return {
+            "id": new_id("cmpl"),
+            "object": "text_completion",
+            "created": self.ctx.created_now(),
+            "model": self.ctx.model_name,
+        }
 
     async def _collect(
-        self, request: CompletionRequest, prompts: list["_Prompt"], stream: GenerationStream, stats: RequestStats
+        self, request: CompletionRequest, prompts: list[_Prompt], stream: GenerationStream, stats: RequestStats
     ) -> dict[str, Any]:
         n = len(prompts)
         token_text = self._token_text(request)
@@ -154,7 +166,7 @@ class CompletionService:
         return {**self._base(), "choices": choices, "usage": usage}
 
     async def _chunks(
-        self, request: CompletionRequest, prompts: list["_Prompt"], stream: GenerationStream, stats: RequestStats
+        self, request: CompletionRequest, prompts: list[_Prompt], stream: GenerationStream, stats: RequestStats
     ) -> AsyncIterator[dict[str, Any]]:
         base = self._base()
         include_usage = request.include_usage

@@ -39,8 +39,12 @@ def check_tools(request: ChatCompletionRequest, model: ModelConfig, served_name:
         # A call cannot be forced from nothing; silently generating text would break the client's contract.
         raise InvalidRequestError("tool_choice requires tools to choose from", param="tool_choice")
     family = get_family(model.family)
-    if (request.tools and request.tool_choice != "none" and not family.parses_tool_calls(family.variant(model.variant))
-            and forced_without_parser(request, model) is None):
+    if (
+        request.tools
+        and request.tool_choice != "none"
+        and not family.parses_tool_calls(family.variant(model.variant))
+        and forced_without_parser(request, model) is None
+    ):
         raise InvalidRequestError(
             f"The model `{served_name}` (family {model.family}) has no tool-call parser, so it cannot choose to call "
             'tools. Send tool_choice "required" or a named function (the call is then forced as JSON), tool_choice '
@@ -80,7 +84,10 @@ def request_constraint(
     if request.tools and request.tool_choice != "none":
         try:
             structure = family.tool_call_structure(
-                variant, request.tools, request.tool_choice, prompt_text=prompt_text,
+                variant,
+                request.tools,
+                request.tool_choice,
+                prompt_text=prompt_text,
                 parallel_tool_calls=request.parallel_tool_calls,
             )
         except ValueError as exc:
@@ -99,7 +106,7 @@ def request_constraint(
 
 
 async def prepared_constraint(
-    request: ChatCompletionRequest, ctx: "ServingContext", prompt_text: str, stats: "RequestStats"
+    request: ChatCompletionRequest, ctx: ServingContext, prompt_text: str, stats: RequestStats
 ) -> tuple[Constraint, Any] | None:
     """request_constraint, checked and compiled: (the constraint, its grammar ready for the engine, or None
     for an engine that compiles for itself), or None for a free generation. Raises the 400s (and the 429 of a

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from deltafin.config import DeltafinConfig, plain_config
 from deltafin.engine import EngineFront, Finished, TextDelta
@@ -13,7 +14,6 @@ from deltafin.errors import ContextLengthError, ModelNotFoundError, quoted_name
 from deltafin.prompt import ChatFormat
 from deltafin.rules import RulePipeline
 from deltafin.serving.prompt_work import PromptWork
-
 
 T = TypeVar("T")
 
@@ -51,7 +51,7 @@ class RequestStats:
     # Tokens of choices still generating, so a request cut short (disconnect, shutdown) logs what it produced.
     _partial: dict[int, int] = field(default_factory=dict, repr=False)
 
-    def answered_by(self, ctx: "ServingContext") -> None:
+    def answered_by(self, ctx: ServingContext) -> None:
         """The served model the request was routed to, for its log line and metric labels."""
         self.model, self.engine = ctx.model_name, ctx.engine.name
 
@@ -143,8 +143,14 @@ class ServingContext:
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False).input_ids)
 
-    async def off_loop(self, fn: Callable[..., T], *args: Any, size: int | None = None, stats: RequestStats | None = None,
-                       inline: bool = True) -> T:
+    async def off_loop(
+        self,
+        fn: Callable[..., T],
+        *args: Any,
+        size: int | None = None,
+        stats: RequestStats | None = None,
+        inline: bool = True,
+    ) -> T:
         """Run prompt work on a prompt thread: the lane for a body of `size` bytes, or here on the loop for a small
         one when `inline` (deltafin.serving.prompt_work); with `stats`, refused if no thread is free by the
         request's deadline, and the work's own time recorded."""
@@ -174,7 +180,10 @@ class ServingContext:
         """`model` is optional; when given it must name the served model or one of its aliases."""
         if requested is None or requested == self.model_name or requested in self.config.model.aliases:
             return
-        raise ModelNotFoundError(f"The model `{quoted_name(requested)}` does not exist. This server serves `{self.model_name}`.", param="model")
+        raise ModelNotFoundError(
+            f"The model `{quoted_name(requested)}` does not exist. This server serves `{self.model_name}`.",
+            param="model",
+        )
 
     def check_context(self, prompt_tokens: int, max_tokens: int | None, param: str) -> int:
         """The completion budget left after the prompt; the wording matches what client-side detectors expect."""
@@ -220,6 +229,9 @@ def new_id(prefix: str) -> str:
 def prompt_work_for(config: DeltafinConfig, tokenizer: Any) -> PromptWork:
     queue = config.server.queue
     return PromptWork(
-        tokenizer, large_body_bytes=queue.large_body_bytes, max_large=queue.max_large_prompts, timeout_s=queue.timeout_s,
+        tokenizer,
+        large_body_bytes=queue.large_body_bytes,
+        max_large=queue.max_large_prompts,
+        timeout_s=queue.timeout_s,
         inline_body_bytes=queue.inline_body_bytes,
     )

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 from typing import Any
 
+from deltafin.engine import Finished
 from deltafin.protocol.chat import ChatCompletionRequest, ChatMessage
 from deltafin.protocol.parse import ParseRequest
 from deltafin.serving.chat import ChatService, ChoiceAssembly
-from deltafin.engine import Finished
 
 
 class ParseService:

@@ -24,8 +24,9 @@ import copy
 import math
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 from deltafin.errors import EngineBusyError
 
@@ -65,8 +66,9 @@ class _Expired(Exception):
 
 
 class PromptWork:
-    def __init__(self, tokenizer: Any, *, large_body_bytes: int, max_large: int, timeout_s: float,
-                 inline_body_bytes: int = 0) -> None:
+    def __init__(
+        self, tokenizer: Any, *, large_body_bytes: int, max_large: int, timeout_s: float, inline_body_bytes: int = 0
+    ) -> None:
         self.tokenizers = PerThread(lambda: copy.deepcopy(tokenizer))
         self._inline_body_bytes = inline_body_bytes
         self._makers: tuple[Callable[[], Any], ...] = ()
@@ -81,7 +83,10 @@ class PromptWork:
         """Run `makers` on each lane's thread before the first request (tokenizer copies take a moment), and
         wait for them: what loading builds is done when loading ends."""
         self._makers = makers
-        made = [lane.submit(lambda: [make() for make in (self.tokenizers.get, *makers)]) for lane in (self._small, self._large)]
+        made = [
+            lane.submit(lambda: [make() for make in (self.tokenizers.get, *makers)])
+            for lane in (self._small, self._large)
+        ]
         for future in made:
             future.result()
 
@@ -95,10 +100,13 @@ class PromptWork:
 
     def _busy(self, why: str) -> EngineBusyError:
         retry_after = str(max(1, math.ceil(self._timeout_s)))
-        return EngineBusyError(f"The server is busy ({why}); retry after {retry_after} s.", headers={"Retry-After": retry_after})
+        return EngineBusyError(
+            f"The server is busy ({why}); retry after {retry_after} s.", headers={"Retry-After": retry_after}
+        )
 
-    async def run(self, fn: Callable[[], T], *, size: int | None = None, deadline: float | None = None,
-                  inline: bool = True) -> T:
+    async def run(
+        self, fn: Callable[[], T], *, size: int | None = None, deadline: float | None = None, inline: bool = True
+    ) -> T:
         """`fn()` on the lane for a body of `size` bytes (unknown: the small lane); 429 if it cannot start by
         `deadline` (monotonic). A body known to be small enough runs `fn()` here, on the loop, if `inline`."""
         if inline and size is not None and size < self._inline_body_bytes:

@@ -3,7 +3,8 @@ any DeltafinError on the way out is passed through the error rules."""
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
 
 from deltafin.errors import DeltafinError
 from deltafin.rules import RuleContext
@@ -13,11 +14,17 @@ from deltafin.serving.sse import ChunkStream, StreamingResponse, encode_sse
 
 Produce = Callable[[Any], Awaitable["dict[str, Any] | ChunkStream"]]
 #: (chunks after the rules, the error rules, close) -> the SSE body; /v1/responses frames chat chunks its own way
-Frame = Callable[[AsyncIterator[dict], Callable[[DeltafinError], DeltafinError], Callable[[], None]], AsyncIterator[bytes]]
+Frame = Callable[
+    [AsyncIterator[dict], Callable[[DeltafinError], DeltafinError], Callable[[], None]], AsyncIterator[bytes]
+]
 
 
 async def serve_with_rules(
-    ctx: ServingContext, request: Request, rule_ctx: RuleContext, stats: RequestStats, produce: Produce,
+    ctx: ServingContext,
+    request: Request,
+    rule_ctx: RuleContext,
+    stats: RequestStats,
+    produce: Produce,
     frame: Frame = encode_sse,
 ) -> dict[str, Any] | StreamingResponse:
     rules = ctx.rules

@@ -57,5 +57,7 @@ class TokenizeService:
         vocab = len(self.ctx.tokenizer)
         for i, token in enumerate(request.tokens):
             if token >= vocab:
-                raise InvalidRequestError(f"token {token} is outside the vocabulary (size {vocab})", param=f"tokens[{i}]")
+                raise InvalidRequestError(
+                    f"token {token} is outside the vocabulary (size {vocab})", param=f"tokens[{i}]"
+                )
         return {"prompt": self.ctx.tokenizer.decode(request.tokens, skip_special_tokens=False)}

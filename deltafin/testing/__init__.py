@@ -86,7 +86,7 @@ class LiveServer:
         self.port = port or free_port()
         self.base_url = f"http://127.0.0.1:{self.port}"
         self.log_path = Path(os.environ.get("TMPDIR", "/tmp")) / f"deltafin-test-{self.port}.log"
-        self._log = open(self.log_path, "w")
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (the process's log: closed when it stops)
         self.process: subprocess.Popen | ForkedProcess = self._start()
 
     def _start(self) -> subprocess.Popen | ForkedProcess:
@@ -98,15 +98,16 @@ class LiveServer:
                 if LiveServer._zygote is None:
                     LiveServer._zygote = Zygote(REPO, env)
             return LiveServer._zygote.start(argv, env=env, cwd=REPO, log=self.log_path)
-        return subprocess.Popen([sys.executable, "-m", "deltafin", *argv], cwd=REPO, stdout=self._log,
-                                stderr=subprocess.STDOUT, env=env)
+        return subprocess.Popen(
+            [sys.executable, "-m", "deltafin", *argv], cwd=REPO, stdout=self._log, stderr=subprocess.STDOUT, env=env
+        )
 
     def restart(self) -> None:
         """A new process with the same overrides on the same port, after `stop` (an upstream that comes back
         where a gateway expects it); the log file starts afresh."""
         if self.process.poll() is None:
             raise RuntimeError("restart() follows stop(): this server is still running")
-        self._log = open(self.log_path, "w")
+        self._log = open(self.log_path, "w")  # noqa: SIM115 (the process's log: closed when it stops)
         self.process = self._start()
 
     def wait_ready(self, timeout: float = 240.0) -> None:

@@ -76,15 +76,18 @@ def quantize_q6_k(w: np.ndarray) -> np.ndarray:
     ql = np.zeros((n, k // QK_K, 2, 64), dtype=np.uint8)
     qh = np.zeros((n, k // QK_K, 2, 32), dtype=np.uint8)
     for jj in range(4):
-        ql[..., 32 * (jj % 2): 32 * (jj % 2) + 32] |= (q[:, :, :, jj, :] & 0x0F) << (4 * (jj // 2))
+        ql[..., 32 * (jj % 2) : 32 * (jj % 2) + 32] |= (q[:, :, :, jj, :] & 0x0F) << (4 * (jj // 2))
         qh |= (q[:, :, :, jj, :] >> 4) << (2 * jj)
     parts = [ql.reshape(n, k // QK_K, 128), qh.reshape(n, k // QK_K, 64), sc.view(np.uint8), d_bytes]
     return np.concatenate(parts, axis=-1).reshape(n, -1)
 
 
 def quantize_k(w: np.ndarray, name: str) -> np.ndarray:
-    return {"Q4_K": lambda: quantize_q45_k(w, 4), "Q5_K": lambda: quantize_q45_k(w, 5),
-            "Q6_K": lambda: quantize_q6_k(w)}[name]()
+    return {
+        "Q4_K": lambda: quantize_q45_k(w, 4),
+        "Q5_K": lambda: quantize_q45_k(w, 5),
+        "Q6_K": lambda: quantize_q6_k(w),
+    }[name]()
 
 
 def rewrite_gguf(source: Path, target: Path, convert) -> Path:

@@ -22,14 +22,36 @@ def llama_server_binary() -> Path:
     return Path(os.environ.get("DELTAFIN_LLAMA_SERVER", cache / "bin" / "llama-server"))
 
 
-def start_llama_server(gguf: Path, *, parallel: int, context: int, threads: int = 2,
-                       log: IO[str] | int = subprocess.DEVNULL, ready_s: float = 120) -> tuple[subprocess.Popen, str]:
+def start_llama_server(
+    gguf: Path,
+    *,
+    parallel: int,
+    context: int,
+    threads: int = 2,
+    log: IO[str] | int = subprocess.DEVNULL,
+    ready_s: float = 120,
+) -> tuple[subprocess.Popen, str]:
     """`llama-server -m GGUF -np PARALLEL -c CONTEXT` on 127.0.0.1; returns (process, base URL) once healthy."""
     port = free_port()
     process = subprocess.Popen(
-        [str(llama_server_binary()), "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port),
-         "-c", str(context), "-np", str(parallel), "-t", str(threads), "--no-webui"],
-        stdout=log, stderr=subprocess.STDOUT if log is not subprocess.DEVNULL else subprocess.DEVNULL,
+        [
+            str(llama_server_binary()),
+            "-m",
+            str(gguf),
+            "--host",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "-c",
+            str(context),
+            "-np",
+            str(parallel),
+            "-t",
+            str(threads),
+            "--no-webui",
+        ],
+        stdout=log,
+        stderr=subprocess.STDOUT if log is not subprocess.DEVNULL else subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + ready_s

@@ -12,8 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Callable, Sequence
+from typing import Any
 
 from deltafin.engine import EngineFront, Finished, GenerationJob, TextDelta
 from deltafin.engine.upstream.engine import Adapter, UpstreamEngine, UpstreamSettings
@@ -28,8 +29,14 @@ class ScriptedBody:
     """SSE events, one after the other (`delay` apart), sent as HTTP chunks; `closed_early` is set if the
     reader closed the connection before the end."""
 
-    def __init__(self, events: Sequence[Any], delay: float = 0.0, tail: bytes = b"data: [DONE]\n\n",
-                 *, chunks: Callable[[bytes], list[bytes]] | None = None) -> None:
+    def __init__(
+        self,
+        events: Sequence[Any],
+        delay: float = 0.0,
+        tail: bytes = b"data: [DONE]\n\n",
+        *,
+        chunks: Callable[[bytes], list[bytes]] | None = None,
+    ) -> None:
         self.events = events
         self.delay = delay
         self.tail = tail
@@ -87,7 +94,7 @@ class Fake:
     _serving: set = field(default_factory=set)
 
     @classmethod
-    def down(cls) -> "Fake":
+    def down(cls) -> Fake:
         return cls(lambda body, path: (500, {}), refuse=10**9)
 
     def connector(self):
@@ -134,19 +141,36 @@ class Fake:
         status, content, *extra = answer
         data = json.dumps(content).encode()
         fields = "".join(f"{k}: {v}\r\n" for k, v in (extra[0] if extra else {}).items())
-        writer.write(f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(data)}\r\n"
-                     f"{fields}\r\n".encode() + data)
+        writer.write(
+            f"HTTP/1.1 {status} X\r\ncontent-type: application/json\r\ncontent-length: {len(data)}\r\n"
+            f"{fields}\r\n".encode()
+            + data
+        )
         await writer.drain()
         return True
 
 
-def make_engine(adapter_cls: type[Adapter], bundle, fake: Fake, *, max_inflight: int = 4, url: str = URL,
-                read_timeout_s: float = 5.0, tcp: bool = False, spare_connections: int = 0,
-                **adapter_kwargs: Any) -> UpstreamEngine:
+def make_engine(
+    adapter_cls: type[Adapter],
+    bundle,
+    fake: Fake,
+    *,
+    max_inflight: int = 4,
+    url: str = URL,
+    read_timeout_s: float = 5.0,
+    tcp: bool = False,
+    spare_connections: int = 0,
+    **adapter_kwargs: Any,
+) -> UpstreamEngine:
     """An engine in front of `fake`. No spare connection unless asked for (tests count connections and refusals;
     tests/gateway/test_http1.py::TestSpareConnections covers the spare itself)."""
-    settings = UpstreamSettings(url=url, max_inflight=max_inflight, connect_timeout_s=1.0, read_timeout_s=read_timeout_s,
-                                spare_connections=spare_connections)
+    settings = UpstreamSettings(
+        url=url,
+        max_inflight=max_inflight,
+        connect_timeout_s=1.0,
+        read_timeout_s=read_timeout_s,
+        spare_connections=spare_connections,
+    )
     return UpstreamEngine(adapter_cls(settings, **adapter_kwargs), bundle, connect=None if tcp else fake.connector())
 
 

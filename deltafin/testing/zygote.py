@@ -45,7 +45,7 @@ PRELOAD = (
 class ForkedProcess:
     """The part of `subprocess.Popen`'s interface that tests use, for a child of the zygote."""
 
-    def __init__(self, zygote: "Zygote", pid: int) -> None:
+    def __init__(self, zygote: Zygote, pid: int) -> None:
         self._zygote = zygote
         self.pid = pid
         self.returncode: int | None = None
@@ -83,8 +83,13 @@ class Zygote:
     def __init__(self, cwd: Path, env: dict[str, str]) -> None:
         self._process = subprocess.Popen(
             # -c, not -m: multiprocessing's fork server (a server's grammar workers) re-imports a -m main module
-            [sys.executable, "-c", "from deltafin.testing.zygote import serve; serve()"], cwd=cwd, env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+            [sys.executable, "-c", "from deltafin.testing.zygote import serve; serve()"],
+            cwd=cwd,
+            env=env,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            bufsize=1,
         )
         self._lock = threading.Lock()  # tests start and poll servers from several threads
         if self._call({"ready": None}).get("ready") is not True:

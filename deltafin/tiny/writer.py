@@ -3,14 +3,21 @@
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from importlib import resources
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 
 def write_tiny_model(
-    family: str, out: Path, *, variant: str | None = None, seed: int = 0, context: int | None = None,
-    architecture: Callable[[int], Any] | None = None, save: Callable[[Any, Path], None] | None = None,
+    family: str,
+    out: Path,
+    *,
+    variant: str | None = None,
+    seed: int = 0,
+    context: int | None = None,
+    architecture: Callable[[int], Any] | None = None,
+    save: Callable[[Any, Path], None] | None = None,
 ) -> Path:
     """Write config, safetensors weights, tokenizer (with chat template) and generation config to `out`.
     `context`: the model's max_position_embeddings (its context length), e.g. for prompts as long as an agent's.

@@ -7,7 +7,7 @@ from litestar.testing import TestClient
 
 from deltafin.app import build_app
 from deltafin.app.auth import is_open, key_matches
-from tests.app.test_http import assert_openai_error, user
+from tests.app.test_http import assert_openai_error
 from tests.conftest import compose_config
 
 CHAT = "/v1/chat/completions"
@@ -75,7 +75,10 @@ class TestApiKeys:
 
 class TestRequestIds:
     def test_a_plain_client_id_is_echoed(self, client):
-        assert client.get("/v1/models", headers={"x-request-id": "abc-123_X.y:z"}).headers["x-request-id"] == "abc-123_X.y:z"
+        assert (
+            client.get("/v1/models", headers={"x-request-id": "abc-123_X.y:z"}).headers["x-request-id"]
+            == "abc-123_X.y:z"
+        )
 
     @pytest.mark.parametrize("value", ["x" * 65536, "has space", "new\\nline", "é"])
     def test_an_oversized_or_odd_id_is_replaced(self, client, value):

@@ -18,7 +18,11 @@ TIMEOUT_S = 2.0
 @pytest.fixture(scope="module")
 def app(loaded_model):
     config = compose_config(
-        [f"server.queue.timeout_s={TIMEOUT_S}", "server.queue.large_body_bytes=65536", "server.queue.max_large_prompts=2"]
+        [
+            f"server.queue.timeout_s={TIMEOUT_S}",
+            "server.queue.large_body_bytes=65536",
+            "server.queue.max_large_prompts=2",
+        ]
     )
     return build_app(config, Services.from_engine(config, make_engine(loaded_model, timeout_s=TIMEOUT_S)))
 

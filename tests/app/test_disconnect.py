@@ -75,7 +75,9 @@ def test_the_callers_own_cancellation_cancels_the_work_and_stays_a_cancellation(
     cancelled = []
 
     async def scenario():
-        outer = asyncio.ensure_future(cancel_when(long_work(cancelled), [on_disconnect(receiver(None))], lambda _: None))
+        outer = asyncio.ensure_future(
+            cancel_when(long_work(cancelled), [on_disconnect(receiver(None))], lambda _: None)
+        )
         await asyncio.sleep(0.02)
         outer.cancel()
         with pytest.raises(asyncio.CancelledError):
@@ -90,7 +92,9 @@ def test_the_first_reason_wins_when_a_drain_and_a_disconnect_both_come():
         drain = Drain(grace_s=5)
         asyncio.get_running_loop().call_later(0.02, drain.begin)
         with pytest.raises(ShuttingDownError):
-            await cancel_when(asyncio.sleep(10), [on_disconnect(receiver(0.2)), drain.stopper(lambda: False)], lambda _: None)
+            await cancel_when(
+                asyncio.sleep(10), [on_disconnect(receiver(0.2)), drain.stopper(lambda: False)], lambda _: None
+            )
         return drain
 
     drain = asyncio.run(scenario())

@@ -97,7 +97,9 @@ class TestReadBody:
         return asyncio.run(read_body(_scope(headers), _receive(*messages), limit))
 
     def test_parts_are_joined(self):
-        body = self.run({"type": "http.request", "body": b"ab", "more_body": True}, {"type": "http.request", "body": b"cd"})
+        body = self.run(
+            {"type": "http.request", "body": b"ab", "more_body": True}, {"type": "http.request", "body": b"cd"}
+        )
         assert body == b"abcd"
 
     def test_declared_length_over_the_limit_is_refused_before_reading(self):
@@ -106,8 +108,10 @@ class TestReadBody:
 
     def test_streamed_body_over_the_limit_is_refused(self):
         with pytest.raises(PayloadTooLargeError):
-            self.run({"type": "http.request", "body": b"x" * 6, "more_body": True},
-                     {"type": "http.request", "body": b"x" * 6, "more_body": True})
+            self.run(
+                {"type": "http.request", "body": b"x" * 6, "more_body": True},
+                {"type": "http.request", "body": b"x" * 6, "more_body": True},
+            )
 
     def test_a_bad_content_length_is_400(self):
         with pytest.raises(InvalidRequestError, match="content-length"):

@@ -38,7 +38,12 @@ class TestEmptyPrompt:
 
 class TestBodyDecoding:
     def test_deeply_nested_body_is_400(self, client):
-        deep = b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": ' + b"[" * 1000 + b"]" * 1000 + b"}}"
+        deep = (
+            b'{"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"a": '
+            + b"[" * 1000
+            + b"]" * 1000
+            + b"}}"
+        )
         assert_openai_error(client.post(CHAT, content=deep, headers={"content-type": "application/json"}), 400)
 
     @pytest.mark.parametrize(

@@ -73,7 +73,9 @@ class TestErrors:
     def test_prompt_over_the_context_is_400_with_openai_wording(self, client, config):
         text = "hello " * 9000
         error = assert_openai_error(client.post(CHAT, json={"messages": user(text)}), 400)
-        assert error["message"].startswith("This model's maximum context length is 8192 tokens. However, your request has")
+        assert error["message"].startswith(
+            "This model's maximum context length is 8192 tokens. However, your request has"
+        )
         assert error["code"] == "context_length_exceeded"
 
     def test_prompt_plus_max_tokens_over_the_context_is_400(self, client):

@@ -44,13 +44,19 @@ class TestStoredResponses:
         assert created.status_code == 200, created.text
         rid = Response.model_validate(created.json()).id
         assert keyed.get(f"{RESPONSES}/{rid}", headers=as_("alice-key")).json()["id"] == rid
-        for method, path in [("get", f"{RESPONSES}/{rid}"), ("get", f"{RESPONSES}/{rid}/input_items"),
-                             ("delete", f"{RESPONSES}/{rid}")]:
+        for method, path in [
+            ("get", f"{RESPONSES}/{rid}"),
+            ("get", f"{RESPONSES}/{rid}/input_items"),
+            ("delete", f"{RESPONSES}/{rid}"),
+        ]:
             assert_openai_error(getattr(keyed, method)(path, headers=as_("bob-key")), 404)
         follow = keyed.post(RESPONSES, json=ask(previous_response_id=rid), headers=as_("bob-key"))
         assert_openai_error(follow, 404, "previous_response_id")
-        assert keyed.delete(f"{RESPONSES}/{rid}", headers=as_("alice-key")).json() == \
-            {"id": rid, "object": "response", "deleted": True}
+        assert keyed.delete(f"{RESPONSES}/{rid}", headers=as_("alice-key")).json() == {
+            "id": rid,
+            "object": "response",
+            "deleted": True,
+        }
         assert_openai_error(keyed.get(f"{RESPONSES}/{rid}", headers=as_("alice-key")), 404)
 
     def test_input_items_page_in_either_order(self, client):
@@ -69,8 +75,9 @@ class TestStoredResponses:
 
 class TestToolsAndRefusals:
     def test_hosted_tools_are_dropped_and_named_in_a_header(self, client):
-        response = client.post(RESPONSES, json=ask(tools=[{"type": "web_search"}, {"type": "file_search",
-                                                                                  "vector_store_ids": ["v"]}]))
+        response = client.post(
+            RESPONSES, json=ask(tools=[{"type": "web_search"}, {"type": "file_search", "vector_store_ids": ["v"]}])
+        )
         assert response.status_code == 200, response.text
         assert response.headers["x-deltafin-dropped-tools"] == "web_search,file_search"
         assert "x-deltafin-dropped-tools" not in client.post(RESPONSES, json=ask()).headers
@@ -80,18 +87,23 @@ class TestToolsAndRefusals:
         with TestClient(build_app(config, Services.from_engine(config, make_engine(loaded_model)))) as client:
             assert_openai_error(client.post(RESPONSES, json=ask(tools=[{"type": "web_search"}])), 400, "tools[0].type")
 
-    @pytest.mark.parametrize("fields,param", [
-        ({"background": True}, "background"),
-        ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input[0].type"),
-        ({"tools": [{"type": "custom", "name": "patch"}]}, "tools[0].type"),
-        ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # this model has no thinking switch
-        ({"input": ""}, None),
-        ({"input": []}, "input"),
-        ({"max_output_tokens": 0}, "max_output_tokens"),
-        ({"temperature": "hot"}, "temperature"),
-        ({"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "no-such-type"}}}},
-         "response_format.json_schema.schema"),
-    ])
+    @pytest.mark.parametrize(
+        "fields,param",
+        [
+            ({"background": True}, "background"),
+            ({"input": [{"type": "computer_call_output", "call_id": "c"}]}, "input[0].type"),
+            ({"tools": [{"type": "custom", "name": "patch"}]}, "tools[0].type"),
+            ({"reasoning": {"effort": "high"}}, "reasoning.effort"),  # this model has no thinking switch
+            ({"input": ""}, None),
+            ({"input": []}, "input"),
+            ({"max_output_tokens": 0}, "max_output_tokens"),
+            ({"temperature": "hot"}, "temperature"),
+            (
+                {"text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "no-such-type"}}}},
+                "response_format.json_schema.schema",
+            ),
+        ],
+    )
     def test_refusals_name_their_field(self, client, fields, param):
         response = client.post(RESPONSES, json=ask(**fields))
         if param is None:
@@ -126,17 +138,22 @@ class TestTruncation:
     LONG = "Tell me about the sea. " * 100  # ~600 tokens: two turns of it do not fit a 1,024-token context
 
     def turns(self) -> list:
-        return [{"role": "user", "content": self.LONG}, {"role": "assistant", "content": "The sea is large."},
-                {"role": "user", "content": self.LONG}, {"role": "assistant", "content": "It is deep."},
-                {"role": "user", "content": "Thanks. One word?"}]
+        return [
+            {"role": "user", "content": self.LONG},
+            {"role": "assistant", "content": "The sea is large."},
+            {"role": "user", "content": self.LONG},
+            {"role": "assistant", "content": "It is deep."},
+            {"role": "user", "content": "Thanks. One word?"},
+        ]
 
     def test_disabled_refuses_what_does_not_fit(self, short_context):
         error = assert_openai_error(short_context.post(RESPONSES, json=ask(input=self.turns())), 400)
         assert error["code"] == "context_length_exceeded"
 
     def test_auto_drops_the_oldest_turns(self, short_context):
-        response = short_context.post(RESPONSES, json=ask(input=self.turns(), truncation="auto",
-                                                          instructions="Be brief."))
+        response = short_context.post(
+            RESPONSES, json=ask(input=self.turns(), truncation="auto", instructions="Be brief.")
+        )
         assert response.status_code == 200, response.text
         body = Response.model_validate(response.json())
         # the first long turn and its answer dropped, the second kept whole

@@ -35,8 +35,12 @@ def wait_for(client: TestClient, status: str) -> dict:
     raise AssertionError(f"/health never said {status}: {health}")
 
 
-def loader(loaded_model, fail: str | None = None, gate: threading.Event | None = None,
-           error: str = "safetensors header is corrupt"):
+def loader(
+    loaded_model,
+    fail: str | None = None,
+    gate: threading.Event | None = None,
+    error: str = "safetensors header is corrupt",
+):
     """Services.load as the app calls it (config, shared store), on the session's loaded weights."""
 
     def load(cls, config, store=None):

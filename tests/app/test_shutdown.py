@@ -63,7 +63,9 @@ def test_a_stream_stalled_on_a_chunk_when_draining_begins_is_ended_at_the_grace(
 
     async def scenario():
         drain = Drain(grace_s=0.1)
-        asyncio.get_running_loop().call_later(0.05, drain.begin)  # after the stream began waiting: it must be interrupted
+        asyncio.get_running_loop().call_later(
+            0.05, drain.begin
+        )  # after the stream began waiting: it must be interrupted
         chunks = await collect(drain.stream(stalled()))
         return chunks, asyncio.current_task().cancelling()
 

@@ -27,38 +27,41 @@ def assert_config_error(result: subprocess.CompletedProcess, key: str) -> str:
     return lines[0]
 
 
-@pytest.mark.parametrize("args, key", [
-    (["server.no_such_key=1"], "server.no_such_key"),  # Hydra's composition refuses it
-    (["+server.prot=1"], "server.prot"),  # Hydra's `+` adds it; the schema check refuses it
-    (["server.port=[1"], "server.port"),  # the override grammar
-    (["foo"], "foo"),
-    (["server.port=notaport"], "server.port"),
-    (["placement.quantize=int9"], "placement.quantize"),
-    (["placement.device=tpu"], "placement.device"),
-    (["model.context_length=-1"], "model.context_length"),
-    (["server.host=999.1.1.1"], "server.host"),
-    (["server.api_keys=[k1,' ']"], "server.api_keys"),
-    (["model=kimi_k3"], "model.path"),  # required by the option, not given
-    (["model.family=nope"], "model.family"),
-    (["engine=vllm"], "engine.url"),
-    (["--cfg", "job", "model.context_length=-1"], "model.context_length"),
-    (["--cfg", "job", "server.no_such_key=1"], "server.no_such_key"),
-    (["--cfg", "all"], "--cfg"),
-    (["--info"], "--info"),
-    # an entry of `models` (one more model this process serves): its errors name the entry first
-    (['+models.glm=["model=glm","server.port=9"]'], "models.glm"),  # a process-wide key
-    (['+models.glm=["model=glm"]'], "models.glm"),  # its own config's error (model.path is required)
-    (['+models.a=["model.aliases=[]","placement.quantize=int9"]'], "models.a"),
-    (['+models.a=["model.aliases=[]","model.path=/nonexistent"]'], "models.a"),  # checked before anything loads
-    (['+models.a=["model.path=/nonexistent"]'], "models.a"),  # the smollm2 file's alias, served by the main model
-    (['+models.a=["model.aliases=[]","+models.b=[]"]'], "models.a"),  # no entries of entries
-    (["+models.glm=5"], "models.glm"),
-    (['+models.a.b=["x"]'], "models.a"),
-    (['+models.x=["server={api_keys:[secret]}","model.aliases=[]"]'], "models.x"),  # the group at once
-    (['+models.e=["model.aliases=[]","model.name="]'], "models.e"),
-    (["model.name= "], "model.name"),
-    (["model.aliases=[a,'']"], "model.aliases"),
-])
+@pytest.mark.parametrize(
+    "args, key",
+    [
+        (["server.no_such_key=1"], "server.no_such_key"),  # Hydra's composition refuses it
+        (["+server.prot=1"], "server.prot"),  # Hydra's `+` adds it; the schema check refuses it
+        (["server.port=[1"], "server.port"),  # the override grammar
+        (["foo"], "foo"),
+        (["server.port=notaport"], "server.port"),
+        (["placement.quantize=int9"], "placement.quantize"),
+        (["placement.device=tpu"], "placement.device"),
+        (["model.context_length=-1"], "model.context_length"),
+        (["server.host=999.1.1.1"], "server.host"),
+        (["server.api_keys=[k1,' ']"], "server.api_keys"),
+        (["model=kimi_k3"], "model.path"),  # required by the option, not given
+        (["model.family=nope"], "model.family"),
+        (["engine=vllm"], "engine.url"),
+        (["--cfg", "job", "model.context_length=-1"], "model.context_length"),
+        (["--cfg", "job", "server.no_such_key=1"], "server.no_such_key"),
+        (["--cfg", "all"], "--cfg"),
+        (["--info"], "--info"),
+        # an entry of `models` (one more model this process serves): its errors name the entry first
+        (['+models.glm=["model=glm","server.port=9"]'], "models.glm"),  # a process-wide key
+        (['+models.glm=["model=glm"]'], "models.glm"),  # its own config's error (model.path is required)
+        (['+models.a=["model.aliases=[]","placement.quantize=int9"]'], "models.a"),
+        (['+models.a=["model.aliases=[]","model.path=/nonexistent"]'], "models.a"),  # checked before anything loads
+        (['+models.a=["model.path=/nonexistent"]'], "models.a"),  # the smollm2 file's alias, served by the main model
+        (['+models.a=["model.aliases=[]","+models.b=[]"]'], "models.a"),  # no entries of entries
+        (["+models.glm=5"], "models.glm"),
+        (['+models.a.b=["x"]'], "models.a"),
+        (['+models.x=["server={api_keys:[secret]}","model.aliases=[]"]'], "models.x"),  # the group at once
+        (['+models.e=["model.aliases=[]","model.name="]'], "models.e"),
+        (["model.name= "], "model.name"),
+        (["model.aliases=[a,'']"], "model.aliases"),
+    ],
+)
 def test_config_error_is_one_line_naming_the_key(args, key):
     assert_config_error(run(*args), key)
 
@@ -110,8 +113,10 @@ def test_help_lists_the_groups_and_their_options():
 def test_a_missing_model_path_is_reported_before_torch_is_imported():
     """The commonest start-up mistake, a typo in model.path, is answered at once: the path is checked before
     the checks that import torch and transformers (seconds)."""
-    probe = ("import sys\nfrom deltafin.cli import main\ntry:\n    main(['model.path=/nonexistent'])\n"
-             "except SystemExit as exit:\n    print(exit.code, 'torch' in sys.modules)\n")
+    probe = (
+        "import sys\nfrom deltafin.cli import main\ntry:\n    main(['model.path=/nonexistent'])\n"
+        "except SystemExit as exit:\n    print(exit.code, 'torch' in sys.modules)\n"
+    )
     result = subprocess.run([sys.executable, "-c", probe], cwd=REPO, capture_output=True, text=True, timeout=120)
     assert result.stdout.split() == ["2", "False"], result.stdout + result.stderr
     assert "model.path: /nonexistent does not exist" in result.stderr

@@ -77,7 +77,9 @@ class TestParserNames:
         assert cfg.model.variant == "glm47"
 
     def test_the_family_name_keeps_the_default(self):
-        assert compose_config(["model=kimi_k2", "model.path=/m", "model.reasoning_parser=kimi_k2"]).model.variant is None
+        assert (
+            compose_config(["model=kimi_k2", "model.path=/m", "model.reasoning_parser=kimi_k2"]).model.variant is None
+        )
 
     def test_an_unknown_parser_names_the_key(self):
         with pytest.raises(ConfigError, match=r"^model\.tool_parser: 'hermes' is not a parser of family 'glm'"):

@@ -15,9 +15,22 @@ def entry(name: str, overrides: list[str]) -> str:
 
 
 def test_an_entry_is_composed_from_its_own_overrides_alone_and_served_as_its_name(tmp_path):
-    main, kimi = checked_configs(["model.context_length=1024", "server.port=9123",
-                                  entry("kimi", ["model=kimi_k3", f"model.path={tmp_path}", "compat=para",
-                                                 "engine.max_batch=2", "server.queue.max_waiting=3"])])
+    main, kimi = checked_configs(
+        [
+            "model.context_length=1024",
+            "server.port=9123",
+            entry(
+                "kimi",
+                [
+                    "model=kimi_k3",
+                    f"model.path={tmp_path}",
+                    "compat=para",
+                    "engine.max_batch=2",
+                    "server.queue.max_waiting=3",
+                ],
+            ),
+        ]
+    )
     assert (main.model.family, main.model.context_length, main.engine.max_batch) == ("smollm2", 1024, 8)
     assert (kimi.model.family, kimi.model.name, kimi.model.path) == ("kimi_k3", "kimi", str(tmp_path))
     assert kimi.model.context_length is None  # nothing of the main command line carried over
@@ -27,8 +40,9 @@ def test_an_entry_is_composed_from_its_own_overrides_alone_and_served_as_its_nam
 
 
 def test_an_entry_that_names_itself_is_served_under_that_name(tmp_path):
-    _, glm = checked_configs([entry("glm", ["model=glm", "model.variant=glm47", f"model.path={tmp_path}",
-                                            "model.name=glm-4.7"])])
+    _, glm = checked_configs(
+        [entry("glm", ["model=glm", "model.variant=glm47", f"model.path={tmp_path}", "model.name=glm-4.7"])]
+    )
     assert glm.model.name == "glm-4.7"  # a name with a dot cannot be a key of `models`
 
 
@@ -39,8 +53,10 @@ def test_process_wide_keys_are_refused_in_an_entry(key):
 
 
 def test_per_model_server_keys_are_the_entrys_own():
-    assert entry_overrides("x", ["server.queue.max_waiting=1", "server.memo.entries=0", "server.grammar.workers=1"])[-1] \
+    assert (
+        entry_overrides("x", ["server.queue.max_waiting=1", "server.memo.entries=0", "server.grammar.workers=1"])[-1]
         == "model.name=x"
+    )
 
 
 def test_a_name_served_twice_names_the_later_entry():

@@ -12,14 +12,18 @@ from tests.conftest import REPO
 
 
 def start(*overrides: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "deltafin", *overrides], cwd=REPO, capture_output=True, text=True,
-                          timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "deltafin", *overrides], cwd=REPO, capture_output=True, text=True, timeout=120
+    )
 
 
-@pytest.mark.parametrize("make,expect", [
-    (lambda tmp: tmp / "no-such-folder" / "r.db", "does not exist"),
-    (lambda tmp: (tmp / "junk.db").write_bytes(b"junk" * 500) and tmp / "junk.db", "not a database"),
-])
+@pytest.mark.parametrize(
+    "make,expect",
+    [
+        (lambda tmp: tmp / "no-such-folder" / "r.db", "does not exist"),
+        (lambda tmp: (tmp / "junk.db").write_bytes(b"junk" * 500) and tmp / "junk.db", "not a database"),
+    ],
+)
 def test_an_unusable_sqlite_store_is_a_config_error(tmp_path, make, expect):
     result = start("server.responses.store=sqlite", f"server.responses.path={make(tmp_path)}")
     assert result.returncode == 2
@@ -29,9 +33,14 @@ def test_an_unusable_sqlite_store_is_a_config_error(tmp_path, make, expect):
         assert (tmp_path / "junk.db").read_bytes() == b"junk" * 500  # left as it was
 
 
-@pytest.mark.parametrize("override,key", [("server.responses.store=disk", "server.responses.store"),
-                                          ("server.responses.unsupported_tools=ignore", "server.responses.unsupported_tools"),
-                                          ("server.responses.max_bytes=-1", "server.responses.max_bytes")])
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("server.responses.store=disk", "server.responses.store"),
+        ("server.responses.unsupported_tools=ignore", "server.responses.unsupported_tools"),
+        ("server.responses.max_bytes=-1", "server.responses.max_bytes"),
+    ],
+)
 def test_bad_values_name_their_key(override, key):
     result = start(override)
     assert result.returncode == 2 and f"config error: {key}:" in result.stderr

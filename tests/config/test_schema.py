@@ -65,7 +65,9 @@ class TestRanges:
     @pytest.mark.parametrize("key, bounds", ranged_keys(), ids=lambda x: x if isinstance(x, str) else "")
     def test_the_bounds_pass_and_just_outside_fails(self, key, bounds):
         integral = isinstance(OmegaConf.select(OmegaConf.structured(DeltafinConfig), key), int) or key in (
-            "model.context_length", "placement.num_threads")
+            "model.context_length",
+            "placement.num_threads",
+        )
         step = 1 if integral else 0.001
         for inside in (bounds.low, bounds.high):
             validate_with(key, int(inside) if integral else inside)

@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import json
 import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Callable, Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 #: (the bodies received so far, this one included) -> (HTTP status, JSON reply)
 Reply = Callable[[list[dict]], tuple[int, Any]]

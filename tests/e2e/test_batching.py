@@ -27,7 +27,11 @@ def batched_server(local_server: LiveServer) -> LiveServer:
 
 def stream(client: openai.OpenAI, prompt: str, out: dict) -> None:
     chunks = client.chat.completions.create(
-        model=BATCHED.name, messages=[{"role": "user", "content": prompt}], max_tokens=24, temperature=0, stream=True,
+        model=BATCHED.name,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=24,
+        temperature=0,
+        stream=True,
         extra_body={"ignore_eos": True},
     )
     text = []

@@ -22,6 +22,7 @@ LONG = "word " * 9000
 
 def tiny_entry(name: str, overrides: list[str]):
     """An entry serving the untaught tiny model `name` with `overrides`."""
+
     def prepare(root: Path) -> tuple[Path, list[str]]:
         family, variant = TINY_SPECS[name]
         path = write_tiny_model(family, root / "model", variant=variant)
@@ -31,9 +32,18 @@ def tiny_entry(name: str, overrides: list[str]):
 
 
 # Without force_tool_choice_auto, so the GLM rule for "required" is the one that acts; with the cap on.
-GLM_PARA = shared_model("glm-para", tiny_entry("glm47", [
-    "compat=para", "compat.rules.chat_default_max_tokens.value=5", "compat.rules.max_tokens_cap.value=6",
-    "~compat.rules.force_tool_choice_auto"]))
+GLM_PARA = shared_model(
+    "glm-para",
+    tiny_entry(
+        "glm47",
+        [
+            "compat=para",
+            "compat.rules.chat_default_max_tokens.value=5",
+            "compat.rules.max_tokens_cap.value=6",
+            "~compat.rules.force_tool_choice_auto",
+        ],
+    ),
+)
 KIMI_PARA = shared_model("kimi-para", tiny_entry("kimi_k3", ["compat=para"]))
 
 
@@ -99,7 +109,10 @@ class TestDefaultMaxTokens:
 
     def test_explicit_max_tokens_is_untouched(self, glm_para):
         raw = client_for(glm_para).chat.completions.with_raw_response.create(
-            model=GLM_PARA.name, messages=user("Write a long story."), temperature=0, max_tokens=3,
+            model=GLM_PARA.name,
+            messages=user("Write a long story."),
+            temperature=0,
+            max_tokens=3,
             extra_body={"ignore_eos": True},
         )
         rules = rules_header(raw)
@@ -174,10 +187,18 @@ class TestReasoningUsage:
         assert 0 < details.reasoning_tokens <= response.usage.completion_tokens
 
     def test_glm_stream_usage_has_reasoning_tokens(self, glm_para):
-        chunks = list(client_for(glm_para).chat.completions.create(
-            model=GLM_PARA.name, messages=user(), max_tokens=6, temperature=0, stream=True, seed=3,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-        ))
+        chunks = list(
+            client_for(glm_para).chat.completions.create(
+                model=GLM_PARA.name,
+                messages=user(),
+                max_tokens=6,
+                temperature=0,
+                stream=True,
+                seed=3,
+                stream_options={"include_usage": True},
+                extra_body={"ignore_eos": True},
+            )
+        )
         assert chunks[-1].usage.completion_tokens_details.reasoning_tokens > 0
 
     def test_none_usage_has_no_details(self, live_server):
@@ -193,8 +214,7 @@ class TestSamplingPins:
         assert len(raw.parse().choices) == 1 and "kimi_sampling_pins" in rules_header(raw)
 
     def test_glm_para_leaves_sampling_alone(self, glm_para):
-        response = client_for(glm_para).chat.completions.create(model=GLM_PARA.name, messages=user(), n=3,
-                                                                max_tokens=2)
+        response = client_for(glm_para).chat.completions.create(model=GLM_PARA.name, messages=user(), n=3, max_tokens=2)
         assert len(response.choices) == 3
 
 
@@ -208,8 +228,9 @@ class TestKimiThinking:
     @pytest.mark.parametrize("kind,channel", [("disabled", "response"), ("enabled", "think")])
     def test_the_prompt_opens_the_matching_channel(self, kimi_para, kind, channel):
         base = kimi_para.base_url
-        tokens = httpx.post(f"{base}/tokenize", json={"model": KIMI_PARA.name, "messages": user(),
-                                                      "thinking": {"type": kind}}).json()["tokens"]
+        tokens = httpx.post(
+            f"{base}/tokenize", json={"model": KIMI_PARA.name, "messages": user(), "thinking": {"type": kind}}
+        ).json()["tokens"]
         prompt = httpx.post(f"{base}/detokenize", json={"model": KIMI_PARA.name, "tokens": tokens}).json()["prompt"]
         assert prompt.endswith(f'<|open|>message role="assistant"<|sep|><|open|>{channel}<|sep|>')
 
@@ -217,9 +238,16 @@ class TestKimiThinking:
 class TestFlattenToolText:
     MESSAGES = [
         {"role": "user", "content": "time?"},
-        {"role": "assistant", "content": "", "tool_calls": [
-            {"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "text", "text": "12:"}, {"type": "text", "text": "00"}]},
+        {
+            "role": "assistant",
+            "content": "",
+            "tool_calls": [{"id": "c1", "type": "function", "function": {"name": "get_time", "arguments": "{}"}}],
+        },
+        {
+            "role": "tool",
+            "tool_call_id": "c1",
+            "content": [{"type": "text", "text": "12:"}, {"type": "text", "text": "00"}],
+        },
     ]
 
     def tokens(self, server, messages, model=MODEL):
@@ -247,5 +275,7 @@ class TestImageUrl:
     def test_bare_string_and_object_get_the_same_400(self, live_server, image_url):
         content = [{"type": "text", "text": "what is this?"}, {"type": "image_url", "image_url": image_url}]
         with pytest.raises(openai.BadRequestError) as info:
-            client_for(live_server).chat.completions.create(model=MODEL, messages=[{"role": "user", "content": content}])
+            client_for(live_server).chat.completions.create(
+                model=MODEL, messages=[{"role": "user", "content": content}]
+            )
         assert "accepts text only" in info.value.message and info.value.body["param"] == "messages[0].content[1]"

@@ -26,8 +26,12 @@ LARGE = MoeShape(experts=64, top_k=2, layers=5, hidden=512, intermediate=512)
 #: what a serving process holds besides the weights: interpreter, torch, transformers, tokenizers, Litestar,
 #: activations, the readers' scratch buffers (measured: ~300 MiB for a tiny model's server)
 MARGIN_MIB = 400
-PROMPTS = ["Tell me about the sea.", "What is the weather in Paris today?", "Hello, how can I help you?",
-           "Let me think about this step by step."]
+PROMPTS = [
+    "Tell me about the sea.",
+    "What is the weather in Paris today?",
+    "Hello, how can I help you?",
+    "Let me think about this step by step.",
+]
 
 
 def start(overrides: list[str]) -> LiveServer:
@@ -68,7 +72,10 @@ def complete(server: tuple[LiveServer, str], prompt: str, out: list, at: int) ->
     live, model = server
     client = openai.OpenAI(base_url=f"{live.base_url}/v1", api_key="x", max_retries=0, timeout=120)
     response = client.chat.completions.with_raw_response.create(
-        model=model, messages=[{"role": "user", "content": prompt}], max_tokens=12, temperature=0,
+        model=model,
+        messages=[{"role": "user", "content": prompt}],
+        max_tokens=12,
+        temperature=0,
         extra_body={"ignore_eos": True},
     )
     out[at] = (response.parse().choices[0].message.content, response.headers["x-request-id"])
@@ -99,7 +106,10 @@ def test_pooled_server_gives_the_resident_servers_tokens(servers):
     reference = run((resident, resident_model), together=False)
     expected = [text for text, _ in reference]
     assert metric(pooled, "deltafin_expert_pool_slots") == 21  # of 128 experts
-    misses, read = metric(pooled, "deltafin_expert_pool_misses_total"), metric(pooled, "deltafin_expert_bytes_read_total")
+    misses, read = (
+        metric(pooled, "deltafin_expert_pool_misses_total"),
+        metric(pooled, "deltafin_expert_bytes_read_total"),
+    )
     alone = run((pooled, pooled_model), together=False)
     batched = run((pooled, pooled_model), together=True)
     assert [text for text, _ in alone] == expected
@@ -128,8 +138,16 @@ def test_anonymous_memory_is_dense_plus_pool_plus_margin(tmp_path):
     experts = sum(entry.nbytes for name, entry in table.items() if ".experts." in name)
     dense = sum(entry.nbytes for name, entry in table.items() if ".experts." not in name)
     assert experts > MARGIN_MIB << 20 and dense < experts // 10
-    server = start(["model=qwen3", f"model.path={folder}", "model.name=moe", "engine.max_batch=2",
-                    "placement.experts.pool_mb=96", "server.memo.entries=0"])
+    server = start(
+        [
+            "model=qwen3",
+            f"model.path={folder}",
+            "model.name=moe",
+            "engine.max_batch=2",
+            "placement.experts.pool_mb=96",
+            "server.memo.entries=0",
+        ]
+    )
     try:
         pool = metric(server, "deltafin_expert_pool_bytes")
         assert pool <= 96 << 20 and pool * 7 < experts
@@ -137,6 +155,8 @@ def test_anonymous_memory_is_dense_plus_pool_plus_margin(tmp_path):
         assert metric(server, "deltafin_expert_pool_misses_total") > 2 * metric(server, "deltafin_expert_pool_slots")
         used = rss_anon(server.process.pid)
         bound = dense + pool + (MARGIN_MIB << 20)
-        assert used <= bound, f"RssAnon {used >> 20} MiB > dense {dense >> 20} + pool {int(pool) >> 20} + {MARGIN_MIB} MiB"
+        assert used <= bound, (
+            f"RssAnon {used >> 20} MiB > dense {dense >> 20} + pool {int(pool) >> 20} + {MARGIN_MIB} MiB"
+        )
     finally:
         server.stop()

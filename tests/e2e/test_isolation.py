@@ -48,16 +48,23 @@ class Watch:
 
     def __init__(self, server: Served, *, max_tokens: int = 3000, body: dict | None = None) -> None:
         self.url = server.base_url
-        self.body = body or {"messages": [{"role": "user", "content": "Count from one to a thousand."}],
-                             "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True}
+        self.body = body or {
+            "messages": [{"role": "user", "content": "Count from one to a thousand."}],
+            "max_tokens": max_tokens,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         self.body = {**self.body, "model": server.model}
         self.arrivals: list[float] = []
         self.health: list[tuple[float, float, int]] = []  # (sent, latency, status)
         self.stop = threading.Event()
-        self.threads = [threading.Thread(target=self._stream, daemon=True),
-                        threading.Thread(target=self._poll, daemon=True)]
+        self.threads = [
+            threading.Thread(target=self._stream, daemon=True),
+            threading.Thread(target=self._poll, daemon=True),
+        ]
 
-    def __enter__(self) -> "Watch":
+    def __enter__(self) -> Watch:
         for thread in self.threads:
             thread.start()
         deadline = time.monotonic() + 300
@@ -131,8 +138,11 @@ def assert_unfrozen(watch: Watch, start: float, end: float) -> None:
 
 
 def chat_with_schema(schema: dict, max_tokens: int = 12) -> dict:
-    return {"messages": [{"role": "user", "content": "Answer in JSON."}], "max_tokens": max_tokens,
-            "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}}}
+    return {
+        "messages": [{"role": "user", "content": "Answer in JSON."}],
+        "max_tokens": max_tokens,
+        "response_format": {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}},
+    }
 
 
 def nested(depth: int, leaf: dict) -> dict:
@@ -162,8 +172,13 @@ SERVER = [f"server.grammar.compile_timeout_s={COMPILE_TIMEOUT_S}", "placement.nu
 
 
 #: the default model, prefilling in chunks of CHUNK tokens, beside the others on the shared server
-SMOLLM2 = shared_model("isolation", lambda root: (None, [
-    *SERVER, f"engine.prefill_chunk_tokens={CHUNK}", "server.queue.timeout_s=300", "server.grammar.workers=2"]))
+SMOLLM2 = shared_model(
+    "isolation",
+    lambda root: (
+        None,
+        [*SERVER, f"engine.prefill_chunk_tokens={CHUNK}", "server.queue.timeout_s=300", "server.grammar.workers=2"],
+    ),
+)
 
 
 def _kimi_k2(root: Path) -> tuple[Path, list[str]]:
@@ -189,10 +204,15 @@ class TestHostileSchemas:
 
     def test_the_first_constrained_request_after_boot_stalls_nothing(self, server):
         with Watch(server) as watch:
-            body = {"messages": [{"role": "user", "content": "A JSON object, please."}], "max_tokens": 8,
-                    "response_format": {"type": "json_object"}}
+            body = {
+                "messages": [{"role": "user", "content": "A JSON object, please."}],
+                "max_tokens": 8,
+                "response_format": {"type": "json_object"},
+            }
             response, start, end = attack(watch, lambda: post(server, body))
-            assert response.status_code == 200 and response.json()["choices"][0]["message"]["content"].lstrip().startswith("{")
+            assert response.status_code == 200 and response.json()["choices"][0]["message"][
+                "content"
+            ].lstrip().startswith("{")
             assert_unfrozen(watch, start, end)
 
     def test_a_12000_fold_pattern_is_a_400_and_stalls_nothing(self, server):
@@ -220,7 +240,10 @@ class TestHostileSchemas:
 
             _, start, end = attack(watch, resend)
             for response, _ in answers:
-                assert response.status_code == 400 and response.json()["error"]["param"] == "response_format.json_schema.schema"
+                assert (
+                    response.status_code == 400
+                    and response.json()["error"]["param"] == "response_format.json_schema.schema"
+                )
             assert max(took for _, took in answers[1:]) < 1.0  # resent: the refusal comes from the cache
             assert_unfrozen(watch, start, end)
 
@@ -241,8 +264,11 @@ class TestHostileSchemas:
             assert again_end - again_start < 0.5 + 1.0  # refused again from the cache, without a compile
 
     def test_a_good_schema_still_compiles_and_decodes_after_the_attacks(self, server):
-        schema = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-                  "required": ["city"]}
+        schema = {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+        }
         response = post(server, chat_with_schema(schema, max_tokens=60))
         assert response.status_code == 200, response.text
         assert response.json()["choices"][0]["finish_reason"] == "stop"
@@ -255,7 +281,9 @@ class TestLongPrompt:
         count = httpx.post(f"{server.base_url}/tokenize", json={"prompt": text, "model": server.model}).json()["count"]
         while count > 3200:
             text = text[: len(text) * 3000 // count]
-            count = httpx.post(f"{server.base_url}/tokenize", json={"prompt": text, "model": server.model}).json()["count"]
+            count = httpx.post(f"{server.base_url}/tokenize", json={"prompt": text, "model": server.model}).json()[
+                "count"
+            ]
         assert 2800 <= count <= 3200
         body = {"messages": [{"role": "user", "content": text}], "max_tokens": 1, "temperature": 0}
         with Watch(server, max_tokens=1500) as watch:
@@ -278,8 +306,12 @@ def kimi_k2(local_server: LiveServer) -> Served:
 
 def forced_call(parameters: dict) -> dict:
     tool = {"type": "function", "function": {"name": "lookup", "parameters": parameters}}
-    return {"messages": [{"role": "user", "content": "Look it up."}], "max_tokens": 200, "tools": [tool],
-            "tool_choice": "required"}
+    return {
+        "messages": [{"role": "user", "content": "Look it up."}],
+        "max_tokens": 200,
+        "tools": [tool],
+        "tool_choice": "required",
+    }
 
 
 class TestHostileToolSchemasOnKimiK2:
@@ -287,15 +319,25 @@ class TestHostileToolSchemasOnKimiK2:
     first (the K2 template renders the tools into the prompt: a 400-level schema overflows its sandbox, and
     10000 properties its context), and none stalls the stream beside it."""
 
-    @pytest.mark.parametrize("parameters, params", [
-        (PATTERN, {"tools"}),
-        (DEEP, {"tools", "chat_template", "messages"}),  # its render may be refused as too long for the context
-        (SLOW, {"tools", "messages"}),
-    ], ids=["pattern", "deep", "slow"])
-    def test_a_hostile_tool_schema_under_an_enforced_tool_choice_is_a_400_and_stalls_nothing(self, kimi_k2, parameters,
-                                                                                          params):
-        body = {"messages": [{"role": "user", "content": "Write a long story."}], "max_tokens": 3000,
-                "temperature": 0, "ignore_eos": True, "stream": True}
+    @pytest.mark.parametrize(
+        "parameters, params",
+        [
+            (PATTERN, {"tools"}),
+            (DEEP, {"tools", "chat_template", "messages"}),  # its render may be refused as too long for the context
+            (SLOW, {"tools", "messages"}),
+        ],
+        ids=["pattern", "deep", "slow"],
+    )
+    def test_a_hostile_tool_schema_under_an_enforced_tool_choice_is_a_400_and_stalls_nothing(
+        self, kimi_k2, parameters, params
+    ):
+        body = {
+            "messages": [{"role": "user", "content": "Write a long story."}],
+            "max_tokens": 3000,
+            "temperature": 0,
+            "ignore_eos": True,
+            "stream": True,
+        }
         with Watch(kimi_k2, body=body) as watch:
             response, start, end = attack(watch, lambda: post(kimi_k2, forced_call(parameters)))
             assert response.status_code == 400, response.text
@@ -306,8 +348,11 @@ class TestHostileToolSchemasOnKimiK2:
             assert_unfrozen(watch, start, end)
 
     def test_a_plain_tool_schema_is_still_enforced(self, kimi_k2):
-        parameters = {"type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
-                      "required": ["city"]}
+        parameters = {
+            "type": "object",
+            "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]}},
+            "required": ["city"],
+        }
         response = post(kimi_k2, forced_call(parameters))
         assert response.status_code == 200, response.text
         choice = response.json()["choices"][0]

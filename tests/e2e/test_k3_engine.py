@@ -52,9 +52,15 @@ def oracle(k3):
     def generate(ids: list[int], n: int) -> list[int]:
         tensor = torch.tensor([ids])
         with torch.inference_mode():
-            out = model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=n,
-                                 do_sample=False, eos_token_id=None, pad_token_id=0)
-        return out[0, len(ids):].tolist()
+            out = model.generate(
+                tensor,
+                attention_mask=torch.ones_like(tensor),
+                max_new_tokens=n,
+                do_sample=False,
+                eos_token_id=None,
+                pad_token_id=0,
+            )
+        return out[0, len(ids) :].tolist()
 
     return generate
 
@@ -63,8 +69,9 @@ def oracle(k3):
 def prompts(k3):
     tokenizer = AutoTokenizer.from_pretrained(k3[0])
     words = WORDS.split()
-    return [tokenizer(" ".join(words[i:] + words[:i]), add_special_tokens=False).input_ids[: 12 + 5 * i]
-            for i in range(4)]
+    return [
+        tokenizer(" ".join(words[i:] + words[:i]), add_special_tokens=False).input_ids[: 12 + 5 * i] for i in range(4)
+    ]
 
 
 def client(server: LiveServer) -> openai.OpenAI:
@@ -89,8 +96,12 @@ def failed_health(server: LiveServer, timeout: float = 240.0) -> httpx.Response:
 def complete(server: LiveServer, ids: list[int], n: int = 10, *, with_id: bool = False):
     """Greedy token ids for a token-id prompt, and the response's usage (and its request id)."""
     raw = client(server).completions.with_raw_response.create(
-        model="kimi-k3", prompt=ids, max_tokens=n, temperature=0,
-        extra_body={"ignore_eos": True, "return_token_ids": True})
+        model="kimi-k3",
+        prompt=ids,
+        max_tokens=n,
+        temperature=0,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
     response = raw.parse()
     out = response.choices[0].model_extra["token_ids"], response.usage
     return (*out, raw.headers["x-request-id"]) if with_id else out
@@ -98,8 +109,11 @@ def complete(server: LiveServer, ids: list[int], n: int = 10, *, with_id: bool =
 
 def overlapping(lines: list[dict]) -> bool:
     """Some two of these requests were in the server at the same time (from their access-log lines)."""
-    spans = sorted((end - line["total_ms"] / 1000, end) for line in lines
-                   for end in [datetime.fromisoformat(line["timestamp"].replace("Z", "+00:00")).timestamp()])
+    spans = sorted(
+        (end - line["total_ms"] / 1000, end)
+        for line in lines
+        for end in [datetime.fromisoformat(line["timestamp"].replace("Z", "+00:00")).timestamp()]
+    )
     return any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))
 
 
@@ -145,8 +159,10 @@ def test_a_chat_turn_is_transformers_answer_and_the_memo_replays_it(k3, oracle):
     chat = client(server).chat.completions
     messages = [{"role": "user", "content": "What is the weather in Paris today?"}]
     first = chat.create(model="kimi-k3", messages=messages, max_tokens=6, temperature=0)
-    messages += [{"role": "assistant", "content": first.choices[0].message.content or "ok"},
-                 {"role": "user", "content": "And in Berlin?"}]
+    messages += [
+        {"role": "assistant", "content": first.choices[0].message.content or "ok"},
+        {"role": "user", "content": "And in Berlin?"},
+    ]
     second = chat.with_raw_response.create(model="kimi-k3", messages=messages, max_tokens=6, temperature=0)
     ids = httpx.post(f"{server.base_url}/tokenize", json={"messages": messages, "model": K3.name}).json()["tokens"]
     # A stream cut by max_tokens inside a character ends without its partial bytes (vLLM's detokenizer does
@@ -155,7 +171,9 @@ def test_a_chat_turn_is_transformers_answer_and_the_memo_replays_it(k3, oracle):
     expected = httpx.post(f"{server.base_url}/parse", json={"text": text, "model": K3.name}).json()["message"]
     message = second.parse().choices[0].message
     assert (message.content or "", message.reasoning_content or "") == (
-        expected.get("content") or "", expected.get("reasoning_content") or "")
+        expected.get("content") or "",
+        expected.get("reasoning_content") or "",
+    )
     assert server.request_log(second.headers["x-request-id"])["memo_hit"] is False
     again = chat.with_raw_response.create(model="kimi-k3", messages=messages, max_tokens=6, temperature=0)
     assert again.parse().choices[0].message == message
@@ -165,9 +183,19 @@ def test_a_chat_turn_is_transformers_answer_and_the_memo_replays_it(k3, oracle):
 def test_an_image_part_is_a_400_naming_it(k3):
     _, _, server = k3
     with pytest.raises(openai.BadRequestError) as refused:
-        client(server).chat.completions.create(model="kimi-k3", max_tokens=4, messages=[{"role": "user", "content": [
-            {"type": "text", "text": "What is this?"},
-            {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}}]}])
+        client(server).chat.completions.create(
+            model="kimi-k3",
+            max_tokens=4,
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "text", "text": "What is this?"},
+                        {"type": "image_url", "image_url": {"url": "data:image/png;base64,iVBORw0KGgo="}},
+                    ],
+                }
+            ],
+        )
     assert refused.value.body["param"] == "messages[0].content[1]"
 
 

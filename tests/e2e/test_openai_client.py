@@ -52,9 +52,13 @@ class TestChat:
         assert response.choices[0].finish_reason == "stop"
 
     def test_stop_string_cuts_the_answer(self, client):
-        full = client.chat.completions.create(
-            model="smollm2", messages=user("Count from 1 to 10."), temperature=0, max_tokens=30
-        ).choices[0].message.content
+        full = (
+            client.chat.completions.create(
+                model="smollm2", messages=user("Count from 1 to 10."), temperature=0, max_tokens=30
+            )
+            .choices[0]
+            .message.content
+        )
         word = full.split()[1]
         cut = client.chat.completions.create(
             model="smollm2", messages=user("Count from 1 to 10."), temperature=0, max_tokens=30, stop=[word]
@@ -64,9 +68,13 @@ class TestChat:
 
     def test_seed_reproduces_and_differs(self, client):
         def sample(seed):
-            return client.chat.completions.create(
-                model="smollm2", messages=user("Name an animal."), temperature=1.0, seed=seed, max_tokens=12
-            ).choices[0].message.content
+            return (
+                client.chat.completions.create(
+                    model="smollm2", messages=user("Name an animal."), temperature=1.0, seed=seed, max_tokens=12
+                )
+                .choices[0]
+                .message.content
+            )
 
         assert sample(5) == sample(5)
         assert len({sample(5), sample(6), sample(7)}) > 1
@@ -93,7 +101,11 @@ class TestChat:
 class TestStreaming:
     def test_chunk_sequence_and_usage(self, client):
         stream = client.chat.completions.create(
-            model="smollm2", messages=user(), max_tokens=8, temperature=0, stream=True,
+            model="smollm2",
+            messages=user(),
+            max_tokens=8,
+            temperature=0,
+            stream=True,
             stream_options={"include_usage": True},
         )
         chunks = list(stream)
@@ -111,9 +123,13 @@ class TestStreaming:
         assert chunks[-1].choices[0].finish_reason and all(c.usage is None for c in chunks)
 
     def test_stop_string_is_held_back_while_streaming(self, client):
-        full = client.chat.completions.create(
-            model="smollm2", messages=user("Count from 1 to 10."), temperature=0, max_tokens=30
-        ).choices[0].message.content
+        full = (
+            client.chat.completions.create(
+                model="smollm2", messages=user("Count from 1 to 10."), temperature=0, max_tokens=30
+            )
+            .choices[0]
+            .message.content
+        )
         stop = full.split()[2]
         stream = client.chat.completions.create(
             model="smollm2", messages=user("Count from 1 to 10."), temperature=0, max_tokens=30, stop=stop, stream=True
@@ -125,8 +141,10 @@ class TestStreaming:
 
     def test_raw_sse_ends_with_done(self, live_server):
         with httpx.stream(
-            "POST", f"{live_server.base_url}/v1/chat/completions",
-            json={"messages": user(), "max_tokens": 2, "stream": True}, timeout=60,
+            "POST",
+            f"{live_server.base_url}/v1/chat/completions",
+            json={"messages": user(), "max_tokens": 2, "stream": True},
+            timeout=60,
         ) as response:
             assert response.headers["content-type"].startswith("text/event-stream")
             events = [line for line in response.iter_lines() if line]
@@ -136,7 +154,9 @@ class TestStreaming:
 
 class TestCompletions:
     def test_completion_defaults_and_usage(self, client):
-        response = client.completions.create(model="smollm2", prompt="The capital of France is", max_tokens=4, temperature=0)
+        response = client.completions.create(
+            model="smollm2", prompt="The capital of France is", max_tokens=4, temperature=0
+        )
         assert response.choices[0].text and response.choices[0].finish_reason == "length"
         assert response.usage.completion_tokens == 4
 
@@ -156,7 +176,9 @@ class TestCompletions:
 
     def test_echo_with_logprobs_reports_the_prompt_tokens(self, client):
         prompt = "The capital of France is"
-        response = client.completions.create(model="smollm2", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2)
+        response = client.completions.create(
+            model="smollm2", prompt=prompt, max_tokens=3, temperature=0, echo=True, logprobs=2
+        )
         choice = response.choices[0]
         prompt_tokens = response.usage.prompt_tokens
         assert choice.text.startswith(prompt) and "".join(choice.logprobs.tokens) == choice.text
@@ -167,8 +189,11 @@ class TestCompletions:
 
     def test_streamed_echo_with_logprobs(self, client):
         prompt = "The capital of France is"
-        chunks = list(client.completions.create(
-            model="smollm2", prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=1, stream=True))
+        chunks = list(
+            client.completions.create(
+                model="smollm2", prompt=prompt, max_tokens=2, temperature=0, echo=True, logprobs=1, stream=True
+            )
+        )
         first = chunks[0].choices[0]
         assert first.text == prompt and first.logprobs.token_logprobs[0] is None
         assert "".join(first.logprobs.tokens) == prompt
@@ -200,7 +225,9 @@ class TestErrors:
         assert served[:2] == ["SmolLM2-135M-Instruct", "smollm2"] and set(served[2:]) == set(REGISTRY)
         health = httpx.get(f"{live_server.base_url}/health").json()
         assert health["status"] == "ok"
-        assert health.get("models", {"SmolLM2-135M-Instruct": "ok"}) == {name: "ok" for name in served if name != "smollm2"}
+        assert health.get("models", {"SmolLM2-135M-Instruct": "ok"}) == {
+            name: "ok" for name in served if name != "smollm2"
+        }
         with pytest.raises(openai.NotFoundError) as info:
             client.chat.completions.create(model="gpt-4o", messages=user(), max_tokens=2)
         assert all(f"`{name}`" in info.value.message for name in served if name != "smollm2")
@@ -228,9 +255,15 @@ def long_stream(live_server, max_tokens=2000):
     """Open a streaming request that holds the engine; returns the response once the first chunk arrived."""
     client = httpx.Client(timeout=60)
     request = client.build_request(
-        "POST", f"{live_server.base_url}/v1/chat/completions",
-        json={"messages": user("Tell a very long story."), "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-              "temperature": 0.7},
+        "POST",
+        f"{live_server.base_url}/v1/chat/completions",
+        json={
+            "messages": user("Tell a very long story."),
+            "max_tokens": max_tokens,
+            "stream": True,
+            "ignore_eos": True,
+            "temperature": 0.7,
+        },
     )
     response = client.send(request, stream=True)
     # Keep the line iterator referenced: when it is collected, httpx closes the response (a disconnect).
@@ -279,7 +312,8 @@ class TestConcurrency:
             sock = socket.create_connection(("127.0.0.1", live_server.port))
             sock.sendall(
                 b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
-                + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+                + f"Content-Length: {len(body)}\r\n\r\n".encode()
+                + body
             )
             time.sleep(0.2)
             sock.close()
@@ -304,14 +338,15 @@ class TestConcurrency:
         answer = client.chat.completions.create(model="smollm2", messages=user("Hi"), max_tokens=2)
         assert answer.choices[0].message.content is not None
 
-
     def test_a_huge_prompt_does_not_stall_other_clients(self, live_server):
         """Tokenizing ~3.5 MB takes seconds; it runs off the event loop, so the server keeps answering."""
         body = {"messages": user("hello world, this is a long message. " * 95000)}
         result = {}
 
         def huge():
-            result["status"] = httpx.post(f"{live_server.base_url}/v1/chat/completions", json=body, timeout=120).status_code
+            result["status"] = httpx.post(
+                f"{live_server.base_url}/v1/chat/completions", json=body, timeout=120
+            ).status_code
 
         thread = threading.Thread(target=huge)
         thread.start()
@@ -358,7 +393,7 @@ class TestLogs:
             model="smollm2", messages=user(), max_tokens=2, extra_headers={"x-request-id": "trace-42"}
         )
         line = live_server.request_log("trace-42")
-        assert sum('"trace-42"' in l for l in live_server.log_lines()) == 1
+        assert sum('"trace-42"' in line for line in live_server.log_lines()) == 1
         assert line["route"] == "/v1/chat/completions" and line["status"] == 200
         assert line["model"] == "SmolLM2-135M-Instruct" and line["engine"] == "local"  # which model answered
         for key in ("prompt_tokens", "completion_tokens", "queue_wait_ms", "ttft_ms", "total_ms"):

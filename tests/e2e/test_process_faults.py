@@ -133,7 +133,9 @@ class TestHeaderSize:
 
     def test_a_4_mib_header_gets_431_and_the_connection_closed(self, server):
         data = self.refused(server, self.HEAD + b"X-Big: " + b"a" * (4 << 20) + b"\r\n\r\n")
-        assert data.startswith(b"HTTP/1.1 431") and json_body(data)["error"]["code"] == "request_header_fields_too_large"
+        assert (
+            data.startswith(b"HTTP/1.1 431") and json_body(data)["error"]["code"] == "request_header_fields_too_large"
+        )
 
     def test_a_head_over_the_limit_in_one_read_is_refused_and_one_under_it_served(self, server):
         many = b"".join(b"X-H%d: %s\r\n" % (i, b"v" * 200) for i in range(200))  # ~42 KiB of small headers
@@ -165,7 +167,10 @@ def test_disconnect_mid_stream_logs_the_tokens_generated(server):
     request_id = "disconnect-mid-stream"
     with httpx.Client(timeout=30) as client:
         with client.stream(
-            "POST", f"{server.base_url}/v1/completions", json={**LONG, "stream": True}, headers={"x-request-id": request_id}
+            "POST",
+            f"{server.base_url}/v1/completions",
+            json={**LONG, "stream": True},
+            headers={"x-request-id": request_id},
         ) as response:
             lines = response.iter_lines()
             seen = 0

@@ -16,10 +16,20 @@ from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 pytestmark = pytest.mark.e2e
 
 EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
-WEATHER = {"type": "function", "name": "get_weather", "description": "Weather for a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
-                                     "days": {"type": "integer", "minimum": 1, "maximum": 7}},
-    "required": ["city", "days"], "additionalProperties": False}}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "parameters": {
+        "type": "object",
+        "properties": {
+            "city": {"type": "string", "enum": ["Paris", "Rome"]},
+            "days": {"type": "integer", "minimum": 1, "maximum": 7},
+        },
+        "required": ["city", "days"],
+        "additionalProperties": False,
+    },
+}
 
 
 class Person(pydantic.BaseModel):
@@ -57,8 +67,14 @@ def sse_events(live_server, body: dict) -> list[dict]:
 
 class TestCreateRetrieveDelete:
     def test_create_retrieve_list_inputs_delete(self, client):
-        response = client.responses.create(model="smollm2", instructions="Answer briefly.", input="Say hello.",
-                                           max_output_tokens=12, temperature=0, metadata={"k": "v"})
+        response = client.responses.create(
+            model="smollm2",
+            instructions="Answer briefly.",
+            input="Say hello.",
+            max_output_tokens=12,
+            temperature=0,
+            metadata={"k": "v"},
+        )
         raw = client.responses.with_raw_response.retrieve(response.id)
         again = strict(raw.http_response.json())
         assert again.id == response.id and again.output_text == response.output_text and response.output_text
@@ -74,8 +90,9 @@ class TestCreateRetrieveDelete:
             client.responses.retrieve(response.id)
 
     def test_a_length_cut_is_incomplete_with_its_reason(self, client):
-        response = client.responses.create(model="smollm2", input="Write a long story.", max_output_tokens=3,
-                                           temperature=0)
+        response = client.responses.create(
+            model="smollm2", input="Write a long story.", max_output_tokens=3, temperature=0
+        )
         assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
         assert response.usage.output_tokens == 3
 
@@ -85,10 +102,12 @@ class TestCreateRetrieveDelete:
             client.responses.retrieve(response.id)
 
     def test_previous_response_id_continues_the_conversation(self, client):
-        first = client.responses.create(model="smollm2", input="My name is Ada. Say OK.", max_output_tokens=8,
-                                        temperature=0)
-        second = client.responses.create(model="smollm2", input="What is my name?", previous_response_id=first.id,
-                                         max_output_tokens=8, temperature=0)
+        first = client.responses.create(
+            model="smollm2", input="My name is Ada. Say OK.", max_output_tokens=8, temperature=0
+        )
+        second = client.responses.create(
+            model="smollm2", input="What is my name?", previous_response_id=first.id, max_output_tokens=8, temperature=0
+        )
         # The whole first exchange is in the second prompt: its input is longer than the first one's total.
         assert second.usage.input_tokens > first.usage.total_tokens and second.previous_response_id == first.id
         with pytest.raises(openai.NotFoundError) as caught:
@@ -100,20 +119,33 @@ class TestCreateRetrieveDelete:
             client.responses.create(model="smollm2", input="x", background=True)
         assert caught.value.body["param"] == "background"
         with pytest.raises(openai.BadRequestError) as caught:
-            client.responses.create(model="smollm2", input=[{"role": "user", "content": [
-                {"type": "input_image", "image_url": "https://example.invalid/a.png"}]}])
+            client.responses.create(
+                model="smollm2",
+                input=[
+                    {"role": "user", "content": [{"type": "input_image", "image_url": "https://example.invalid/a.png"}]}
+                ],
+            )
         assert caught.value.body["param"] == "input[0].content[0].type"
 
 
 class TestStreaming:
     def test_the_event_sequence_parses_and_ends_with_the_stored_response(self, client, live_server):
-        events = sse_events(live_server, {"model": "smollm2", "input": "Count to three.", "max_output_tokens": 10,
-                                          "temperature": 0})
+        events = sse_events(
+            live_server, {"model": "smollm2", "input": "Count to three.", "max_output_tokens": 10, "temperature": 0}
+        )
         kinds = [e["type"] for e in events]
-        assert kinds[:4] == ["response.created", "response.in_progress", "response.output_item.added",
-                             "response.content_part.added"]
-        assert kinds[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
-                              "response.incomplete" if events[-1]["response"]["status"] == "incomplete" else "response.completed"]
+        assert kinds[:4] == [
+            "response.created",
+            "response.in_progress",
+            "response.output_item.added",
+            "response.content_part.added",
+        ]
+        assert kinds[-4:] == [
+            "response.output_text.done",
+            "response.content_part.done",
+            "response.output_item.done",
+            "response.incomplete" if events[-1]["response"]["status"] == "incomplete" else "response.completed",
+        ]
         text = "".join(e["delta"] for e in events if e["type"] == "response.output_text.delta")
         final = Response.model_validate(events[-1]["response"])
         assert final.output_text == text and text
@@ -131,21 +163,40 @@ class TestStreaming:
 
 class TestStructuredAndForcedCalls:
     def test_text_format_with_the_sdks_parse(self, client):
-        response = client.responses.parse(model="smollm2", input="Ada is 36. Describe her in JSON.",
-                                          text_format=Person, temperature=0, max_output_tokens=60)
+        response = client.responses.parse(
+            model="smollm2",
+            input="Ada is 36. Describe her in JSON.",
+            text_format=Person,
+            temperature=0,
+            max_output_tokens=60,
+        )
         assert isinstance(response.output_parsed, Person)
 
     def test_a_named_tool_choice_yields_that_call_on_a_model_without_a_tool_parser(self, client, live_server):
-        response = client.responses.create(model="smollm2", input="Weather in Rome for 2 days?", tools=[WEATHER],
-                                           tool_choice={"type": "function", "name": "get_weather"}, temperature=0,
-                                           max_output_tokens=60)
+        response = client.responses.create(
+            model="smollm2",
+            input="Weather in Rome for 2 days?",
+            tools=[WEATHER],
+            tool_choice={"type": "function", "name": "get_weather"},
+            temperature=0,
+            max_output_tokens=60,
+        )
         [call] = response.output
         assert call.type == "function_call" and call.name == "get_weather" and call.call_id
         arguments = json.loads(call.arguments)
         assert arguments["city"] in ("Paris", "Rome") and 1 <= arguments["days"] <= 7
-        events = sse_events(live_server, {"model": "smollm2", "input": "Weather?", "tools": [WEATHER],
-                                          "tool_choice": "required", "parallel_tool_calls": False, "temperature": 0,
-                                          "max_output_tokens": 60})
+        events = sse_events(
+            live_server,
+            {
+                "model": "smollm2",
+                "input": "Weather?",
+                "tools": [WEATHER],
+                "tool_choice": "required",
+                "parallel_tool_calls": False,
+                "temperature": 0,
+                "max_output_tokens": 60,
+            },
+        )
         streamed = "".join(e["delta"] for e in events if e["type"] == "response.function_call_arguments.delta")
         [done] = [e for e in events if e["type"] == "response.function_call_arguments.done"]
         assert done["arguments"] == streamed and json.loads(streamed)["city"] in ("Paris", "Rome")
@@ -157,29 +208,55 @@ class TestStructuredAndForcedCalls:
 
     def test_instructor_tools_mode(self, client):
         patched = instructor.from_openai(client, mode=instructor.Mode.TOOLS)
-        person = patched.chat.completions.create(model="smollm2", response_model=Person, temperature=0, max_tokens=60,
-                                                 messages=[{"role": "user", "content": "John is 30 years old."}],
-                                                 max_retries=0)
+        person = patched.chat.completions.create(
+            model="smollm2",
+            response_model=Person,
+            temperature=0,
+            max_tokens=60,
+            messages=[{"role": "user", "content": "John is 30 years old."}],
+            max_retries=0,
+        )
         assert isinstance(person, Person)
 
     def test_chat_parse_with_a_pydantic_function_tool(self, client):
         completion = client.chat.completions.parse(
-            model="smollm2", messages=[{"role": "user", "content": "John is 30 years old."}], temperature=0,
+            model="smollm2",
+            messages=[{"role": "user", "content": "John is 30 years old."}],
+            temperature=0,
             # parallel_tool_calls false: exactly one call (with calls unbounded a small model may not close the array)
-            tools=[openai.pydantic_function_tool(Person)], tool_choice="required", parallel_tool_calls=False,
-            max_tokens=60)
+            tools=[openai.pydantic_function_tool(Person)],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            max_tokens=60,
+        )
         choice = completion.choices[0]
         assert choice.finish_reason == "tool_calls"
         assert isinstance(choice.message.tool_calls[0].function.parsed_arguments, Person)
 
     def test_required_among_several_tools_streams_tool_call_deltas(self, client):
         # parallel_tool_calls false: an array of exactly one call (a small model may not close a longer array).
-        time_tool = {"type": "function", "function": {"name": "get_time", "parameters": {
-            "type": "object", "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["zone"]}}}
+        time_tool = {
+            "type": "function",
+            "function": {
+                "name": "get_time",
+                "parameters": {
+                    "type": "object",
+                    "properties": {"zone": {"type": "string", "enum": ["UTC", "CET"]}},
+                    "required": ["zone"],
+                },
+            },
+        }
         weather = {"type": "function", "function": {k: v for k, v in WEATHER.items() if k != "type"}}
-        stream = client.chat.completions.create(model="smollm2", messages=[{"role": "user", "content": "Time?"}],
-                                                tools=[weather, time_tool], tool_choice="required", temperature=0,
-                                                parallel_tool_calls=False, max_tokens=120, stream=True)
+        stream = client.chat.completions.create(
+            model="smollm2",
+            messages=[{"role": "user", "content": "Time?"}],
+            tools=[weather, time_tool],
+            tool_choice="required",
+            temperature=0,
+            parallel_tool_calls=False,
+            max_tokens=120,
+            stream=True,
+        )
         calls: dict[int, dict] = {}
         finish = None
         for chunk in stream:
@@ -195,8 +272,10 @@ class TestStructuredAndForcedCalls:
 class TestCompletionPrompts:
     def test_a_list_of_prompts_answers_n_choices_per_prompt_in_prompt_major_order(self, client):
         prompts = ["The capital of France is", "One, two,"]
-        singles = [client.completions.create(model="smollm2", prompt=p, max_tokens=4, temperature=0).choices[0].text
-                   for p in prompts]
+        singles = [
+            client.completions.create(model="smollm2", prompt=p, max_tokens=4, temperature=0).choices[0].text
+            for p in prompts
+        ]
         batch = client.completions.create(model="smollm2", prompt=prompts, n=2, max_tokens=4, temperature=0)
         assert [c.index for c in batch.choices] == [0, 1, 2, 3]
         assert [c.text for c in batch.choices] == [singles[0], singles[0], singles[1], singles[1]]

@@ -24,15 +24,19 @@ from deltafin.serving.responses.items import canonical_input
 from deltafin.serving.responses.service import chat_request
 from deltafin.serving.responses.tools import served_tools
 from deltafin.tiny import write_tiny_model
-from tests.conftest import TINY_OVERRIDES, tiny_config
 from deltafin.tiny.taught import taught
+from tests.conftest import TINY_OVERRIDES, tiny_config
 from tests.e2e.stand_in import stand_in
 from tests.shared_server import shared_model
 
 pytestmark = pytest.mark.e2e
 
-WEATHER = {"type": "function", "name": "get_weather", "description": "Weather for a city", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather for a city",
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
 QUESTION = "What is the weather in Paris?"
 CALL = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call><|im_end|>'
 ANSWER = "Sunny in Paris.<|im_end|>"
@@ -44,25 +48,60 @@ def client_bodies() -> list[dict]:
     call = {"type": "function_call", "call_id": "call_any", "name": "get_weather", "arguments": '{"city": "Paris"}'}
     return [
         {"input": QUESTION, "tools": [WEATHER]},
-        {"input": [{"role": "user", "content": QUESTION}, call,
-                   {"type": "function_call_output", "call_id": "call_any", "output": "sunny, 21 C"}], "tools": [WEATHER]},
+        {
+            "input": [
+                {"role": "user", "content": QUESTION},
+                call,
+                {"type": "function_call_output", "call_id": "call_any", "output": "sunny, 21 C"},
+            ],
+            "tools": [WEATHER],
+        },
     ]
 
 
 def recorded_agent_bodies() -> list[dict]:
     """The agent's two request bodies, recorded against a stand-in that answers with the script."""
-    outputs = [[{"type": "function_call", "id": "fc_1", "call_id": "call_1", "name": "get_weather",
-                 "arguments": '{"city": "Paris"}', "status": "completed"}],
-               [{"type": "message", "id": "msg_1", "role": "assistant", "status": "completed",
-                 "content": [{"type": "output_text", "text": "Sunny in Paris.", "annotations": []}]}]]
+    outputs = [
+        [
+            {
+                "type": "function_call",
+                "id": "fc_1",
+                "call_id": "call_1",
+                "name": "get_weather",
+                "arguments": '{"city": "Paris"}',
+                "status": "completed",
+            }
+        ],
+        [
+            {
+                "type": "message",
+                "id": "msg_1",
+                "role": "assistant",
+                "status": "completed",
+                "content": [{"type": "output_text", "text": "Sunny in Paris.", "annotations": []}],
+            }
+        ],
+    ]
 
     def reply(bodies: list[dict]) -> tuple[int, dict]:
         return 200, {
-            "id": f"resp_{len(bodies)}", "object": "response", "created_at": 0, "model": "m", "status": "completed",
-            "output": outputs[len(bodies) - 1], "parallel_tool_calls": True, "tool_choice": "auto", "tools": [],
-            "usage": {"input_tokens": 1, "output_tokens": 1, "total_tokens": 2,
-                      "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
-                      "output_tokens_details": {"reasoning_tokens": 0}}}
+            "id": f"resp_{len(bodies)}",
+            "object": "response",
+            "created_at": 0,
+            "model": "m",
+            "status": "completed",
+            "output": outputs[len(bodies) - 1],
+            "parallel_tool_calls": True,
+            "tool_choice": "auto",
+            "tools": [],
+            "usage": {
+                "input_tokens": 1,
+                "output_tokens": 1,
+                "total_tokens": 2,
+                "input_tokens_details": {"cached_tokens": 0, "cache_write_tokens": 0},
+                "output_tokens_details": {"reasoning_tokens": 0},
+            },
+        }
 
     with stand_in(reply) as (base_url, bodies):
         result, _ = run_agent(base_url, AGENTS.name)
@@ -91,9 +130,14 @@ def run_agent(base_url: str, served: str) -> tuple[str, list[str]]:
 def prompt_ids(fmt, template: str, config, body: dict) -> list[int]:
     request = msgspec.json.decode(json.dumps(body).encode(), type=ResponsesRequest)
     tools = served_tools(request.tools, unsupported="drop")
-    chat = chat_request(request, tools, canonical_input(request.input), model_name="qwen3",
-                        developer_role=speaks_developer("template", template),
-                        thinking_kwarg=config.model.thinking_kwarg)
+    chat = chat_request(
+        request,
+        tools,
+        canonical_input(request.input),
+        model_name="qwen3",
+        developer_role=speaks_developer("template", template),
+        thinking_kwarg=config.model.thinking_kwarg,
+    )
     return fmt.render(chat.messages, chat.tools, dict(chat.chat_template_kwargs or {})).token_ids
 
 
@@ -101,13 +145,19 @@ def prepare(root: Path) -> tuple[Path, list[str]]:
     path = write_tiny_model("qwen3", root / "model")
     config = tiny_config("qwen3", path, THINKING_OFF)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    fmt = build_chat_format(config.model.chat_format, tokenizer,
-                            content_format=config.model.content_format,
-                            default_kwargs=dict(config.model.chat_template_kwargs))
+    fmt = build_chat_format(
+        config.model.chat_format,
+        tokenizer,
+        content_format=config.model.content_format,
+        default_kwargs=dict(config.model.chat_template_kwargs),
+    )
     turns = [client_bodies(), recorded_agent_bodies()]
     # Four prompts sharing long prefixes: trained until the loss is negligible (teach stops early once it is).
-    examples = [(prompt_ids(fmt, tokenizer.chat_template, config, body), reply)
-                for bodies in turns for body, reply in zip(bodies, (CALL, ANSWER))]
+    examples = [
+        (prompt_ids(fmt, tokenizer.chat_template, config, body), reply)
+        for bodies in turns
+        for body, reply in zip(bodies, (CALL, ANSWER))
+    ]
     path = taught(path, examples, steps=800)
     return path, [*TINY_OVERRIDES["qwen3"], f"model.path={path}", *THINKING_OFF]
 
@@ -125,10 +175,13 @@ def test_function_call_round_trip_with_the_openai_client(server):
     client = openai.OpenAI(base_url=f"{server.base_url}/v1", api_key="unused", max_retries=0, timeout=120)
     first = client.responses.create(model=AGENTS.name, input=QUESTION, tools=[WEATHER], temperature=0)
     [call] = first.output
-    assert call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    assert (
+        call.type == "function_call" and call.name == "get_weather" and json.loads(call.arguments) == {"city": "Paris"}
+    )
     output = {"type": "function_call_output", "call_id": call.call_id, "output": "sunny, 21 C"}
-    second = client.responses.create(model=AGENTS.name, previous_response_id=first.id, tools=[WEATHER],
-                                     temperature=0, input=[output])
+    second = client.responses.create(
+        model=AGENTS.name, previous_response_id=first.id, tools=[WEATHER], temperature=0, input=[output]
+    )
     assert second.output_text == "Sunny in Paris." and second.status == "completed"
     items = client.responses.input_items.list(second.id, order="asc")
     assert [item.type for item in items.data] == ["function_call_output"]

@@ -19,9 +19,9 @@ import pytest
 from transformers import AutoTokenizer
 
 from deltafin.tiny import write_tiny_model
+from deltafin.tiny.taught import taught
 from tests.conftest import TINY_OVERRIDES
 from tests.e2e.codex_cli import codex_exec
-from deltafin.tiny.taught import taught
 from tests.e2e.stand_in import stand_in
 from tests.shared_server import shared_model
 
@@ -46,8 +46,9 @@ def prepare(root: Path) -> tuple[Path, list[str]]:
     words = [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids]
     rng = random.Random(0)
     # (cached by what it is made from, as the other taught models are: the shared server's start waits for it)
-    path = taught(path, [([rng.choice(words) for _ in range(n)] + turn_end, "<|im_end|>") for n in (4, 64, 256)],
-                  steps=150)
+    path = taught(
+        path, [([rng.choice(words) for _ in range(n)] + turn_end, "<|im_end|>") for n in (4, 64, 256)], steps=150
+    )
     # Thinking stays on (conf/model/qwen3.yaml): the assistant turn starts right after `assistant\n`, as taught.
     return path, [*TINY_OVERRIDES["qwen3"], f"model.path={path}"]
 
@@ -75,10 +76,15 @@ def test_codex_exec_completes_a_turn(codex_server):
     # The shared server logs every module's requests: this turn's are the ones its model answered (the access
     # log names it; Codex sends no x-request-id of its own).
     lines = [json.loads(line) for line in server.log_lines() if line.startswith("{")]
-    turns = [line for line in lines if line.get("event") == "request" and line.get("route") == "/v1/responses"
-             and line.get("model") == CODEX.name]
+    turns = [
+        line
+        for line in lines
+        if line.get("event") == "request" and line.get("route") == "/v1/responses" and line.get("model") == CODEX.name
+    ]
     assert turns and all(t["status"] == 200 and t["completed"] for t in turns)
     assert turns[0]["prompt_tokens"] > 20_000 and turns[0]["finish_reasons"] == ["stop"]
     ids = {turn["request_id"] for turn in turns}
-    dropped = [line for line in lines if line.get("event") == "responses_tools_dropped" and line.get("request_id") in ids]
+    dropped = [
+        line for line in lines if line.get("event") == "responses_tools_dropped" and line.get("request_id") in ids
+    ]
     assert dropped and "web_search" in dropped[0]["tools"]

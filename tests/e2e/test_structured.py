@@ -45,24 +45,36 @@ def client(live_server):
 class TestDefaultModel:
     def test_parse_with_a_pydantic_model_returns_a_parsed_object(self, client):
         completion = client.chat.completions.parse(
-            model="smollm2", messages=user("Describe a programmer called Ada in JSON."), response_format=Person,
-            temperature=0, max_tokens=200,
+            model="smollm2",
+            messages=user("Describe a programmer called Ada in JSON."),
+            response_format=Person,
+            temperature=0,
+            max_tokens=200,
         )
         person = completion.choices[0].message.parsed
         assert isinstance(person, Person) and completion.choices[0].finish_reason == "stop"
 
     def test_json_object_output_parses(self, client):
         response = client.chat.completions.create(
-            model="smollm2", messages=user("What is the capital of France? Answer in JSON."),
-            response_format={"type": "json_object"}, temperature=0, max_tokens=100,
+            model="smollm2",
+            messages=user("What is the capital of France? Answer in JSON."),
+            response_format={"type": "json_object"},
+            temperature=0,
+            max_tokens=100,
         )
         assert isinstance(json.loads(response.choices[0].message.content), dict)
 
     def test_streamed_json_schema_is_valid_when_joined(self, client):
         stream = client.chat.completions.create(
-            model="smollm2", messages=user("Describe a programmer called Ada in JSON."), stream=True,
-            response_format={"type": "json_schema", "json_schema": {"name": "person", "schema": Person.model_json_schema(), "strict": True}},
-            temperature=0, max_tokens=200,
+            model="smollm2",
+            messages=user("Describe a programmer called Ada in JSON."),
+            stream=True,
+            response_format={
+                "type": "json_schema",
+                "json_schema": {"name": "person", "schema": Person.model_json_schema(), "strict": True},
+            },
+            temperature=0,
+            max_tokens=200,
         )
         text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
         Person.model_validate_json(text)
@@ -112,13 +124,16 @@ def calls_of(response) -> list[tuple[str, dict]]:
 class TestEnforcedToolChoice:
     def test_named_choice_yields_that_call_where_auto_yields_none(self, tiny_server):
         family, client, model = tiny_server
-        ask = dict(model=model, messages=user("Weather in Paris?"), tools=[WEATHER, TIME],
-                   temperature=0, max_tokens=400)
+        ask = dict(
+            model=model, messages=user("Weather in Paris?"), tools=[WEATHER, TIME], temperature=0, max_tokens=400
+        )
         # Unconstrained, a random model writes until max_tokens: 64 tokens show it starts no call (a call's
         # markup opens its answer when the grammar forces one).
         free = client.chat.completions.create(**{**ask, "max_tokens": 64}, tool_choice="auto")
         assert calls_of(free) == [], f"{family}: the tiny model calls unconstrained; the test would prove nothing"
-        forced = client.chat.completions.create(**ask, tool_choice={"type": "function", "function": {"name": "get_weather"}})
+        forced = client.chat.completions.create(
+            **ask, tool_choice={"type": "function", "function": {"name": "get_weather"}}
+        )
         [(name, args)] = calls_of(forced)
         assert name == "get_weather" and args["city"] in ("Paris", "Rome") and 1 <= args["days"] <= 7
         assert forced.choices[0].finish_reason == "tool_calls"
@@ -126,8 +141,13 @@ class TestEnforcedToolChoice:
     def test_required_with_several_tools_yields_a_call(self, tiny_server):
         family, client, model = tiny_server
         response = client.chat.completions.create(
-            model=model, messages=user("What now?"), tools=[WEATHER, TIME],
-            tool_choice="required", parallel_tool_calls=False, temperature=0, max_tokens=400,
+            model=model,
+            messages=user("What now?"),
+            tools=[WEATHER, TIME],
+            tool_choice="required",
+            parallel_tool_calls=False,
+            temperature=0,
+            max_tokens=400,
         )
         [(name, _)] = calls_of(response)
         assert name in ("get_weather", "get_time")

@@ -104,16 +104,19 @@ class TestSameTokensAloneAndInABatch:
         assert batched == solo
 
     def test_logprobs_match(self, front, run):
-        job = GenerationJob(chat_ids(front, PROMPTS[0]), SamplingParams(max_tokens=8, temperature=0.0, logprobs=True,
-                                                                         top_logprobs=2))
+        job = GenerationJob(
+            chat_ids(front, PROMPTS[0]), SamplingParams(max_tokens=8, temperature=0.0, logprobs=True, top_logprobs=2)
+        )
 
         async def logprobs_of(jobs):
             stream = await front.start(jobs)
             return [lp.logprob for e in [e async for e in stream] if isinstance(e, TextDelta) for lp in e.logprobs]
 
         solo = run(logprobs_of([job]))
-        others = [GenerationJob(chat_ids(front, p), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
-                  for p in PROMPTS[1:4]]
+        others = [
+            GenerationJob(chat_ids(front, p), SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True))
+            for p in PROMPTS[1:4]
+        ]
 
         async def mixed():
             tasks = [asyncio.ensure_future(collect(front, [o])) for o in others]
@@ -130,8 +133,12 @@ class TestSameTokensAloneAndInABatch:
 
 class TestRowsJoinAndLeave:
     def test_a_short_request_leaves_while_a_long_one_runs_on(self, front, run):
-        long = GenerationJob(chat_ids(front, PROMPTS[0]), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True))
-        short = GenerationJob(chat_ids(front, PROMPTS[1]), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True))
+        long = GenerationJob(
+            chat_ids(front, PROMPTS[0]), SamplingParams(max_tokens=40, temperature=0.0, ignore_eos=True)
+        )
+        short = GenerationJob(
+            chat_ids(front, PROMPTS[1]), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
+        )
         front.engine.step_sizes.clear()
         (long_tokens, long_end, _), (short_tokens, short_end, _) = together(run, front, [long, short])
         assert long_end[0].completion_tokens == 40 and short_end[0].completion_tokens == 3
@@ -140,8 +147,10 @@ class TestRowsJoinAndLeave:
 
     def test_n_choices_share_one_prefill_and_decode_together(self, front, run, loaded_model):
         prompt = chat_ids(front, PROMPTS[4])
-        jobs = [GenerationJob(prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True))
-                for s in (1, 2, 3)]
+        jobs = [
+            GenerationJob(prompt, SamplingParams(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True))
+            for s in (1, 2, 3)
+        ]
         prefills = []
         hook = loaded_model.model.register_forward_hook(
             lambda module, args, kwargs, out: prefills.append(kwargs["input_ids"].shape[1] > 1), with_kwargs=True
@@ -159,8 +168,12 @@ class TestRowsJoinAndLeave:
 
     def test_cancel_frees_the_row_and_others_go_on(self, front, run):
         async def scenario():
-            long = GenerationJob(chat_ids(front, PROMPTS[0]), SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True))
-            other = GenerationJob(chat_ids(front, PROMPTS[2]), SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True))
+            long = GenerationJob(
+                chat_ids(front, PROMPTS[0]), SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True)
+            )
+            other = GenerationJob(
+                chat_ids(front, PROMPTS[2]), SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
+            )
             stream = await front.start([long])
             other_task = asyncio.ensure_future(collect(front, [other]))
             async for _ in stream:
@@ -190,9 +203,13 @@ class TestPrefixCacheUnderBatching:
         engine = front.engine
         engine.prefix_cache.clear()
         first = chat_ids(front, PROMPTS[0])
-        full, _, _ = alone(run, front, GenerationJob(first, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)))
+        full, _, _ = alone(
+            run, front, GenerationJob(first, SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True))
+        )
         stop = front.tokenizer.decode(full[0][5:7])
-        _, end, _ = alone(run, front, GenerationJob(first, SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,))))
+        _, end, _ = alone(
+            run, front, GenerationJob(first, SamplingParams(max_tokens=12, temperature=0.0, stop=(stop,)))
+        )
         assert end[0].reason == "stop" and end[0].stop_reason == stop
         longer = first + (1, 2, 3)
         _, again, _ = alone(run, front, GenerationJob(longer, SamplingParams(max_tokens=2, temperature=0.0)))
@@ -219,7 +236,10 @@ class TestConstraints:
 
         front = EngineFront(LocalEngine(loaded_model), max_waiting=4, timeout_s=30, memo_entries=0)
         assert front.capabilities.grammar and front.capabilities.compiled_grammar
-        grammars = {"100,200,300": AllowListGrammar([100, 200, 300], length=5), "400,500": AllowListGrammar([400, 500], length=5)}
+        grammars = {
+            "100,200,300": AllowListGrammar([100, 200, 300], length=5),
+            "400,500": AllowListGrammar([400, 500], length=5),
+        }
 
         async def one(allowed: str, request_id: str):
             with structlog.contextvars.bound_contextvars(request_id=request_id):
@@ -232,8 +252,8 @@ class TestConstraints:
         (a_tokens, a_end, _), (b_tokens, b_end, _) = run(scenario())
         assert set(a_tokens[0]) <= {100, 200, 300} and set(b_tokens[0]) <= {400, 500}
         assert a_end[0].reason == b_end[0].reason == "stop" and a_end[0].completion_tokens == 5
-        a_row, = grammars["100,200,300"].rows
-        b_row, = grammars["400,500"].rows
+        (a_row,) = grammars["100,200,300"].rows
+        (b_row,) = grammars["400,500"].rows
         assert set(a_row.contexts) == {"req-a"} and set(b_row.contexts) == {"req-b"}
 
     def test_an_empty_prompt_is_a_400_not_a_crash(self, front, run):
@@ -254,10 +274,13 @@ class TestPromptLogprobsInChunks:
         front = EngineFront(LocalEngine(loaded_model, prefill_chunk=4), max_waiting=4, timeout_s=30, memo_entries=0)
         ids = tuple(front.tokenizer("The capital of France is Paris, and the capital of Italy is Rome.").input_ids)
         shapes = []
-        hook = loaded_model.model.register_forward_hook(lambda module, args, out: shapes.append(tuple(out.logits.shape)))
+        hook = loaded_model.model.register_forward_hook(
+            lambda module, args, out: shapes.append(tuple(out.logits.shape))
+        )
         try:
-            _, _, prompt = run(collect(front, [GenerationJob(ids, SamplingParams(max_tokens=1, temperature=0.0,
-                                                                                 prompt_logprobs=1))]))
+            _, _, prompt = run(
+                collect(front, [GenerationJob(ids, SamplingParams(max_tokens=1, temperature=0.0, prompt_logprobs=1))])
+            )
         finally:
             hook.remove()
         assert len(ids) > 12 and max(shape[1] for shape in shapes) <= 4
@@ -267,4 +290,3 @@ class TestPromptLogprobsInChunks:
         assert entries[0] is None and len(entries) == len(ids)
         for i, entry in enumerate(entries[1:]):
             assert entry.token_id == ids[i + 1] and abs(entry.logprob - float(expected[i, ids[i + 1]])) < 1e-4
-

@@ -13,13 +13,16 @@ from deltafin.protocol.sampling import SamplingParams
 from tests.engine.test_batching import chat_ids, collect
 
 CHUNK = 48
-STORY = ("The lighthouse keeper climbed the stairs every evening, counting the steps and listening to the sea. "
-         "Ships passed far out, their lights small and steady, and the keeper wrote each one in a book. ")
+STORY = (
+    "The lighthouse keeper climbed the stairs every evening, counting the steps and listening to the sea. "
+    "Ships passed far out, their lights small and steady, and the keeper wrote each one in a book. "
+)
 
 
 def front_with(loaded_model, chunk: int, **kwargs) -> EngineFront:
-    return EngineFront(LocalEngine(loaded_model, prefill_chunk=chunk, **kwargs), max_waiting=16, timeout_s=120,
-                       memo_entries=0)
+    return EngineFront(
+        LocalEngine(loaded_model, prefill_chunk=chunk, **kwargs), max_waiting=16, timeout_s=120, memo_entries=0
+    )
 
 
 @pytest.fixture(scope="module")

@@ -21,8 +21,15 @@ from deltafin.engine.quant.quantize import quantize_model
 
 def tiny_llama() -> LlamaForCausalLM:
     torch.manual_seed(0)
-    config = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    config = LlamaConfig(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+    )
     return LlamaForCausalLM(config).eval()
 
 
@@ -82,8 +89,17 @@ def test_compiled_decode_step_matches_eager():
 
 def test_compile_picks_static_shapes_for_the_fused_step_only():
     assert isinstance(decode_step_for(tiny_llama(), compile=True), StaticFusedStep)
-    qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)).eval()
+    qwen3 = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
+    ).eval()
     assert not isinstance(decode_step_for(qwen3, compile=True), StaticFusedStep)
 
 

@@ -75,7 +75,9 @@ class TestEngine:
         first, end1 = generate(max_tokens=10, temperature=0.0, text="Name a colour.")
         submitted = []
         submit = engine.engine.submit
-        monkeypatch.setattr(engine.engine, "submit", lambda jobs, stream: (submitted.append(jobs), submit(jobs, stream)))
+        monkeypatch.setattr(
+            engine.engine, "submit", lambda jobs, stream: (submitted.append(jobs), submit(jobs, stream))
+        )
         second, end2 = generate(max_tokens=10, temperature=0.0, text="Name a colour.")
         assert second == first and end2.memo_hit and not end1.memo_hit
         assert submitted == []  # replayed by the front: the engine never saw the request
@@ -103,7 +105,7 @@ class TestEngine:
         async def scenario():
             job = GenerationJob(prompt_ids(engine), SamplingParams(max_tokens=4000, temperature=0.0, ignore_eos=True))
             stream = await engine.start([job])
-            async for event in stream:
+            async for _event in stream:
                 break  # the consumer leaves after the first event
             started = time.perf_counter()
             await asyncio.wait_for(engine.admission.acquire(), timeout=2)

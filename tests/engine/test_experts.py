@@ -44,8 +44,14 @@ def moe(tmp_path_factory):
     def get(arch: str, variant: str = "plain"):
         key = f"{arch}-{variant}"
         if key not in written:
-            written[key] = write_moe(arch, root / key, SHAPE, fused=variant == "fused", stream=variant == "stream",
-                                     dtype=torch.bfloat16 if variant == "bf16" else torch.float32)
+            written[key] = write_moe(
+                arch,
+                root / key,
+                SHAPE,
+                fused=variant == "fused",
+                stream=variant == "stream",
+                dtype=torch.bfloat16 if variant == "bf16" else torch.float32,
+            )
         return written[key]
 
     return get
@@ -62,8 +68,14 @@ def resident(folder):
 
 
 def pooled(folder, *overrides: str, pool_mb: int = 1, max_batch: int = 2, cache_dir=None):
-    return load_pooled_model(folder, placement(*overrides, pool_mb=pool_mb), dtype=torch.float32,
-                             trust_remote_code=False, max_batch=max_batch, cache_dir=cache_dir)
+    return load_pooled_model(
+        folder,
+        placement(*overrides, pool_mb=pool_mb),
+        dtype=torch.float32,
+        trust_remote_code=False,
+        max_batch=max_batch,
+        cache_dir=cache_dir,
+    )
 
 
 _RESIDENT_TOKENS: dict[tuple[str, int], torch.Tensor] = {}
@@ -80,8 +92,14 @@ def resident_greedy(folder, new_tokens: int = 10) -> torch.Tensor:
 def greedy(model, new_tokens: int = 10) -> torch.Tensor:
     ids = torch.tensor(PROMPTS)
     with torch.inference_mode():
-        return model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
-                              min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+        return model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
 
 
 class TestPolicy:
@@ -119,8 +137,16 @@ class TestPolicy:
 
 
 class TestCheckpointIndex:
-    @pytest.mark.parametrize("arch,variant", [("qwen3_moe", "plain"), ("mixtral", "plain"), ("mixtral", "fused"),
-                                              ("deepseek_v3", "stream"), ("kimi_linear", "plain")])
+    @pytest.mark.parametrize(
+        "arch,variant",
+        [
+            ("qwen3_moe", "plain"),
+            ("mixtral", "plain"),
+            ("mixtral", "fused"),
+            ("deepseek_v3", "stream"),
+            ("kimi_linear", "plain"),
+        ],
+    )
     def test_pieces_hold_the_bytes_transformers_loads(self, moe, arch, variant):
         """Every expert read back from its byte ranges equals the fused tensors from_pretrained builds."""
         folder = moe(arch, variant)
@@ -135,13 +161,17 @@ class TestCheckpointIndex:
                 for expert in (0, 1, SHAPE.experts - 1):
                     got = {"gate_up_proj": torch.empty(index.gate_up_shape), "down_proj": torch.empty(index.down_shape)}
                     for piece in index.pieces[layer][expert]:
-                        got[piece.part][piece.rows[0] : piece.rows[1]] = reader.read(piece).view(-1, got[piece.part].shape[1])
+                        got[piece.part][piece.rows[0] : piece.rows[1]] = reader.read(piece).view(
+                            -1, got[piece.part].shape[1]
+                        )
                     assert torch.equal(got["gate_up_proj"], modules[name].gate_up_proj[expert])
                     assert torch.equal(got["down_proj"], modules[name].down_proj[expert])
         finally:
             reader.close()
-        assert index.total_bytes == len(index.layers) * SHAPE.experts * (
-            math.prod(index.gate_up_shape) + math.prod(index.down_shape)) * 4
+        assert (
+            index.total_bytes
+            == len(index.layers) * SHAPE.experts * (math.prod(index.gate_up_shape) + math.prod(index.down_shape)) * 4
+        )
 
     def test_a_missing_expert_is_named(self, moe, tmp_path):
         import shutil
@@ -178,8 +208,10 @@ class TestGreedyTokens:
         finally:
             pool.close()
 
-    @pytest.mark.parametrize("overrides", [["placement.experts.prefetch=false", "placement.experts.readers=1"],
-                                           ["placement.experts.policy=lfru"]])
+    @pytest.mark.parametrize(
+        "overrides",
+        [["placement.experts.prefetch=false", "placement.experts.readers=1"], ["placement.experts.policy=lfru"]],
+    )
     def test_match_with_every_setting(self, moe, overrides):
         folder = moe("qwen3_moe")
         model, pool = pooled(folder, *overrides)
@@ -226,7 +258,7 @@ class TestGreedyTokens:
             assert small_pool.stats().slot_bytes * 3 < pooled_slot_bytes(torch.float32)
             tokens = greedy(small)
             assert torch.equal(tokens, greedy(large))
-            agree = (tokens[:, len(PROMPTS[0]):] == resident_greedy(folder)[:, len(PROMPTS[0]):]).float().mean()
+            agree = (tokens[:, len(PROMPTS[0]) :] == resident_greedy(folder)[:, len(PROMPTS[0]) :]).float().mean()
             assert agree >= 0.75  # int8 experts against float32 ones
         finally:
             small_pool.close()
@@ -295,15 +327,18 @@ class TestGreedyTokens:
 
 
 def pooled_slot_bytes(dtype: torch.dtype) -> int:
-    return (2 * SHAPE.intermediate * SHAPE.hidden + SHAPE.hidden * SHAPE.intermediate) * torch.empty((), dtype=dtype).element_size()
+    return (2 * SHAPE.intermediate * SHAPE.hidden + SHAPE.hidden * SHAPE.intermediate) * torch.empty(
+        (), dtype=dtype
+    ).element_size()
 
 
 class TestSizing:
     SHAPE = ModelShape(layers=4, experts=64, top_k=4, gate_up_shape=(512, 256), down_shape=(256, 256))
 
     def plan(self, pool_mb: int, *, prefetch: bool = True, max_batch: int = 8, quantize: str = "none"):
-        return plan_pool(self.SHAPE, pool_mb=pool_mb, prefetch=prefetch, dtype=torch.float32, quantize=quantize,
-                         max_batch=max_batch)
+        return plan_pool(
+            self.SHAPE, pool_mb=pool_mb, prefetch=prefetch, dtype=torch.float32, quantize=quantize, max_batch=max_batch
+        )
 
     def test_the_rule(self):
         slot = (512 * 256 + 256 * 256) * 4  # 768 KiB
@@ -344,14 +379,26 @@ class TestStartupChecks:
         with pytest.raises(NotPoolable, match="no routed experts"):
             check_pool(dense, placement(), dtype=torch.float32, trust_remote_code=False, max_batch=2)
 
-    @pytest.mark.parametrize("overrides,message", [
-        (["placement.experts.pool_mb=1"], "placement.experts.pool_mb: 1 MiB holds 10 experts of 0.09 MiB; a decode step "
-                                          "of engine.max_batch=8 rows needs up to 16 experts"),
-        (["placement.experts.pool_mb=1", "placement.device_map=auto"], "placement.experts.pool_mb: the expert pool places"),
-        (["placement.experts.pool_mb=-1"], "placement.experts.pool_mb: -1 is outside"),
-        (["placement.experts.policy=fifo"], "placement.experts.policy: Invalid value 'fifo', expected one of [lru, lfru]"),
-        (["placement.experts.prefetch=maybe"], "placement.experts.prefetch: "),
-    ])
+    @pytest.mark.parametrize(
+        "overrides,message",
+        [
+            (
+                ["placement.experts.pool_mb=1"],
+                "placement.experts.pool_mb: 1 MiB holds 10 experts of 0.09 MiB; a decode step "
+                "of engine.max_batch=8 rows needs up to 16 experts",
+            ),
+            (
+                ["placement.experts.pool_mb=1", "placement.device_map=auto"],
+                "placement.experts.pool_mb: the expert pool places",
+            ),
+            (["placement.experts.pool_mb=-1"], "placement.experts.pool_mb: -1 is outside"),
+            (
+                ["placement.experts.policy=fifo"],
+                "placement.experts.policy: Invalid value 'fifo', expected one of [lru, lfru]",
+            ),
+            (["placement.experts.prefetch=maybe"], "placement.experts.prefetch: "),
+        ],
+    )
     def test_bad_pool_values_stop_the_server_with_one_line(self, moe, overrides, message):
         import subprocess
         import sys
@@ -360,7 +407,10 @@ class TestStartupChecks:
 
         result = subprocess.run(
             [sys.executable, "-m", "deltafin", "model=qwen3", f"model.path={moe('qwen3_moe')}", *overrides],
-            cwd=REPO, capture_output=True, text=True, timeout=300,
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
         )
         assert result.returncode == 2
         assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # one line, no traceback
@@ -375,12 +425,18 @@ class TestStartupChecks:
         from tests.conftest import REPO
 
         k3 = write_k3_checkpoint(write_tiny_model("kimi_k3", tmp_path / "text"), tmp_path / "k3")
-        result = subprocess.run([sys.executable, "-m", "deltafin", "model=kimi_k3", f"model.path={k3}",
-                                 "placement.experts.pool_mb=1"], cwd=REPO, capture_output=True, text=True, timeout=300)
+        result = subprocess.run(
+            [sys.executable, "-m", "deltafin", "model=kimi_k3", f"model.path={k3}", "placement.experts.pool_mb=1"],
+            cwd=REPO,
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
         assert result.returncode == 2
         assert result.stderr.strip().splitlines() == [
             "deltafin: config error: placement.experts.pool_mb: the expert pool reads a text-only checkpoint; this "
-            "one is multimodal (its language model under language_model.*): serve it with pool_mb=0"]
+            "one is multimodal (its language model under language_model.*): serve it with pool_mb=0"
+        ]
 
     def test_load_model_names_the_key(self, moe):
         cfg = compose_config(["model=qwen3", f"model.path={moe('qwen3_moe')}", "placement.experts.pool_mb=1"])
@@ -393,7 +449,12 @@ def test_charge_shares_a_step_among_its_rows():
     for timings in rows:
         charge(timings, PoolCounters(hits=6, misses=2, bytes_read=1000), share=2, decode=True)
     charge(rows[0], PoolCounters(hits=1, misses=1, bytes_read=50), share=1, decode=False)
-    assert rows[0] == {"expert_hits": 4.0, "expert_misses": 2.0, "expert_decode_bytes": 500.0, "expert_prefill_bytes": 50.0}
+    assert rows[0] == {
+        "expert_hits": 4.0,
+        "expert_misses": 2.0,
+        "expert_decode_bytes": 500.0,
+        "expert_prefill_bytes": 50.0,
+    }
     assert rows[1] == {"expert_hits": 3.0, "expert_misses": 1.0, "expert_decode_bytes": 500.0}
 
 
@@ -407,11 +468,16 @@ class TestEngine:
         folder = moe("deepseek_v3")
         built = {}
         for name, pool_mb in (("resident", 0), ("pooled", 2)):
-            cfg = compose_config(["model=kimi_k2", f"model.path={folder}", f"placement.experts.pool_mb={pool_mb}",
-                                  "engine.max_batch=4"])
+            cfg = compose_config(
+                ["model=kimi_k2", f"model.path={folder}", f"placement.experts.pool_mb={pool_mb}", "engine.max_batch=4"]
+            )
             loaded = load_model(cfg.model, cfg.placement, max_batch=4)
-            built[name] = EngineFront(LocalEngine(loaded, max_batch=4, prefix_cache_min_tokens=4), max_waiting=16,
-                                      timeout_s=60, memo_entries=0)
+            built[name] = EngineFront(
+                LocalEngine(loaded, max_batch=4, prefix_cache_min_tokens=4),
+                max_waiting=16,
+                timeout_s=60,
+                memo_entries=0,
+            )
         yield built
         loop = asyncio.new_event_loop()
         for front in built.values():
@@ -420,8 +486,9 @@ class TestEngine:
 
     @staticmethod
     async def collect(front, prompt, max_tokens=10):
-        stream = await front.start([GenerationJob(tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0,
-                                                                                ignore_eos=True))])
+        stream = await front.start(
+            [GenerationJob(tuple(prompt), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))]
+        )
         tokens, finished = [], None
         async for event in stream:
             if isinstance(event, TextDelta):
@@ -442,8 +509,12 @@ class TestEngine:
         finally:
             loop.close()
 
-    PROMPTS = [[5, 17, 42, 99, 3, 7, 61, 200, 11, 12], [9, 8, 7, 6, 5], [100, 101, 102, 103, 104, 105, 106],
-               [33, 44, 55, 66, 77, 88, 99, 111, 222, 233, 244, 255]]
+    PROMPTS = [
+        [5, 17, 42, 99, 3, 7, 61, 200, 11, 12],
+        [9, 8, 7, 6, 5],
+        [100, 101, 102, 103, 104, 105, 106],
+        [33, 44, 55, 66, 77, 88, 99, 111, 222, 233, 244, 255],
+    ]
 
     def test_alone_and_batched(self, engines):
         pool = engines["pooled"].engine.experts

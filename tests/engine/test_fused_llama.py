@@ -20,8 +20,16 @@ from tests.engine.test_compile import decode_run  # two rows, one leaving, one j
 
 def tiny_llama(**overrides) -> LlamaForCausalLM:
     torch.manual_seed(0)
-    options = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                   num_key_value_heads=2, max_position_embeddings=512, rope_theta=10000.0)
+    options = dict(
+        vocab_size=256,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        rope_theta=10000.0,
+    )
     options.update(overrides)
     return LlamaForCausalLM(LlamaConfig(**options)).eval()
 
@@ -89,8 +97,17 @@ def test_fusing_keeps_the_prefill_weights_the_same():
 
 def test_other_architectures_keep_the_transformers_step():
     torch.manual_seed(0)
-    qwen3 = Qwen3ForCausalLM(Qwen3Config(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                         num_attention_heads=4, num_key_value_heads=2, head_dim=16)).eval()
+    qwen3 = Qwen3ForCausalLM(
+        Qwen3Config(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+        )
+    ).eval()
     assert fused_llama_step(qwen3) is None
     assert decode_step_for(qwen3) is decode_step
     assert fused_llama_step(tiny_llama(hidden_act="gelu")) is None

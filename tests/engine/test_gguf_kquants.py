@@ -10,13 +10,13 @@ import types
 import pytest
 import torch
 
-from deltafin.testing.kquant_files import requantize_k
-from deltafin.engine.weights import gguf_native
-from deltafin.engine.weights.loader import load_model, resolve_model_path
 from deltafin.engine.llama.native import NativeLlamaStep
 from deltafin.engine.local.steps import decode_step_for
 from deltafin.engine.quant.linear import GGMLLinear
+from deltafin.engine.weights import gguf_native
+from deltafin.engine.weights.loader import load_model, resolve_model_path
 from deltafin.testing import compose_config
+from deltafin.testing.kquant_files import requantize_k
 
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, in a small village,"]
 
@@ -24,8 +24,9 @@ PROMPTS = ["The capital of France is", "def fibonacci(n):", "Once upon a time, i
 @pytest.fixture(scope="module")
 def kquant_model(tmp_path_factory, config):
     source = resolve_model_path(config.model.path)
-    target = requantize_k(source, tmp_path_factory.mktemp("kquants") / "Q4_K-Q6_K.gguf", "Q4_K", rest="keep",
-                          odd_layers="Q6_K")
+    target = requantize_k(
+        source, tmp_path_factory.mktemp("kquants") / "Q4_K-Q6_K.gguf", "Q4_K", rest="keep", odd_layers="Q6_K"
+    )
     assert gguf_native.unsupported(target) is None
     kconfig = compose_config([f"model.path={target}"])
     return load_model(kconfig.model, kconfig.placement)
@@ -60,8 +61,9 @@ def test_a_kquant_matrix_of_a_width_not_in_whole_superblocks_is_refused(monkeypa
     """A file as llama.cpp never writes it (it stores such a matrix in another type): a reader's stand-in."""
     import gguf
 
-    tensor = types.SimpleNamespace(name="blk.0.attn_q.weight", tensor_type=gguf.GGMLQuantizationType.Q4_K,
-                                   shape=[576, 576])
+    tensor = types.SimpleNamespace(
+        name="blk.0.attn_q.weight", tensor_type=gguf.GGMLQuantizationType.Q4_K, shape=[576, 576]
+    )
     reader = types.SimpleNamespace(architecture="llama", tensors=[tensor])
     monkeypatch.setattr(gguf_native, "_reader", lambda path: reader)
     reason = gguf_native.unsupported("nowhere.gguf")

@@ -35,9 +35,20 @@ def test_every_metadata_type_and_a_custom_alignment_read_as_the_gguf_package_rea
     path = tmp_path / "mixed.gguf"
     writer = gguf.GGUFWriter(str(path), "qwen3")
     writer.add_custom_alignment(64)
-    for add, value in [("add_uint8", 7), ("add_int8", -7), ("add_uint16", 700), ("add_int16", -700),
-                       ("add_uint32", 70000), ("add_int32", -70000), ("add_float32", 0.5), ("add_bool", True),
-                       ("add_uint64", 2**40), ("add_int64", -(2**40)), ("add_float64", 0.25), ("add_string", "é ok")]:
+    for add, value in [
+        ("add_uint8", 7),
+        ("add_int8", -7),
+        ("add_uint16", 700),
+        ("add_int16", -700),
+        ("add_uint32", 70000),
+        ("add_int32", -70000),
+        ("add_float32", 0.5),
+        ("add_bool", True),
+        ("add_uint64", 2**40),
+        ("add_int64", -(2**40)),
+        ("add_float64", 0.25),
+        ("add_string", "é ok"),
+    ]:
         getattr(writer, add)(f"test.{add}", value)
     writer.add_array("test.numbers", [1, 2, 3])
     writer.add_array("test.strings", ["a", "", "long " * 50])

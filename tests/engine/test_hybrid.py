@@ -44,14 +44,26 @@ def generate(model, ids: list[int], n: int) -> list[int]:
     with torch.inference_mode():
         # an explicit mask: left to itself, generate takes prompt tokens equal to pad_token_id for padding
         tensor = torch.tensor([ids])
-        out = model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=n, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = model.generate(
+            tensor,
+            attention_mask=torch.ones_like(tensor),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 def states(cache) -> list[torch.Tensor]:
-    return [t for layer in cache.layers if has_states(layer)
-            for table in (layer.conv_states, layer.recurrent_states) for t in table.values() if t is not None]
+    return [
+        t
+        for layer in cache.layers
+        if has_states(layer)
+        for table in (layer.conv_states, layer.recurrent_states)
+        for t in table.values()
+        if t is not None
+    ]
 
 
 def run_batch(model, kv: BatchKV, pending: list[int], steps: int) -> list[list[int]]:

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from deltafin.engine import EngineFront, Finished, GenerationJob, TextDelta
-from deltafin.engine.weights.loader import load_model
 from deltafin.engine.local.engine import LocalEngine
+from deltafin.engine.weights.loader import load_model
 from deltafin.protocol.sampling import SamplingParams
 from deltafin.tiny import write_tiny_model
 from deltafin.tiny.architectures import qwen3_next
@@ -52,9 +52,15 @@ def generate(loaded, ids, n: int = 8) -> list[int]:
     with torch.inference_mode():
         # an explicit mask: left to itself, generate takes prompt tokens equal to pad_token_id for padding
         tensor = torch.tensor([list(ids)])
-        out = loaded.model.generate(tensor, attention_mask=torch.ones_like(tensor), max_new_tokens=n,
-                                    do_sample=False, eos_token_id=None, pad_token_id=0)
-    return out[0, len(ids):].tolist()
+        out = loaded.model.generate(
+            tensor,
+            attention_mask=torch.ones_like(tensor),
+            max_new_tokens=n,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
+    return out[0, len(ids) :].tolist()
 
 
 async def collect(front: EngineFront, jobs) -> tuple[list[int], Finished]:

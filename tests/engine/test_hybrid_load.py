@@ -66,10 +66,12 @@ class TestRefusedAtLoad:
     def test_kimi_k3_features_transformers_does_not_implement(self, k3_folder, tmp_path):
         """The real K3's language model: its config says KimiLinearForCausalLM, its features are not in
         transformers' class. Refused by name, before any weight is read (this folder has none)."""
+
         def real_k3(config):
             text = config["text_config"]
-            text.update(attn_res_block_size=12, routed_expert_hidden_size=32, hidden_act="situ",
-                        mla_use_output_gate=True)
+            text.update(
+                attn_res_block_size=12, routed_expert_hidden_size=32, hidden_act="situ", mla_use_output_gate=True
+            )
             text["linear_attn_config"].update(gate_lower_bound=-5.0, use_full_rank_gate=True)
 
         folder = with_config(k3_folder, tmp_path / "k3", real_k3)
@@ -77,8 +79,10 @@ class TestRefusedAtLoad:
             load("kimi_k3", folder)
         message = str(refused.value)
         assert "\n" not in message
-        assert message.startswith("model.path: KimiK3ForConditionalGeneration (kimi_k3) cannot run on the local "
-                                  "engine: it uses attention residuals (attn_res_block_size), a latent MoE")
+        assert message.startswith(
+            "model.path: KimiK3ForConditionalGeneration (kimi_k3) cannot run on the local "
+            "engine: it uses attention residuals (attn_res_block_size), a latent MoE"
+        )
         for feature in ("hidden_act=situ", "mla_use_output_gate", "gate_lower_bound", "use_full_rank_gate"):
             assert feature in message
 
@@ -109,10 +113,15 @@ class TestKimiK3Checkpoint:
         from tests.k3_reference import reference_kimi_linear
 
         config = json.loads((k3_folder / "config.json").read_text())
-        reference = {name: tuple(t.shape) for name, t in reference_kimi_linear(config["text_config"]).state_dict().items()}
+        reference = {
+            name: tuple(t.shape) for name, t in reference_kimi_linear(config["text_config"]).state_dict().items()
+        }
         with safe_open(str(k3_folder / "model.safetensors"), "pt") as weights:
-            ours = {name.removeprefix("language_model."): tuple(weights.get_slice(name).get_shape())
-                    for name in weights.keys() if name.startswith("language_model.")}
-            others = {name.split(".")[0] for name in weights.keys() if not name.startswith("language_model.")}
+            ours = {
+                name.removeprefix("language_model."): tuple(weights.get_slice(name).get_shape())
+                for name in weights
+                if name.startswith("language_model.")
+            }
+            others = {name.split(".")[0] for name in weights if not name.startswith("language_model.")}
         assert ours == reference
         assert others == {"vision_tower", "mm_projector"}

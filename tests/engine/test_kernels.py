@@ -78,8 +78,13 @@ def test_turned_off_the_layer_falls_back():
         "    p = Int8Linear.quantize(torch.randn(8, k)); layer = Int8Linear(p['weight'], p['scales'], None)\n"
         "    print(tuple(layer(torch.randn(1, k)).shape))"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          env={"DELTAFIN_KERNELS": "0", "PATH": "/usr/bin:/bin"}, timeout=120)
+    done = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        env={"DELTAFIN_KERNELS": "0", "PATH": "/usr/bin:/bin"},
+        timeout=120,
+    )
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["(1,", "8)", "(1,", "8)"]
 
@@ -124,10 +129,14 @@ def ggml_layer(name: str, n: int, k: int, seed: int = 0) -> tuple[GGMLLinear, np
     qtype = gguf.GGMLQuantizationType[name]
     if name in K_FORMATS:
         blocks = kquant_blocks(name, n, k, seed)
-        return GGMLLinear(torch.from_numpy(blocks), int(qtype), k), gguf.quants.dequantize(blocks, qtype).astype(np.float64)
+        return GGMLLinear(torch.from_numpy(blocks), int(qtype), k), gguf.quants.dequantize(blocks, qtype).astype(
+            np.float64
+        )
     weights = np.random.default_rng(seed).standard_normal((n, k)).astype(np.float32)
     blocks = gguf.quants.quantize(weights, qtype)
-    return GGMLLinear(torch.from_numpy(blocks.copy()), int(qtype), k), gguf.quants.dequantize(blocks, qtype).astype(np.float64)
+    return GGMLLinear(torch.from_numpy(blocks.copy()), int(qtype), k), gguf.quants.dequantize(blocks, qtype).astype(
+        np.float64
+    )
 
 
 def reference_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -173,8 +182,10 @@ def test_kquant_dequantization_matches_the_gguf_package(name):
     assert np.array_equal(got.astype(np.float64), reference)
     assert np.array_equal(got, reference.astype(np.float32))  # and bit for bit as float32 (signs of zeros aside)
     assert kernels.ggml().deltafin_ggml_block_values(int(gguf.GGMLQuantizationType[name])) == 256
-    assert kernels.ggml().deltafin_ggml_block_bytes(int(gguf.GGMLQuantizationType[name])) == \
-        gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][1]
+    assert (
+        kernels.ggml().deltafin_ggml_block_bytes(int(gguf.GGMLQuantizationType[name]))
+        == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][1]
+    )
 
 
 @pytest.mark.parametrize("name", K_FORMATS)
@@ -200,7 +211,10 @@ def test_kquant_widths_must_be_whole_superblocks():
     x = torch.randn(2, 128)
     ids = torch.arange(2)
     qtype = int(gguf.GGMLQuantizationType.Q4_K)
-    assert library.deltafin_ggml_matmul(x.data_ptr(), 2, blocks.ctypes.data, qtype, 2, 128, 72, None, out.data_ptr(), 1) == -1
+    assert (
+        library.deltafin_ggml_matmul(x.data_ptr(), 2, blocks.ctypes.data, qtype, 2, 128, 72, None, out.data_ptr(), 1)
+        == -1
+    )
     assert library.deltafin_ggml_dequantize(blocks.ctypes.data, qtype, 128, 72, ids.data_ptr(), 2, out.data_ptr()) == -1
 
 

@@ -9,9 +9,9 @@ import torch
 from transformers import DynamicCache
 
 from deltafin.engine.kv.batch import BatchKV
+from deltafin.engine.llama.native import NativeLlamaStep
 from deltafin.engine.local.generator import prefill
 from deltafin.engine.local.steps import decode_step_for
-from deltafin.engine.llama.native import NativeLlamaStep
 from deltafin.engine.quant.linear import GGMLEmbedding, GGMLLinear
 from tests.engine.test_compile import decode_run
 
@@ -53,7 +53,9 @@ def test_the_default_model_keeps_its_blocks(loaded_model):
     floats = sum(t.numel() for t in [*model.parameters(), *model.buffers()] if t.is_floating_point())
     blocks = sum(t.numel() for t in model.buffers() if t.dtype == torch.uint8)
     assert floats < 200_000 and 90e6 < blocks < 100e6  # norms and rotary in float; 96 MB of Q4_1 / Q8_0 blocks
-    assert isinstance(decode_step_for(model), NativeLlamaStep) and decode_step_for(model, compile=True) is decode_step_for(model)
+    assert isinstance(decode_step_for(model), NativeLlamaStep) and decode_step_for(
+        model, compile=True
+    ) is decode_step_for(model)
 
 
 @pytest.mark.parametrize("rows", [1, 3])
@@ -219,8 +221,9 @@ def test_every_variant_runs_the_native_forward_to_the_same_bits():
     digests = {}
     for variant in kernels.supported_variants():
         env = {**os.environ, "DELTAFIN_KERNEL_VARIANT": variant}
-        done = subprocess.run([sys.executable, "-c", FORWARD_PROBE], capture_output=True, text=True, env=env,
-                              timeout=600)
+        done = subprocess.run(
+            [sys.executable, "-c", FORWARD_PROBE], capture_output=True, text=True, env=env, timeout=600
+        )
         assert done.returncode == 0, done.stderr[-2000:]
         name, digest = done.stdout.strip().splitlines()[-1].split()
         assert name == variant

@@ -3,7 +3,15 @@
 import pytest
 
 from deltafin.config import CONF_DIR, ConfigError
-from deltafin.families import FAMILIES, KNOWN_FAMILIES, ModelFamily, build_output_parser, check_family, get_family, register
+from deltafin.families import (
+    FAMILIES,
+    KNOWN_FAMILIES,
+    ModelFamily,
+    build_output_parser,
+    check_family,
+    get_family,
+    register,
+)
 from deltafin.markup import PlainOutputParser
 from tests.conftest import compose_config
 
@@ -11,7 +19,7 @@ MODEL_CONFIGS = sorted(p.stem for p in (CONF_DIR / "model").glob("*.yaml"))
 
 
 def test_known_families_are_the_registry():
-    assert KNOWN_FAMILIES == set(FAMILIES)
+    assert set(FAMILIES) == KNOWN_FAMILIES
     assert {"generic", "smollm2", "kimi_k2", "kimi_k3", "glm", "qwen3"} <= KNOWN_FAMILIES  # names rules use
 
 
@@ -38,8 +46,13 @@ class TestVariants:
     def test_the_variant_picks_the_parser(self):
         text = "<tool_call>now\n</tool_call>"
         for variant in ("glm45", "glm47"):
-            parser = build_output_parser("glm", variant, prompt_text="</think>", tool_schemas=[{"type": "function",
-                                         "function": {"name": "now"}}], new_id=lambda i, n: "x")
+            parser = build_output_parser(
+                "glm",
+                variant,
+                prompt_text="</think>",
+                tool_schemas=[{"type": "function", "function": {"name": "now"}}],
+                new_id=lambda i, n: "x",
+            )
             calls = parser.feed(text).tool_calls + parser.finish("stop").tool_calls
             assert [c.name for c in calls if c.name] == ["now"]
 
@@ -57,13 +70,15 @@ class TestRegistry:
             register(Again)
 
     def test_plain_families_parse_nothing(self):
-        assert isinstance(build_output_parser("smollm2", tool_schemas=[{"type": "function", "function": {"name": "f"}}]),
-                          PlainOutputParser)
+        assert isinstance(
+            build_output_parser("smollm2", tool_schemas=[{"type": "function", "function": {"name": "f"}}]),
+            PlainOutputParser,
+        )
 
     def test_kimi_ids_come_from_the_family(self):
         tools = [{"type": "function", "function": {"name": "now"}}]
         glm = build_output_parser("glm", "glm47", prompt_text="</think>", tool_schemas=tools, history_calls=3)
-        k3 = build_output_parser("kimi_k3", prompt_text='<|open|>response<|sep|>', tool_schemas=tools, history_calls=3)
+        k3 = build_output_parser("kimi_k3", prompt_text="<|open|>response<|sep|>", tool_schemas=tools, history_calls=3)
         k3_call = '<|open|>tools<|sep|><|open|>call tool="now" index="1"<|sep|><|close|>call<|sep|>'
         assert glm.feed("<tool_call>now</tool_call>").tool_calls[0].id.startswith("call_")
         assert k3.feed(k3_call).tool_calls[0].id == "functions.now:3"

@@ -38,8 +38,12 @@ def test_a_family_markup_is_a_registered_one(name):
 def test_the_prompt_leaves_output_where_the_markup_reads_a_forced_call(tiny, thinking, tiny_models):
     kwarg = tiny_config(tiny, tiny_models[tiny]).model.thinking_kwarg
     model = tiny_config(tiny, tiny_models[tiny], [f"model.chat_template_kwargs.{kwarg}={str(thinking).lower()}"]).model
-    fmt = build_chat_format(model.chat_format, AutoTokenizer.from_pretrained(tiny_models[tiny]),
-                            content_format=model.content_format, default_kwargs=dict(model.chat_template_kwargs))
+    fmt = build_chat_format(
+        model.chat_format,
+        AutoTokenizer.from_pretrained(tiny_models[tiny]),
+        content_format=model.content_format,
+        default_kwargs=dict(model.chat_template_kwargs),
+    )
     tools = [msgspec.convert(t, ToolDefinition) for t in (WEATHER, TIME)]
     prompt = fmt.render([ChatMessage(role="user", content="Weather in Rome?")], tools, {}).text
 

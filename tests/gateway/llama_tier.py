@@ -24,9 +24,10 @@ from __future__ import annotations
 
 import os
 import subprocess
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Callable, Iterator, Sequence
+from typing import IO
 
 import pytest
 
@@ -77,8 +78,9 @@ SMOLLM2 = Upstream("smollm2", _default_gguf, parallel=2, context=4096)
 GATEWAY_MODELS: dict[str, GatewayModel] = {}
 
 
-def gateway_model(name: str, upstream: Upstream,
-                  overrides: Sequence[str] | Callable[[Path | None], Sequence[str]] = ()) -> GatewayModel:
+def gateway_model(
+    name: str, upstream: Upstream, overrides: Sequence[str] | Callable[[Path | None], Sequence[str]] = ()
+) -> GatewayModel:
     """Declare an entry of the tier's gateway (at module import); `name` is what requests send as `model`."""
     if name in GATEWAY_MODELS:
         raise ValueError(f"{name}: declared twice (gateway models are named once, wherever they are used)")
@@ -113,7 +115,7 @@ class LlamaTier:
     def _start(self, upstream: Upstream) -> _Started:
         if upstream.key not in self._started:
             folder, gguf = upstream.prepare(self._root(upstream.key))
-            log = open(LOG_DIR / f"llama-server-{upstream.key}-{os.getpid()}.log", "w")
+            log = open(LOG_DIR / f"llama-server-{upstream.key}-{os.getpid()}.log", "w")  # noqa: SIM115 (the process's log: closed when it stops)
             try:
                 from deltafin.testing.llama_server import start_llama_server
 

@@ -21,13 +21,16 @@ def test_local_is_the_default():
     assert compose_config().engine._target_.endswith("build_local_engine")
 
 
-@pytest.mark.parametrize("overrides, key", [
-    (["engine=vllm"], "engine.url"),
-    (["engine=vllm", "engine.url=gpu-node:8000"], "engine.url"),
-    (["engine=vllm", "engine.url=http://x", "engine.api=grpc"], "engine.api"),
-    (["engine=sglang", "engine.url=http://x", "engine.max_inflight=0"], "engine.max_inflight"),
-    (["engine._target_=no.such.builder"], "engine._target_"),
-])
+@pytest.mark.parametrize(
+    "overrides, key",
+    [
+        (["engine=vllm"], "engine.url"),
+        (["engine=vllm", "engine.url=gpu-node:8000"], "engine.url"),
+        (["engine=vllm", "engine.url=http://x", "engine.api=grpc"], "engine.api"),
+        (["engine=sglang", "engine.url=http://x", "engine.max_inflight=0"], "engine.max_inflight"),
+        (["engine._target_=no.such.builder"], "engine._target_"),
+    ],
+)
 def test_bad_engine_config_names_the_key(overrides, key):
     with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
         compose_config(overrides)

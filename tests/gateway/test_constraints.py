@@ -31,7 +31,7 @@ class TestVllm:
 
         def knobs(constraint):
             sent = body(adapter, constraint)
-            return (sent["sampling_params"] if "sampling_params" in sent else sent)["structured_outputs"]
+            return (sent.get("sampling_params", sent))["structured_outputs"]
 
         assert knobs(Constraint("json_schema", SCHEMA)) == {"json": json.loads(SCHEMA)}
         assert knobs(Constraint("json_object")) == {"json_object": True}
@@ -46,7 +46,9 @@ class TestSglang:
     def test_each_kind_goes_in_sampling_params(self):
         adapter = SglangAdapter(SETTINGS)
         assert body(adapter, Constraint("json_schema", SCHEMA))["sampling_params"]["json_schema"] == SCHEMA
-        assert json.loads(body(adapter, Constraint("json_object"))["sampling_params"]["json_schema"]) == {"type": "object"}
+        assert json.loads(body(adapter, Constraint("json_object"))["sampling_params"]["json_schema"]) == {
+            "type": "object"
+        }
         assert body(adapter, Constraint("structural_tag", TAG))["sampling_params"]["structural_tag"] == TAG
 
 
@@ -72,11 +74,17 @@ class TestLlamaServer:
 
         assert added_tokens(Tokenizer(), frozenset({2})) == {"<|open|>": 7, "<tool_call>": 13}
 
-    @pytest.mark.parametrize(("fmt", "param"), [
-        ('{"type": "tags_with_separator", "tags": [{"type": "tag", "begin": "<a>", "end": "</a>", "content": '
-         '{"type": "json_schema", "json_schema": {"type": "object", "not": {}}}}], "separator": ""}', "tools"),
-        ('{"type": "regex", "pattern": "(?=x)x"}', "response_format"),
-    ])
+    @pytest.mark.parametrize(
+        ("fmt", "param"),
+        [
+            (
+                '{"type": "tags_with_separator", "tags": [{"type": "tag", "begin": "<a>", "end": "</a>", "content": '
+                '{"type": "json_schema", "json_schema": {"type": "object", "not": {}}}}], "separator": ""}',
+                "tools",
+            ),
+            ('{"type": "regex", "pattern": "(?=x)x"}', "response_format"),
+        ],
+    )
     def test_a_tag_without_gbnf_form_is_a_400_naming_the_field(self, fmt, param):
         tag = f'{{"format": {fmt}, "type": "structural_tag"}}'
         with pytest.raises(InvalidRequestError) as info:

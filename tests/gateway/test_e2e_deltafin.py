@@ -22,8 +22,6 @@ HELLO = [{"role": "user", "content": "Say hello in one sentence."}]
 STORY = [{"role": "user", "content": "Write a long story about a dragon."}]
 
 
-
-
 #: the gateway's second model: the families test's taught GLM-4.7, served upstream by the shared local server
 #: (tests/shared_server.py); the gateway runs the GLM parsers and compat=para
 GLM_PARA = "glm-para"
@@ -34,11 +32,26 @@ def gateway(keyed_server, local_server):
     """One gateway (`engine=vllm`) for two models: its main model, the default, in front of the keyed server
     (tests/conftest.py), and GLM_PARA in front of the shared local server's taught GLM-4.7."""
     glm = TAUGHT["glm47"]
-    served = LiveServer([
-        "engine=vllm", f"engine.url={keyed_server.base_url}", "engine.connect_timeout_s=1", f"engine.api_key={API_KEYS[0]}",
-        entry_override(GLM_PARA, ["model=glm", "model.variant=glm47", f"model.path={glm.folder}", "compat=para",
-                                  "engine=vllm", f"engine.url={local_server.base_url}", f"engine.model={glm.name}"]),
-    ])
+    served = LiveServer(
+        [
+            "engine=vllm",
+            f"engine.url={keyed_server.base_url}",
+            "engine.connect_timeout_s=1",
+            f"engine.api_key={API_KEYS[0]}",
+            entry_override(
+                GLM_PARA,
+                [
+                    "model=glm",
+                    "model.variant=glm47",
+                    f"model.path={glm.folder}",
+                    "compat=para",
+                    "engine=vllm",
+                    f"engine.url={local_server.base_url}",
+                    f"engine.model={glm.name}",
+                ],
+            ),
+        ]
+    )
     try:
         served.wait_ready()
         yield served
@@ -54,8 +67,11 @@ def pair(gateway, keyed_server):
 def routes_logged(server: LiveServer, request_id: str) -> list[str]:
     server.request_log(request_id)  # waits for the first
     time.sleep(0.2)
-    return [json.loads(line)["route"] for line in server.log_lines()
-            if f'"request_id": "{request_id}"' in line and '"event": "request"' in line]
+    return [
+        json.loads(line)["route"]
+        for line in server.log_lines()
+        if f'"request_id": "{request_id}"' in line and '"event": "request"' in line
+    ]
 
 
 def client(server: LiveServer) -> openai.OpenAI:
@@ -91,9 +107,16 @@ class TestThroughTheGateway:
 
     def test_streaming_with_usage(self, pair):
         gateway, _ = pair
-        chunks = list(client(gateway).chat.completions.create(
-            model="smollm2", messages=HELLO, max_tokens=10, temperature=0, stream=True,
-            stream_options={"include_usage": True}))
+        chunks = list(
+            client(gateway).chat.completions.create(
+                model="smollm2",
+                messages=HELLO,
+                max_tokens=10,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
+        )
         assert chunks[0].choices[0].delta.role == "assistant"
         text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
         whole = client(gateway).chat.completions.create(model="smollm2", messages=HELLO, max_tokens=10, temperature=0)
@@ -102,24 +125,35 @@ class TestThroughTheGateway:
 
     def test_stop_strings_are_applied_by_the_gateway(self, pair):
         gateway, _ = pair
-        full = client(gateway).chat.completions.create(model="smollm2", messages=HELLO, max_tokens=12,
-                                                       temperature=0).choices[0].message.content
+        full = (
+            client(gateway)
+            .chat.completions.create(model="smollm2", messages=HELLO, max_tokens=12, temperature=0)
+            .choices[0]
+            .message.content
+        )
         word = full.split()[1]
-        cut = client(gateway).chat.completions.create(model="smollm2", messages=HELLO, max_tokens=12,
-                                                      temperature=0, stop=[word])
+        cut = client(gateway).chat.completions.create(
+            model="smollm2", messages=HELLO, max_tokens=12, temperature=0, stop=[word]
+        )
         assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == full[: full.index(word)]
 
     def test_context_overflow_is_checked_by_the_gateway(self, pair):
         gateway, _ = pair
-        response = httpx.post(f"{gateway.base_url}/v1/completions",
-                              json={"prompt": [1] * 9000, "max_tokens": 1}, timeout=60)
+        response = httpx.post(
+            f"{gateway.base_url}/v1/completions", json={"prompt": [1] * 9000, "max_tokens": 1}, timeout=60
+        )
         assert response.status_code == 400 and response.json()["error"]["code"] == "context_length_exceeded"
 
     def test_client_disconnect_stops_the_upstream_generation(self, pair):
         gateway, upstream = pair
         request_id = f"cancel-{time.time_ns()}"
-        with httpx.stream("POST", f"{gateway.base_url}/v1/chat/completions", headers={"x-request-id": request_id},
-                          json={"messages": STORY, "max_tokens": 400, "stream": True, "ignore_eos": True}, timeout=60) as r:
+        with httpx.stream(
+            "POST",
+            f"{gateway.base_url}/v1/chat/completions",
+            headers={"x-request-id": request_id},
+            json={"messages": STORY, "max_tokens": 400, "stream": True, "ignore_eos": True},
+            timeout=60,
+        ) as r:
             lines = r.iter_lines()
             assert r.status_code == 200
             for line in lines:
@@ -135,10 +169,18 @@ class TestThroughTheGateway:
     def test_token_id_prompt_and_return_token_ids_on_deltafin_itself(self, pair):
         _, upstream = pair
         ids = post(upstream, "/tokenize", json={"prompt": "The capital of France is"}).json()["tokens"]
-        by_text = post(upstream, "/v1/completions", timeout=60, json={
-            "prompt": "The capital of France is", "max_tokens": 5, "temperature": 0}).json()
-        by_ids = post(upstream, "/v1/completions", timeout=60, json={
-            "prompt": ids, "max_tokens": 5, "temperature": 0, "return_token_ids": True, "echo": True}).json()
+        by_text = post(
+            upstream,
+            "/v1/completions",
+            timeout=60,
+            json={"prompt": "The capital of France is", "max_tokens": 5, "temperature": 0},
+        ).json()
+        by_ids = post(
+            upstream,
+            "/v1/completions",
+            timeout=60,
+            json={"prompt": ids, "max_tokens": 5, "temperature": 0, "return_token_ids": True, "echo": True},
+        ).json()
         choice = by_ids["choices"][0]
         assert choice["prompt_token_ids"] == ids and len(choice["token_ids"]) == 5
         assert choice["text"] == "The capital of France is" + by_text["choices"][0]["text"]
@@ -149,10 +191,14 @@ class TestThroughTheGateway:
 
     def test_streamed_token_ids_cover_every_generated_token(self, pair):
         _, upstream = pair
-        with httpx.stream("POST", f"{upstream.base_url}/v1/completions", timeout=60,
-                          headers={"authorization": f"Bearer {API_KEYS[0]}"}, json={
-                "prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, "stream": True, "return_token_ids": True}) as r:
-            events = [json.loads(l[6:]) for l in r.iter_lines() if l.startswith("data: {")]
+        with httpx.stream(
+            "POST",
+            f"{upstream.base_url}/v1/completions",
+            timeout=60,
+            headers={"authorization": f"Bearer {API_KEYS[0]}"},
+            json={"prompt": [1, 2, 3], "max_tokens": 6, "temperature": 0, "stream": True, "return_token_ids": True},
+        ) as r:
+            events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
         ids = [i for e in events for c in e["choices"] for i in c.get("token_ids", [])]
         assert len(ids) == 6 and events[0]["choices"][0]["prompt_token_ids"] == [1, 2, 3]
 
@@ -164,12 +210,17 @@ class TestUpstreamDownAndBack:
     def test_upstream_down_then_restarted(self, pair):
         gateway, upstream = pair
         upstream.stop()
-        down = httpx.post(f"{gateway.base_url}/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2}, timeout=30)
+        down = httpx.post(
+            f"{gateway.base_url}/v1/chat/completions", json={"messages": HELLO, "max_tokens": 2}, timeout=30
+        )
         assert down.status_code == 503 and down.headers["retry-after"]
         error = down.json()["error"]
         assert error["code"] == "upstream_unavailable" and upstream.base_url in error["message"]
-        streamed = httpx.post(f"{gateway.base_url}/v1/chat/completions", timeout=30,
-                              json={"messages": HELLO, "max_tokens": 2, "stream": True})
+        streamed = httpx.post(
+            f"{gateway.base_url}/v1/chat/completions",
+            timeout=30,
+            json={"messages": HELLO, "max_tokens": 2, "stream": True},
+        )
         assert streamed.status_code == 503  # known before the first byte: a real status, streaming too
         time.sleep(1.1)  # past the health cache
         health = httpx.get(f"{gateway.base_url}/health", timeout=10)
@@ -178,8 +229,9 @@ class TestUpstreamDownAndBack:
         upstream.restart()  # where the gateway expects it
         upstream.wait_ready()
         # ignore_eos: a sampled answer may otherwise end at EOS before 4 tokens.
-        answer = client(gateway).chat.completions.create(model="smollm2", messages=HELLO, max_tokens=4,
-                                                         extra_body={"ignore_eos": True})
+        answer = client(gateway).chat.completions.create(
+            model="smollm2", messages=HELLO, max_tokens=4, extra_body={"ignore_eos": True}
+        )
         assert answer.usage.completion_tokens == 4
         time.sleep(1.1)
         assert httpx.get(f"{gateway.base_url}/health", timeout=10).status_code == 200
@@ -192,8 +244,9 @@ def glm_pair(gateway):
 
 class TestToolsOnATinyFamilyModel:
     def test_tool_call_parsed_by_the_gateway(self, glm_pair):
-        response = client(glm_pair).chat.completions.create(model=GLM_PARA,
-                                                            messages=QUESTION, tools=TOOLS, temperature=0)
+        response = client(glm_pair).chat.completions.create(
+            model=GLM_PARA, messages=QUESTION, tools=TOOLS, temperature=0
+        )
         choice = response.choices[0]
         assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content == "Weather needed."
         (call,) = choice.message.tool_calls
@@ -202,12 +255,17 @@ class TestToolsOnATinyFamilyModel:
 
     def test_streamed_tool_call_deltas(self, glm_pair):
         model = GLM_PARA
-        chunks = list(client(glm_pair).chat.completions.create(model=model, messages=QUESTION, tools=TOOLS,
-                                                               temperature=0, stream=True))
+        chunks = list(
+            client(glm_pair).chat.completions.create(
+                model=model, messages=QUESTION, tools=TOOLS, temperature=0, stream=True
+            )
+        )
         calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
         assert calls[0].function.name == "get_weather"
         assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == ARGUMENTS
-        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == ["tool_calls"]
+        assert [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason] == [
+            "tool_calls"
+        ]
 
     def test_responses_through_the_gateway_run_the_family_parsers_and_para_rules(self, glm_pair):
         """/v1/responses is the chat path: in front of an upstream, with the GLM parsers and compat=para."""

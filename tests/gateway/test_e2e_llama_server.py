@@ -39,19 +39,32 @@ def test_greedy_chat_is_llama_servers_own_tokens_decoded_by_deltafin(llama):
     gateway, url = llama
     via = client(gateway).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, temperature=0)
     prompt = httpx.post(f"{gateway.base_url}/tokenize", json={"model": MODEL, "messages": HELLO}).json()["tokens"]
-    direct = httpx.post(f"{url}/completion", timeout=300, json={
-        "prompt": prompt, "n_predict": 8, "temperature": 0, "return_tokens": True, "samplers": ["temperature"]}).json()
-    detok = httpx.post(f"{gateway.base_url}/detokenize",
-                       json={"model": MODEL, "tokens": direct["tokens"]}).json()["prompt"]
+    direct = httpx.post(
+        f"{url}/completion",
+        timeout=300,
+        json={"prompt": prompt, "n_predict": 8, "temperature": 0, "return_tokens": True, "samplers": ["temperature"]},
+    ).json()
+    detok = httpx.post(f"{gateway.base_url}/detokenize", json={"model": MODEL, "tokens": direct["tokens"]}).json()[
+        "prompt"
+    ]
     assert via.choices[0].message.content == detok and via.usage.completion_tokens == 8
     assert via.usage.prompt_tokens == len(prompt)
 
 
 def test_streaming_logprobs_and_llama_servers_prompt_cache(llama):
     gateway, _ = llama
-    chunks = list(client(gateway).chat.completions.create(
-        model=MODEL, messages=HELLO, max_tokens=6, temperature=0, stream=True, logprobs=True, top_logprobs=2,
-        stream_options={"include_usage": True}))
+    chunks = list(
+        client(gateway).chat.completions.create(
+            model=MODEL,
+            messages=HELLO,
+            max_tokens=6,
+            temperature=0,
+            stream=True,
+            logprobs=True,
+            top_logprobs=2,
+            stream_options={"include_usage": True},
+        )
+    )
     content = [c.choices[0] for c in chunks if c.choices and c.choices[0].delta.content]
     entries = [e for c in content for e in (c.logprobs.content or [])]
     assert len(entries) == 6 and all(len(e.top_logprobs) == 2 and e.logprob <= 0 for e in entries)
@@ -64,15 +77,21 @@ def test_streaming_logprobs_and_llama_servers_prompt_cache(llama):
 
 def test_stop_string_and_disconnect(llama):
     gateway, _ = llama
-    full = client(gateway).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8,
-                                                   temperature=0).choices[0].message.content
+    full = (
+        client(gateway)
+        .chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, temperature=0)
+        .choices[0]
+        .message.content
+    )
     word = full.split()[1]
-    cut = client(gateway).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, temperature=0,
-                                                  stop=[word])
+    cut = client(gateway).chat.completions.create(model=MODEL, messages=HELLO, max_tokens=8, temperature=0, stop=[word])
     assert cut.choices[0].finish_reason == "stop" and cut.choices[0].message.content == full[: full.index(word)]
-    with httpx.stream("POST", f"{gateway.base_url}/v1/chat/completions", timeout=300,
-                      json={"model": MODEL, "messages": HELLO, "max_tokens": 500, "ignore_eos": True,
-                            "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{gateway.base_url}/v1/chat/completions",
+        timeout=300,
+        json={"model": MODEL, "messages": HELLO, "max_tokens": 500, "ignore_eos": True, "stream": True},
+    ) as r:
         for line in r.iter_lines():
             if '"content":"' in line and '"content":""' not in line:
                 break

@@ -22,13 +22,13 @@ import httpx
 import openai
 import pytest
 
+from deltafin.testing.llama_server import llama_server_binary, start_llama_server
 from deltafin.tiny import write_tiny_model
 from deltafin.tiny.gguf import tiny_gguf
 from tests.conftest import TINY_OVERRIDES, TINY_SPECS, LiveServer
 from tests.e2e.test_families import ARGUMENTS, KIMI_ID, QUESTION, TOOLS
 from tests.gateway.llama_tier import Upstream, gateway_model
 from tests.gateway.taught import taught_model
-from deltafin.testing.llama_server import llama_server_binary, start_llama_server
 from tests.shared_server import shared_model
 from tests.tiers import unavailable
 
@@ -41,15 +41,25 @@ if not BINARY.exists():
 #: tiny model -> the markers of its tool-call syntax, each one control token of its vocabulary
 MARKERS = {
     "glm47": {"<tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>", "</tool_call>"},
-    "kimi_k2": {"<|tool_calls_section_begin|>", "<|tool_call_begin|>", "<|tool_call_argument_begin|>",
-                "<|tool_call_end|>", "<|tool_calls_section_end|>"},
+    "kimi_k2": {
+        "<|tool_calls_section_begin|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+        "<|tool_calls_section_end|>",
+    },
 }
 UNTAUGHT = [{"role": "user", "content": "hello"}]
 #: the function a call is forced to; a bounded integer argument, so even an untrained model's value ends
-OFFSET = {"type": "object", "properties": {"offset": {"type": "integer", "minimum": -12, "maximum": 14}},
-          "required": ["offset"]}
-LOCAL_TIME = {"type": "function",
-              "function": {"name": "local_time", "description": "Time at a UTC offset", "parameters": OFFSET}}
+OFFSET = {
+    "type": "object",
+    "properties": {"offset": {"type": "integer", "minimum": -12, "maximum": 14}},
+    "required": ["offset"],
+}
+LOCAL_TIME = {
+    "type": "function",
+    "function": {"name": "local_time", "description": "Time at a UTC offset", "parameters": OFFSET},
+}
 
 
 class Served(NamedTuple):
@@ -103,8 +113,9 @@ def declare(name: str) -> tuple[Upstream, str, str]:
         return model, served_overrides(name, model)
 
     upstream = Upstream(f"tiny-{name}", prepare, parallel=1, context=4096)
-    gateway = gateway_model(f"llama-gateway-{name}", upstream,
-                            lambda model: [*served_overrides(name, model), "engine.max_inflight=1"])
+    gateway = gateway_model(
+        f"llama-gateway-{name}", upstream, lambda model: [*served_overrides(name, model), "engine.max_inflight=1"]
+    )
     local = shared_model(f"llama-local-{name}", local_entry)
     return upstream, gateway.name, local.name
 
@@ -116,8 +127,13 @@ DECLARED = {name: declare(name) for name in SERVED}
 def servers(request, llama_tier, local_server):
     """llama-server on the GGUF, the gateway's entry in front of it, the local server's entry on the same folder."""
     upstream, gateway, local = DECLARED[request.param]
-    return Servers(request.param, llama_tier.folder(upstream), llama_tier.url(upstream),
-                   Served(llama_tier.gateway, gateway), Served(local_server, local))
+    return Servers(
+        request.param,
+        llama_tier.folder(upstream),
+        llama_tier.url(upstream),
+        Served(llama_tier.gateway, gateway),
+        Served(local_server, local),
+    )
 
 
 def client(served: Served) -> openai.OpenAI:
@@ -125,8 +141,13 @@ def client(served: Served) -> openai.OpenAI:
 
 
 def greedy_ids(served: Served, prompt: list[int], max_tokens: int) -> list[int]:
-    body = {"model": served.model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "return_token_ids": True}
+    body = {
+        "model": served.model,
+        "prompt": prompt,
+        "max_tokens": max_tokens,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
     response = httpx.post(f"{served.server.base_url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
     return response.json()["choices"][0]["token_ids"]
@@ -168,8 +189,9 @@ def test_greedy_token_ids_are_the_local_engines(servers, messages):
 def test_llama_servers_tool_call_reaches_the_openai_client_parsed(servers):
     """tool_choice auto: the call is llama.cpp's greedy output, parsed by the family's parsers."""
     gateway = servers.gateway
-    response = client(gateway).chat.completions.create(model=gateway.model, messages=QUESTION, tools=TOOLS,
-                                                       temperature=0)
+    response = client(gateway).chat.completions.create(
+        model=gateway.model, messages=QUESTION, tools=TOOLS, temperature=0
+    )
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls"
     assert choice.message.reasoning_content == "Weather needed." and not choice.message.content
@@ -183,8 +205,11 @@ def test_llama_servers_tool_call_reaches_the_openai_client_parsed(servers):
 
 def test_streamed_tool_call_from_llama_server(servers):
     gateway = servers.gateway
-    chunks = list(client(gateway).chat.completions.create(model=gateway.model, messages=QUESTION, tools=TOOLS,
-                                                          temperature=0, stream=True))
+    chunks = list(
+        client(gateway).chat.completions.create(
+            model=gateway.model, messages=QUESTION, tools=TOOLS, temperature=0, stream=True
+        )
+    )
     deltas = [c.choices[0].delta for c in chunks if c.choices]
     calls = [tc for d in deltas for tc in (d.tool_calls or [])]
     assert calls[0].function.name == "get_weather"
@@ -198,13 +223,24 @@ def test_enforced_tool_call_through_llama_servers_grammar(servers):
     markers are the GGUF's control tokens, not text spelled in pieces. (Not compared with the local engine: on
     this untaught prompt the free reasoning before the call has near-ties.)"""
     gateway, tools = servers.gateway, TOOLS + [LOCAL_TIME]
-    unforced = client(gateway).chat.completions.create(model=gateway.model, messages=QUESTION, tools=tools,
-                                                        temperature=0)
+    unforced = client(gateway).chat.completions.create(
+        model=gateway.model, messages=QUESTION, tools=tools, temperature=0
+    )
     # what the grammar overrules: left alone, the model does not call local_time
     assert "local_time" not in [c.function.name for c in unforced.choices[0].message.tool_calls or ()]
-    forced = client(gateway).chat.completions.create(
-        model=gateway.model, messages=QUESTION, tools=tools, temperature=0, max_tokens=200, logprobs=True,
-        tool_choice={"type": "function", "function": {"name": "local_time"}}).choices[0]
+    forced = (
+        client(gateway)
+        .chat.completions.create(
+            model=gateway.model,
+            messages=QUESTION,
+            tools=tools,
+            temperature=0,
+            max_tokens=200,
+            logprobs=True,
+            tool_choice={"type": "function", "function": {"name": "local_time"}},
+        )
+        .choices[0]
+    )
     assert forced.finish_reason == "tool_calls"
     (call,) = forced.message.tool_calls
     assert call.function.name == "local_time" and -12 <= json.loads(call.function.arguments)["offset"] <= 14
@@ -222,12 +258,19 @@ def test_tiny_kimi_k2_runs_in_llama_cpp_as_in_torch(tmp_path):
     family, variant = TINY_SPECS["kimi_k2"]
     path = write_tiny_model(family, tmp_path / "kimi_k2", variant=variant)
     tokenizer = AutoTokenizer.from_pretrained(path)
-    ids = tokenizer.apply_chat_template(QUESTION, tools=TOOLS, add_generation_prompt=True,
-                                        return_dict=True)["input_ids"]
+    ids = tokenizer.apply_chat_template(QUESTION, tools=TOOLS, add_generation_prompt=True, return_dict=True)[
+        "input_ids"
+    ]
     process, url = start_llama_server(tiny_gguf(path), parallel=1, context=4096)
     try:
-        body = {"prompt": ids, "n_predict": 12, "n_probs": 5, "samplers": ["temperature"], "temperature": 0,
-                "return_tokens": True}
+        body = {
+            "prompt": ids,
+            "n_predict": 12,
+            "n_probs": 5,
+            "samplers": ["temperature"],
+            "temperature": 0,
+            "return_tokens": True,
+        }
         answer = httpx.post(f"{url}/completion", json=body, timeout=60).json()
     finally:
         process.terminate()
@@ -236,7 +279,7 @@ def test_tiny_kimi_k2_runs_in_llama_cpp_as_in_torch(tmp_path):
     assert len(tokens) == 12 and len(steps) >= 6
     with torch.no_grad():
         logits = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)(torch.tensor([ids + tokens])).logits
-    expected = logits[0, len(ids) - 1:].log_softmax(-1)
+    expected = logits[0, len(ids) - 1 :].log_softmax(-1)
     assert expected.std(-1).min() > 0.1  # the bound stays a tenth of the spread between tokens' logprobs
     position = -1
     for step in steps:

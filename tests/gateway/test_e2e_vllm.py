@@ -23,8 +23,8 @@ import openai
 import pytest
 
 from deltafin.engine.weights.loader import convert_gguf, default_cache_dir, resolve_model_path
-from tests.conftest import LiveServer, compose_config
 from deltafin.testing.vllm_server import VllmRouter, VllmServer, installed, running, served, stream_chat, vllm_python
+from tests.conftest import LiveServer, compose_config
 from tests.gateway.vllm_tier import vllm_upstreams
 from tests.tiers import unavailable
 
@@ -119,12 +119,22 @@ def test_vllm_computes_the_converted_folder_as_transformers_does(replicas, float
     # float_model: the converted (dequantized) folder itself, which vLLM serves; the default native GGUF path
     # computes with 8-bit activations, as llama.cpp does, so its logprobs are not the folder's to 2e-3.
     ids = float_model.tokenizer.apply_chat_template(HELLO, add_generation_prompt=True, return_dict=True)["input_ids"]
-    out = direct(replicas.a, "/v1/completions", {"prompt": ids, "max_tokens": 8, "temperature": 0, "logprobs": 1,
-                                                 "return_token_ids": True, "return_tokens_as_token_ids": True})
+    out = direct(
+        replicas.a,
+        "/v1/completions",
+        {
+            "prompt": ids,
+            "max_tokens": 8,
+            "temperature": 0,
+            "logprobs": 1,
+            "return_token_ids": True,
+            "return_tokens_as_token_ids": True,
+        },
+    )
     tokens = out["choices"][0]["token_ids"]
     assert len(set(tokens)) > 2  # not one token over and over
     with torch.no_grad():
-        logits = float_model.model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1:-1].log_softmax(-1)
+        logits = float_model.model(torch.tensor([ids + tokens])).logits[0, len(ids) - 1 : -1].log_softmax(-1)
     ours = [logits[i, token].item() for i, token in enumerate(tokens)]
     theirs = out["choices"][0]["logprobs"]["token_logprobs"]
     assert max(abs(a - b) for a, b in zip(ours, theirs)) < 2e-3, (ours, theirs)
@@ -160,8 +170,16 @@ def test_api_auto_settled_on_completions_once_and_said_why(gateway):
 
 def test_streamed_is_the_same_answer(gateway):
     whole = client(gateway).chat.completions.create(model=NAME, messages=HELLO, max_tokens=16, temperature=0)
-    chunks = list(client(gateway).chat.completions.create(model=NAME, messages=HELLO, max_tokens=16, temperature=0,
-                                                         stream=True, stream_options={"include_usage": True}))
+    chunks = list(
+        client(gateway).chat.completions.create(
+            model=NAME,
+            messages=HELLO,
+            max_tokens=16,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+        )
+    )
     text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
     assert text == whole.choices[0].message.content
     assert chunks[-1].usage.completion_tokens == 16 and chunks[-1].choices == []
@@ -172,8 +190,11 @@ def test_completion_logprobs_are_vllms_and_stop_strings_are_deltafins(replicas, 
     prompt = "The capital of France is"
     ours = client(gateway).completions.create(model=NAME, prompt=prompt, max_tokens=12, temperature=0, logprobs=2)
     ids = httpx.post(f"{gateway.base_url}/tokenize", json={"model": NAME, "prompt": prompt}).json()["tokens"]
-    theirs = direct(replicas.a, "/v1/completions", {"prompt": ids, "max_tokens": 12, "temperature": 0,
-                                                    "logprobs": 2, "return_token_ids": True})["choices"][0]
+    theirs = direct(
+        replicas.a,
+        "/v1/completions",
+        {"prompt": ids, "max_tokens": 12, "temperature": 0, "logprobs": 2, "return_token_ids": True},
+    )["choices"][0]
     assert ours.choices[0].text == detokenize(gateway, theirs["token_ids"])
     assert ours.choices[0].logprobs.token_logprobs == pytest.approx(theirs["logprobs"]["token_logprobs"], abs=1e-5)
     assert [len(top) for top in ours.choices[0].logprobs.top_logprobs] == [2] * 12
@@ -185,20 +206,30 @@ def test_completion_logprobs_are_vllms_and_stop_strings_are_deltafins(replicas, 
 
 def test_n_choices_are_vllms_seeded_samples_seed_plus_i(replicas, gateway):
     """Choice i of a seeded request is vLLM's own sample with seed + i (Deltafin's rule for `n`, on every engine)."""
-    ours = client(gateway).chat.completions.create(model=NAME, messages=HELLO, max_tokens=12, temperature=0.9,
-                                                   n=2, seed=11)
+    ours = client(gateway).chat.completions.create(
+        model=NAME, messages=HELLO, max_tokens=12, temperature=0.9, n=2, seed=11
+    )
     ids = prompt_ids(gateway, HELLO)
     for i, choice in enumerate(ours.choices):
-        theirs = direct(replicas.a, "/v1/completions", {"prompt": ids, "max_tokens": 12, "temperature": 0.9,
-                                                        "seed": 11 + i, "return_token_ids": True})["choices"][0]
+        theirs = direct(
+            replicas.a,
+            "/v1/completions",
+            {"prompt": ids, "max_tokens": 12, "temperature": 0.9, "seed": 11 + i, "return_token_ids": True},
+        )["choices"][0]
         sampled = theirs["token_ids"][:-1] if theirs["finish_reason"] == "stop" else theirs["token_ids"]
         assert choice.message.content == detokenize(gateway, sampled), i  # vLLM's ids end with the stop token
     assert ours.choices[0].message.content != ours.choices[1].message.content
 
 
-PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
-                                           "age": {"type": "integer", "minimum": 0, "maximum": 120}},
-          "required": ["name", "age"], "additionalProperties": False}
+PERSON = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 12},
+        "age": {"type": "integer", "minimum": 0, "maximum": 120},
+    },
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
 ASK_PERSON = [{"role": "user", "content": "Describe a person you like."}]
 
 
@@ -208,19 +239,26 @@ def test_json_schema_is_enforced_by_vllms_structured_outputs(replicas, gateway):
     fmt = {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": True}}
     free = client(gateway).chat.completions.create(model=NAME, messages=ASK_PERSON, max_tokens=40, temperature=0)
     assert not free.choices[0].message.content.lstrip().startswith("{")
-    ours = client(gateway).chat.completions.create(model=NAME, messages=ASK_PERSON, max_tokens=60, temperature=0,
-                                                   response_format=fmt)
-    theirs = direct(replicas.a, "/v1/chat/completions", {"messages": ASK_PERSON, "max_tokens": 60, "temperature": 0,
-                                                         "response_format": fmt})
+    ours = client(gateway).chat.completions.create(
+        model=NAME, messages=ASK_PERSON, max_tokens=60, temperature=0, response_format=fmt
+    )
+    theirs = direct(
+        replicas.a,
+        "/v1/chat/completions",
+        {"messages": ASK_PERSON, "max_tokens": 60, "temperature": 0, "response_format": fmt},
+    )
     value = json.loads(ours.choices[0].message.content)
     assert set(value) == {"name", "age"} and isinstance(value["age"], int) and len(value["name"]) <= 12
     assert ours.choices[0].message.content == theirs["choices"][0]["message"]["content"]
 
 
 def test_a_client_that_leaves_frees_vllm_at_once(replicas, gateway):
-    with httpx.stream("POST", f"{gateway.base_url}/v1/chat/completions", timeout=300,
-                      json={"model": NAME, "messages": HELLO, "max_tokens": 1500, "ignore_eos": True,
-                            "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{gateway.base_url}/v1/chat/completions",
+        timeout=300,
+        json={"model": NAME, "messages": HELLO, "max_tokens": 1500, "ignore_eos": True, "stream": True},
+    ) as r:
         for line in r.iter_lines():
             if '"content":"' in line and '"content":""' not in line:
                 assert running(replicas.a) == 1
@@ -244,8 +282,9 @@ def test_the_router_spreads_requests_over_both_replicas(replicas, routed):
     before = [served(replicas.a), served(replicas.b)]
 
     async def burst():
-        return await asyncio.gather(*(stream_chat(routed.base_url, f"Count to {i}.", 4, model=ROUTED)
-                                      for i in range(6)))
+        return await asyncio.gather(
+            *(stream_chat(routed.base_url, f"Count to {i}.", 4, model=ROUTED) for i in range(6))
+        )
 
     results = asyncio.run(burst())
     assert all(status == 200 and finish == "length" for status, _, finish, _, _ in results), results
@@ -263,13 +302,16 @@ def test_a_replica_killed_mid_run_costs_no_request_that_had_not_started_streamin
     killed: list[float] = []
 
     async def run():
-        first_wave = [asyncio.create_task(stream_chat(routed.base_url, f"Tell story {i}.", max_tokens, flowing,
-                                                           model=ROUTED))
-                      for i in range(6)]
+        first_wave = [
+            asyncio.create_task(stream_chat(routed.base_url, f"Tell story {i}.", max_tokens, flowing, model=ROUTED))
+            for i in range(6)
+        ]
         while not flowing.is_set():
             await asyncio.sleep(0.05)
-        second_wave = [asyncio.create_task(stream_chat(routed.base_url, f"Tell tale {i}.", max_tokens, model=ROUTED))
-                       for i in range(6)]
+        second_wave = [
+            asyncio.create_task(stream_chat(routed.base_url, f"Tell tale {i}.", max_tokens, model=ROUTED))
+            for i in range(6)
+        ]
         await asyncio.sleep(0.3)  # the second wave reaches the router and the replicas
         replicas.b.kill()
         killed.append(time.monotonic())
@@ -293,9 +335,12 @@ def test_a_replica_killed_mid_run_costs_no_request_that_had_not_started_streamin
 
 def test_vllm_dying_mid_stream_is_an_in_stream_error_then_503(replicas, gateway):
     errors: list[str] = []
-    with httpx.stream("POST", f"{gateway.base_url}/v1/chat/completions", timeout=300,
-                      json={"model": NAME, "messages": HELLO, "max_tokens": 1500, "ignore_eos": True,
-                            "stream": True}) as r:
+    with httpx.stream(
+        "POST",
+        f"{gateway.base_url}/v1/chat/completions",
+        timeout=300,
+        json={"model": NAME, "messages": HELLO, "max_tokens": 1500, "ignore_eos": True, "stream": True},
+    ) as r:
         assert r.status_code == 200
         for line in r.iter_lines():
             if '"content":"' in line and '"content":""' not in line and replicas.a.process.poll() is None:

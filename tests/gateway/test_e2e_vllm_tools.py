@@ -17,10 +17,10 @@ import httpx
 import openai
 import pytest
 
+from deltafin.testing.vllm_server import VllmServer, installed, vllm_python
 from tests.conftest import TINY_OVERRIDES, LiveServer
 from tests.e2e.test_families import ARGUMENTS, QUESTION, TOOLS
 from tests.gateway.taught import taught_model
-from deltafin.testing.vllm_server import VllmServer, installed, vllm_python
 from tests.gateway.vllm_tier import vllm_upstreams
 from tests.tiers import unavailable
 
@@ -32,10 +32,15 @@ if not installed():
 MODEL = "tiny-qwen3"  # served name on vLLM and Deltafin alike
 
 #: a function the model was not taught to call, with a bounded integer argument (an untaught model's value ends)
-OFFSET = {"type": "object", "properties": {"offset": {"type": "integer", "minimum": -12, "maximum": 14}},
-          "required": ["offset"]}
-LOCAL_TIME = {"type": "function",
-              "function": {"name": "local_time", "description": "Time at a UTC offset", "parameters": OFFSET}}
+OFFSET = {
+    "type": "object",
+    "properties": {"offset": {"type": "integer", "minimum": -12, "maximum": 14}},
+    "required": ["offset"],
+}
+LOCAL_TIME = {
+    "type": "function",
+    "function": {"name": "local_time", "description": "Time at a UTC offset", "parameters": OFFSET},
+}
 
 
 class TinyQwen3:
@@ -51,8 +56,16 @@ class TinyQwen3:
         print(f"vLLM boot (tiny Qwen3): {self.vllm.boot_s:.0f} s")
 
     def entries(self) -> dict[str, list[str]]:
-        return {MODEL: [*TINY_OVERRIDES["qwen3"], f"model.path={self.model}", "engine=vllm",
-                        f"engine.url={self.vllm.url}", "engine.api=generate", "server.memo.entries=0"]}
+        return {
+            MODEL: [
+                *TINY_OVERRIDES["qwen3"],
+                f"model.path={self.model}",
+                "engine=vllm",
+                f"engine.url={self.vllm.url}",
+                "engine.api=generate",
+                "server.memo.entries=0",
+            ]
+        }
 
     def stop(self) -> None:
         self.vllm.stop()
@@ -73,8 +86,9 @@ def client(server: LiveServer) -> openai.OpenAI:
 
 def test_greedy_ids_through_the_generate_endpoint_are_vllms_own(served):
     vllm, gateway = served
-    prompt = httpx.post(f"{gateway.base_url}/tokenize",
-                        json={"model": MODEL, "messages": QUESTION, "tools": TOOLS}).json()["tokens"]
+    prompt = httpx.post(
+        f"{gateway.base_url}/tokenize", json={"model": MODEL, "messages": QUESTION, "tools": TOOLS}
+    ).json()["tokens"]
     body = {"model": MODEL, "prompt": prompt, "max_tokens": 64, "temperature": 0, "return_token_ids": True}
     response = httpx.post(f"{gateway.base_url}/v1/completions", json=body, timeout=120)
     ours = response.json()["choices"][0]
@@ -89,8 +103,9 @@ def test_greedy_ids_through_the_generate_endpoint_are_vllms_own(served):
 
 def test_vllms_tool_call_reaches_the_openai_client_parsed(served):
     _, gateway = served
-    response = client(gateway).chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS,
-                                                       temperature=0, logprobs=True, top_logprobs=2)
+    response = client(gateway).chat.completions.create(
+        model=MODEL, messages=QUESTION, tools=TOOLS, temperature=0, logprobs=True, top_logprobs=2
+    )
     choice = response.choices[0]
     assert choice.finish_reason == "tool_calls" and choice.message.reasoning_content == "Weather needed."
     (call,) = choice.message.tool_calls
@@ -102,8 +117,9 @@ def test_vllms_tool_call_reaches_the_openai_client_parsed(served):
 
 def test_streamed_tool_call_from_vllm(served):
     _, gateway = served
-    chunks = list(client(gateway).chat.completions.create(model=MODEL, messages=QUESTION,
-                                                          tools=TOOLS, temperature=0, stream=True))
+    chunks = list(
+        client(gateway).chat.completions.create(model=MODEL, messages=QUESTION, tools=TOOLS, temperature=0, stream=True)
+    )
     calls = [tc for c in chunks if c.choices for tc in (c.choices[0].delta.tool_calls or [])]
     assert calls[0].function.name == "get_weather"
     assert json.loads("".join(tc.function.arguments or "" for tc in calls)) == ARGUMENTS
@@ -117,9 +133,18 @@ def test_a_named_tool_choice_is_enforced_by_vllm(served):
     tools = TOOLS + [LOCAL_TIME]
     unforced = client(gateway).chat.completions.create(model=MODEL, messages=QUESTION, tools=tools, temperature=0)
     assert "local_time" not in [c.function.name for c in unforced.choices[0].message.tool_calls or ()]
-    forced = client(gateway).chat.completions.create(
-        model=MODEL, messages=QUESTION, tools=tools, temperature=0, max_tokens=200,
-        tool_choice={"type": "function", "function": {"name": "local_time"}}).choices[0]
+    forced = (
+        client(gateway)
+        .chat.completions.create(
+            model=MODEL,
+            messages=QUESTION,
+            tools=tools,
+            temperature=0,
+            max_tokens=200,
+            tool_choice={"type": "function", "function": {"name": "local_time"}},
+        )
+        .choices[0]
+    )
     assert forced.finish_reason == "tool_calls"
     (call,) = forced.message.tool_calls
     assert call.function.name == "local_time" and -12 <= json.loads(call.function.arguments)["offset"] <= 14

@@ -49,6 +49,7 @@ def timed(coro_fn):
         started = time.perf_counter()
         value = await coro_fn()
         return value, time.perf_counter() - started
+
     return run()
 
 

@@ -43,7 +43,9 @@ class TestChunkedDecoder:
         _, decoder = decode_in([b"0\r\n\r\nHTTP/1.1"])
         assert decoder.done and decoder.extra == b"HTTP/1.1"
 
-    @pytest.mark.parametrize("bad", [b"zz\r\nhello\r\n", b"-5\r\nhello\r\n", b"\r\n", b"5\r\nhello!!\r\n", b"0x5\r\nhello\r\n"])
+    @pytest.mark.parametrize(
+        "bad", [b"zz\r\nhello\r\n", b"-5\r\nhello\r\n", b"\r\n", b"5\r\nhello!!\r\n", b"0x5\r\nhello\r\n"]
+    )
     def test_framing_that_is_not_chunked_coding_is_refused(self, bad):
         with pytest.raises(ConnectionBroken):
             ChunkedDecoder().feed(bad)
@@ -80,7 +82,16 @@ def job(max_tokens=8, **params):
 
 def llama_events(ids):
     out = [{"content": "x", "tokens": [i], "stop": False} for i in ids]
-    out.append({"content": "", "tokens": [], "stop": True, "stop_type": "limit", "tokens_evaluated": 2, "timings": {"cache_n": 0}})
+    out.append(
+        {
+            "content": "",
+            "tokens": [],
+            "stop": True,
+            "stop_type": "limit",
+            "tokens_evaluated": 2,
+            "timings": {"cache_n": 0},
+        }
+    )
     return out
 
 
@@ -134,7 +145,7 @@ class TestConnectionReuse:
         Whether that 408 waits in the socket or crosses the next request, the request goes out once more on a
         fresh connection and its own answer comes back, never the stale 408."""
         timeout_408 = b"HTTP/1.1 408 Request Timeout\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
-        ok = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 12\r\n\r\n{\"ok\": true}"
+        ok = b'HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: 12\r\n\r\n{"ok": true}'
         connections = []
 
         async def serve(reader, writer):
@@ -171,7 +182,9 @@ class TestConnectionReuse:
         fake = Fake(lambda b, p: (200, {"ok": True}))
 
         async def scenario():
-            pool = Http1Pool("http://up.test", max_idle=1, connect_timeout_s=1, read_timeout_s=1, connect=fake.connector())
+            pool = Http1Pool(
+                "http://up.test", max_idle=1, connect_timeout_s=1, read_timeout_s=1, connect=fake.connector()
+            )
             async with pool.request("GET", "/a") as first, pool.request("GET", "/b") as second:
                 bodies = [json.loads(await first.read_all()), json.loads(await second.read_all())]
             async with pool.request("GET", "/c") as third:
@@ -220,8 +233,9 @@ class TestSpareConnections:
         fake = Fake(lambda b, p: (200, {"path": p}))
 
         async def scenario():
-            pool = Http1Pool("http://up.test", max_idle=2, connect_timeout_s=1, read_timeout_s=1,
-                             connect=fake.connector(), spare=1)
+            pool = Http1Pool(
+                "http://up.test", max_idle=2, connect_timeout_s=1, read_timeout_s=1, connect=fake.connector(), spare=1
+            )
             async with pool.request("GET", "/a") as response:
                 await response.read_all()
             exchange = pool.request("GET", "/b")
@@ -238,7 +252,9 @@ class TestSpareConnections:
         fake = Fake(lambda b, p: (200, {"path": p}))
 
         async def scenario():
-            pool = Http1Pool("http://up.test", max_idle=2, connect_timeout_s=1, read_timeout_s=1, connect=fake.connector())
+            pool = Http1Pool(
+                "http://up.test", max_idle=2, connect_timeout_s=1, read_timeout_s=1, connect=fake.connector()
+            )
             async with pool.request("GET", "/a") as response:
                 await response.read_all()
             exchange = pool.request("GET", "/b")
@@ -347,7 +363,9 @@ class TestBadStreams:
     def test_a_silence_after_tokens_is_an_in_stream_504(self, bundle, ids):
         class Stalls(ScriptedBody):
             async def write(self, reader, writer):
-                writer.write(b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+                writer.write(
+                    b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+                )
                 data = self.encoded(self.events[0])
                 writer.write(b"%x\r\n%s\r\n" % (len(data), data))
                 await asyncio.sleep(2.0)

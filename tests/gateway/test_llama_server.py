@@ -23,11 +23,26 @@ def events(ids, *, stop_type="limit", cache_n=1, probs=False):
     for i in ids:
         event = {"content": "x", "tokens": [i], "stop": False}
         if probs:
-            event["completion_probabilities"] = [{"id": i, "token": "x", "logprob": -1.0,
-                                                  "top_logprobs": [{"id": i, "logprob": -1.0}, {"id": 0, "logprob": -3.0}]}]
+            event["completion_probabilities"] = [
+                {
+                    "id": i,
+                    "token": "x",
+                    "logprob": -1.0,
+                    "top_logprobs": [{"id": i, "logprob": -1.0}, {"id": 0, "logprob": -3.0}],
+                }
+            ]
         out.append(event)
-    out.append({"content": "", "tokens": [], "stop": True, "stop_type": stop_type, "tokens_predicted": len(ids),
-                "tokens_evaluated": 2, "timings": {"cache_n": cache_n, "prompt_n": 1}})
+    out.append(
+        {
+            "content": "",
+            "tokens": [],
+            "stop": True,
+            "stop_type": stop_type,
+            "tokens_predicted": len(ids),
+            "tokens_evaluated": 2,
+            "timings": {"cache_n": cache_n, "prompt_n": 1},
+        }
+    )
     return out
 
 
@@ -79,8 +94,15 @@ def test_n_probs_map_to_logprobs_with_the_asked_alternatives(bundle):
 
 
 def test_context_overflow_is_400(bundle):
-    body = {"error": {"code": 400, "message": "the request exceeds the available context size, try increasing it",
-                      "type": "exceed_context_size_error", "n_prompt_tokens": 9000, "n_ctx": 4096}}
+    body = {
+        "error": {
+            "code": 400,
+            "message": "the request exceeds the available context size, try increasing it",
+            "type": "exceed_context_size_error",
+            "n_prompt_tokens": 9000,
+            "n_ctx": 4096,
+        }
+    }
     fake = Fake(lambda b, p: (400, body))
     out = asyncio.run(collect(make_front(LlamaServerAdapter, bundle, fake), job()))
     assert isinstance(out.start_error, ContextLengthError) and out.start_error.code == "context_length_exceeded"

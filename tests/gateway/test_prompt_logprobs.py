@@ -9,11 +9,13 @@ from deltafin.app.factory import build_app
 from deltafin.app.services import Services
 from deltafin.engine import EngineFront
 from deltafin.engine.upstream.llama_server import LlamaServerAdapter
-from tests.conftest import compose_config
 from deltafin.testing.upstream_fakes import Fake, ScriptedBody, make_engine
+from tests.conftest import compose_config
 
-EVENTS = [{"content": "x", "tokens": [28], "stop": False},
-          {"content": "", "tokens": [], "stop": True, "stop_type": "limit", "tokens_evaluated": 2, "timings": {"cache_n": 0}}]
+EVENTS = [
+    {"content": "x", "tokens": [28], "stop": False},
+    {"content": "", "tokens": [], "stop": True, "stop_type": "limit", "tokens_evaluated": 2, "timings": {"cache_n": 0}},
+]
 
 
 @pytest.fixture(scope="module")
@@ -30,8 +32,9 @@ def gateway(bundle):
 def test_echo_with_logprobs_is_a_400_naming_echo(gateway, logprobs, stream):
     client, fake = gateway
     sent = len(fake.requests)
-    response = client.post("/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "echo": True, "logprobs": logprobs,
-                                                    "stream": stream})
+    response = client.post(
+        "/v1/completions", json={"prompt": "Hi", "max_tokens": 1, "echo": True, "logprobs": logprobs, "stream": stream}
+    )
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "echo" and error["type"] == "invalid_request_error"

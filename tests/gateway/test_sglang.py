@@ -24,8 +24,13 @@ def events(ids, *, cumulative=True, finish=None, cached=3, logprobs=False):
     out = []
     for n in range(1, len(ids) + 1):
         shown = ids[:n] if cumulative else ids[n - 1 : n]
-        meta = {"id": "r", "prompt_tokens": 4, "completion_tokens": n, "cached_tokens": cached,
-                "finish_reason": finish if n == len(ids) else None}
+        meta = {
+            "id": "r",
+            "prompt_tokens": 4,
+            "completion_tokens": n,
+            "cached_tokens": cached,
+            "finish_reason": finish if n == len(ids) else None,
+        }
         if logprobs:
             entries = [[-0.25, i, None] for i in shown]
             meta["output_token_logprobs"] = entries
@@ -37,7 +42,9 @@ def events(ids, *, cumulative=True, finish=None, cached=3, logprobs=False):
 @pytest.mark.parametrize("cumulative", [True, False])
 def test_cumulative_and_incremental_streams_give_the_same_text(bundle, cumulative):
     ids = bundle.tokenizer(TEXT, add_special_tokens=False).input_ids
-    fake = Fake(lambda b, p: ScriptedBody(events(ids, cumulative=cumulative, finish={"type": "length", "length": len(ids)})))
+    fake = Fake(
+        lambda b, p: ScriptedBody(events(ids, cumulative=cumulative, finish={"type": "length", "length": len(ids)}))
+    )
     out = asyncio.run(collect(make_front(SglangAdapter, bundle, fake), job(max_tokens=len(ids))))
     assert out.text == TEXT and out.ids == ids
     assert out.finished.reason == "length" and out.finished.cached_tokens == 3 and out.finished.prompt_tokens == 4
@@ -64,15 +71,24 @@ def test_cumulative_logprobs_are_not_repeated(bundle):
 
 
 def test_error_inside_a_200_before_any_token_is_a_real_status(bundle):
-    fake = Fake(lambda b, p: ScriptedBody([{"error": {"message": "The input (5000 tokens) is longer than the model's context length (4096 tokens)."}}]))
+    fake = Fake(
+        lambda b, p: ScriptedBody(
+            [{"error": {"message": "The input (5000 tokens) is longer than the model's context length (4096 tokens)."}}]
+        )
+    )
     out = asyncio.run(collect(make_front(SglangAdapter, bundle, fake), job()))
     assert isinstance(out.start_error, ContextLengthError) and out.start_error.status == 400
 
 
 def test_abort_finish_mid_stream_is_an_in_stream_error(bundle):
     ids = bundle.tokenizer("Hi there", add_special_tokens=False).input_ids
-    stream = events(ids)[:1] + [{"text": "", "output_ids": ids[:1], "meta_info": {
-        "completion_tokens": 1, "finish_reason": {"type": "abort", "message": "scheduler OOM"}}}]
+    stream = events(ids)[:1] + [
+        {
+            "text": "",
+            "output_ids": ids[:1],
+            "meta_info": {"completion_tokens": 1, "finish_reason": {"type": "abort", "message": "scheduler OOM"}},
+        }
+    ]
     fake = Fake(lambda b, p: ScriptedBody(stream))
     out = asyncio.run(collect(make_front(SglangAdapter, bundle, fake), job()))
     assert out.start_error is None and isinstance(out.error, UpstreamError) and "scheduler OOM" in out.error.message

@@ -27,10 +27,21 @@ def test_batches_of_strings_and_of_id_lists():
     assert parse({"prompt": [[1, 2], [3]]}).prompts(100) == [[1, 2], [3]]
 
 
-@pytest.mark.parametrize("prompt,param", [([100], "prompt"), ([1, 2, 10**9], "prompt"), ([[1], [100]], "prompt[1]"),
-                                          ([[1], []], "prompt[1]"), (["a", ""], "prompt[1]"), ([[1, -1]], "prompt[0]"),
-                                          ([[1.5]], "prompt[0]"), (["a", [1]], "prompt"), ([1, "a"], "prompt"),
-                                          ([True], "prompt")])
+@pytest.mark.parametrize(
+    "prompt,param",
+    [
+        ([100], "prompt"),
+        ([1, 2, 10**9], "prompt"),
+        ([[1], [100]], "prompt[1]"),
+        ([[1], []], "prompt[1]"),
+        (["a", ""], "prompt[1]"),
+        ([[1, -1]], "prompt[0]"),
+        ([[1.5]], "prompt[0]"),
+        (["a", [1]], "prompt"),
+        ([1, "a"], "prompt"),
+        ([True], "prompt"),
+    ],
+)
 def test_bad_prompts_are_400_naming_the_prompt(prompt, param):
     with pytest.raises(InvalidRequestError) as caught:
         parse({"prompt": prompt}).prompts(100)

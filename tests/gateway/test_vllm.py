@@ -27,17 +27,47 @@ def generate_events(ids, *, finish="stop", per_chunk=2, logprobs=False):
     events = []
     for start in range(0, len(ids), per_chunk):
         part = ids[start : start + per_chunk]
-        lp = {"content": [{"token": f"token_id:{i}", "logprob": -0.5, "top_logprobs": [{"token": f"token_id:{i}", "logprob": -0.5}]} for i in part]}
+        lp = {
+            "content": [
+                {
+                    "token": f"token_id:{i}",
+                    "logprob": -0.5,
+                    "top_logprobs": [{"token": f"token_id:{i}", "logprob": -0.5}],
+                }
+                for i in part
+            ]
+        }
         last = start + per_chunk >= len(ids)
-        events.append({"choices": [{"index": 0, "token_ids": part, "logprobs": lp if logprobs else None,
-                                    "finish_reason": finish if last else None}]})
+        events.append(
+            {
+                "choices": [
+                    {
+                        "index": 0,
+                        "token_ids": part,
+                        "logprobs": lp if logprobs else None,
+                        "finish_reason": finish if last else None,
+                    }
+                ]
+            }
+        )
     return events
 
 
 def completion_events(ids, *, finish="length", cached=7):
-    events = [{"choices": [{"index": 0, "text": "x", "token_ids": [i], "logprobs": None, "finish_reason": None}]} for i in ids]
+    events = [
+        {"choices": [{"index": 0, "text": "x", "token_ids": [i], "logprobs": None, "finish_reason": None}]} for i in ids
+    ]
     events.append({"choices": [{"index": 0, "text": "", "token_ids": [], "finish_reason": finish}]})
-    events.append({"choices": [], "usage": {"prompt_tokens": 3, "completion_tokens": len(ids), "prompt_tokens_details": {"cached_tokens": cached}}})
+    events.append(
+        {
+            "choices": [],
+            "usage": {
+                "prompt_tokens": 3,
+                "completion_tokens": len(ids),
+                "prompt_tokens_details": {"cached_tokens": cached},
+            },
+        }
+    )
     return events
 
 
@@ -113,8 +143,14 @@ class TestCompletionsFallback:
     def test_a_disabled_generate_endpoint_falls_back_once_and_says_so(self, bundle, capsys):
         """A stock `vllm serve` answers /inference/v1/generate with 403 unless started with --enable-scale-out."""
         ids = ids_of(bundle, "Hi there")
-        disabled = {"error": {"message": "Scale-out endpoints are disabled. Restart vllm serve with "
-                              "--enable-scale-out to enable them.", "type": "PermissionDeniedError", "code": 403}}
+        disabled = {
+            "error": {
+                "message": "Scale-out endpoints are disabled. Restart vllm serve with "
+                "--enable-scale-out to enable them.",
+                "type": "PermissionDeniedError",
+                "code": 403,
+            }
+        }
 
         def respond(body, path):
             return (403, disabled) if path == GENERATE else ScriptedBody(completion_events(ids))
@@ -174,7 +210,12 @@ class TestErrors:
         [
             (503, {"error": {"message": "loading"}}, UpstreamUnavailableError, 503),
             (429, {"error": {"message": "queue full"}}, UpstreamBusyError, 429),
-            (400, {"error": {"message": "This model's maximum context length is 2048 tokens."}}, ContextLengthError, 400),
+            (
+                400,
+                {"error": {"message": "This model's maximum context length is 2048 tokens."}},
+                ContextLengthError,
+                400,
+            ),
             (500, {"error": {"message": "CUDA out of memory"}}, UpstreamError, 502),
         ],
     )

@@ -21,9 +21,10 @@ overall /health is 503 from then on (every upstream must answer), and its per-mo
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Protocol
 
 import pytest
 

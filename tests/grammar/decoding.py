@@ -3,7 +3,7 @@ penalties/bias (none here), before the (greedy) choice; accept; stop on a stop t
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 from transformers import DynamicCache
@@ -33,7 +33,9 @@ def row_factory(tokenizer, vocab_size: int, stop_ids):
     return lambda constraint: ready(constraint).matcher()
 
 
-def greedy(model, prompt_ids: Sequence[int], row: RowConstraint | None, *, max_tokens: int, stop_ids: frozenset[int]) -> list[int]:
+def greedy(
+    model, prompt_ids: Sequence[int], row: RowConstraint | None, *, max_tokens: int, stop_ids: frozenset[int]
+) -> list[int]:
     cache = {cache_argument(model): DynamicCache(config=model.config)}
 
     def step(ids: list[int]) -> torch.Tensor:  # [V] logits after `ids`

@@ -52,13 +52,16 @@ class TestRulesText:
         tools = tuple(ForcedFunction(f"tool_{i}", schema) for i in range(30))
         grammar = structural_tag_to_gbnf(GLM47.calls(ForcedCalls(tools, single=False), "enabled"))
         # one automaton for the reasoning (ends at </think>) and one for every string value (ends at </arg_value>)
-        assert len([line for line in grammar.splitlines() if line.startswith("text ::=") or line.startswith("text-")]) < 120
+        assert (
+            len([line for line in grammar.splitlines() if line.startswith("text ::=") or line.startswith("text-")])
+            < 120
+        )
         assert len(grammar) < 60_000
 
     def test_identical_rules_are_shared(self):
         schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"type": "string"}}}
         grammar = structural_tag_to_gbnf(f.structural_tag(f.arguments(schema)))
-        assert grammar.count('json-string ::=') == 1 and "json-string-2" not in grammar
+        assert grammar.count("json-string ::=") == 1 and "json-string-2" not in grammar
 
 
 class TestAnyText:
@@ -96,7 +99,14 @@ class TestAnyText:
     def test_matches_xgrammar_on_the_think_prefix(self):
         fmt = f.sequence(f.tag("", f.any_text(["<think>", "</think>"]), "</think>"), f.const("X"))
         mine, ref = accepts(fmt), tag_recognizer(f.structural_tag(fmt))
-        for text in ["</think>X", "hm</think>X", "<thi</think>X", "a<think>b</think>X", "a</think>b</think>X", "</think>"]:
+        for text in [
+            "</think>X",
+            "hm</think>X",
+            "<thi</think>X",
+            "a<think>b</think>X",
+            "a</think>b</think>X",
+            "</think>",
+        ]:
             assert mine(text) == ref(text), text
 
     def test_length_limits_have_no_gbnf_form(self):
@@ -126,40 +136,83 @@ class TestRegex:
         for text in texts:
             assert ok(text) == bool(re.fullmatch(pattern, text)), (pattern, text)
 
-    @pytest.mark.parametrize("pattern", [r"(?=a)a", r"(?<!a)b", r"(a)\1", r"\bword", r"a^b", r"a++", r"*a", r"(ab", r"[ab"])
+    @pytest.mark.parametrize(
+        "pattern", [r"(?=a)a", r"(?<!a)b", r"(a)\1", r"\bword", r"a^b", r"a++", r"*a", r"(ab", r"[ab"]
+    )
     def test_what_gbnf_cannot_say_is_a_value_error(self, pattern):
         with pytest.raises(ValueError, match="regex"):
             structural_tag_to_gbnf(f.structural_tag(f.regex(pattern)))
 
 
-WEATHER = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
-                                            "unit": {"type": "string", "enum": ["c", "f"]}}, "required": ["city"]}
+WEATHER = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "days": {"type": "integer"},
+        "unit": {"type": "string", "enum": ["c", "f"]},
+    },
+    "required": ["city"],
+}
 SCHEMAS = [
-    (WEATHER, ['{"city": "Paris"}', '{"city":"Paris","days":3}', '{"city": "Paris", "unit": "c"}',
-               '{"city": "P", "days": -2, "unit": "f"}', '{"days": 3}', '{"city": "Paris", "unit": "k"}',
-               '{"unit": "c", "city": "Paris"}', '{"city": "Paris", "x": 1}', '{ "city" : "a\\"b\\u00e9" }',
-               '{"city": "Paris",}', '{"city": 3}', '{"city": "Paris", "days": 3.5}']),
-    ({"type": "object"}, ['{}', '{"a": [1, {"b": null}], "c": "d"}', '[]', '{"a"}']),
-    ({"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
-     ['{"a": 1, "b": "x"}', '{"a": 1}', '{}', '{"b": true}']),
-    ({"type": "object", "properties": {"a": {"type": "object", "properties": {"b": {"type": "boolean"}},
-                                             "required": ["b"]}}, "required": ["a"]},
-     ['{"a": {"b": true}}', '{"a": {"b": "true"}}', '{"a": {}}']),
-    ({"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 3},
-     ['[1]', '[1, -2.5e3, 0.25]', '[]', '[1, 2, 3, 4]', '[01]']),
-    ({"type": "array"}, ['[]', '[1, "a", null, [true]]']),
-    ({"anyOf": [{"type": "string"}, {"type": "null"}]}, ['"x"', 'null', '1']),
-    ({"oneOf": [{"const": "a"}, {"enum": [1, None, True]}]}, ['"a"', '1', 'null', 'true', '"b"', '2']),
-    ({"type": ["integer", "boolean"]}, ['1', 'false', '"1"']),
+    (
+        WEATHER,
+        [
+            '{"city": "Paris"}',
+            '{"city":"Paris","days":3}',
+            '{"city": "Paris", "unit": "c"}',
+            '{"city": "P", "days": -2, "unit": "f"}',
+            '{"days": 3}',
+            '{"city": "Paris", "unit": "k"}',
+            '{"unit": "c", "city": "Paris"}',
+            '{"city": "Paris", "x": 1}',
+            '{ "city" : "a\\"b\\u00e9" }',
+            '{"city": "Paris",}',
+            '{"city": 3}',
+            '{"city": "Paris", "days": 3.5}',
+        ],
+    ),
+    ({"type": "object"}, ["{}", '{"a": [1, {"b": null}], "c": "d"}', "[]", '{"a"}']),
+    (
+        {"type": "object", "properties": {"a": {"type": "integer"}}, "additionalProperties": True},
+        ['{"a": 1, "b": "x"}', '{"a": 1}', "{}", '{"b": true}'],
+    ),
+    (
+        {
+            "type": "object",
+            "properties": {"a": {"type": "object", "properties": {"b": {"type": "boolean"}}, "required": ["b"]}},
+            "required": ["a"],
+        },
+        ['{"a": {"b": true}}', '{"a": {"b": "true"}}', '{"a": {}}'],
+    ),
+    (
+        {"type": "array", "items": {"type": "number"}, "minItems": 1, "maxItems": 3},
+        ["[1]", "[1, -2.5e3, 0.25]", "[]", "[1, 2, 3, 4]", "[01]"],
+    ),
+    ({"type": "array"}, ["[]", '[1, "a", null, [true]]']),
+    ({"anyOf": [{"type": "string"}, {"type": "null"}]}, ['"x"', "null", "1"]),
+    ({"oneOf": [{"const": "a"}, {"enum": [1, None, True]}]}, ['"a"', "1", "null", "true", '"b"', "2"]),
+    ({"type": ["integer", "boolean"]}, ["1", "false", '"1"']),
     ({"type": "string", "minLength": 2, "maxLength": 3}, ['"ab"', '"abc"', '"a"', '"abcd"']),
     ({"type": "string", "pattern": "^[a-z]+-[0-9]{2}$"}, ['"ab-12"', '"ab-1"', '"AB-12"']),
-    ({"type": "null"}, ['null', '"null"']),
-    ({"type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7}}},
-     ['{"days": 1}', '{"days": 7}', '{"days": 0}', '{"days": 8}', '{"days": -1}']),
-    ({"type": "object", "properties": {"n": {"$ref": "#/$defs/node"}},
-      "$defs": {"node": {"type": "object", "properties": {"v": {"type": "integer"}, "next": {"$ref": "#/$defs/node"}},
-                         "required": ["v"]}}},
-     ['{"n": {"v": 1, "next": {"v": 2}}}', '{"n": {"next": {"v": 2}}}', '{}']),
+    ({"type": "null"}, ["null", '"null"']),
+    (
+        {"type": "object", "properties": {"days": {"type": "integer", "minimum": 1, "maximum": 7}}},
+        ['{"days": 1}', '{"days": 7}', '{"days": 0}', '{"days": 8}', '{"days": -1}'],
+    ),
+    (
+        {
+            "type": "object",
+            "properties": {"n": {"$ref": "#/$defs/node"}},
+            "$defs": {
+                "node": {
+                    "type": "object",
+                    "properties": {"v": {"type": "integer"}, "next": {"$ref": "#/$defs/node"}},
+                    "required": ["v"],
+                }
+            },
+        },
+        ['{"n": {"v": 1, "next": {"v": 2}}}', '{"n": {"next": {"v": 2}}}', "{}"],
+    ),
 ]
 
 
@@ -171,12 +224,22 @@ class TestJsonSchema:
             assert mine(text) == ref(text), (schema, text)
 
     def test_excludes_keep_texts_out_of_free_strings_and_keys(self):
-        schema = {"type": "object", "properties": {"a": {"type": "string"}, "b": {"enum": ["x</t>", "y"]},
-                                                   "c": {"type": "object"}}}
+        schema = {
+            "type": "object",
+            "properties": {"a": {"type": "string"}, "b": {"enum": ["x</t>", "y"]}, "c": {"type": "object"}},
+        }
         fmt = f.arguments(schema, excludes=("</t>",))
         mine, ref = accepts(fmt), tag_recognizer(f.structural_tag(fmt))
-        for text in ['{"a": "q"}', '{"a": "q</t>"}', '{"a": "q</t"}', '{"b": "y"}', '{"b": "x</t>"}',
-                     '{"c": {"k</t>": 1}}', '{"c": {"k": "</t>"}}', '{"c": {"k": "<\\/t>"}}']:
+        for text in [
+            '{"a": "q"}',
+            '{"a": "q</t>"}',
+            '{"a": "q</t"}',
+            '{"b": "y"}',
+            '{"b": "x</t>"}',
+            '{"c": {"k</t>": 1}}',
+            '{"c": {"k": "</t>"}}',
+            '{"c": {"k": "<\\/t>"}}',
+        ]:
             assert mine(text) == ref(text), text
 
     def test_whitespace_runs_are_bounded(self):
@@ -187,12 +250,19 @@ class TestJsonSchema:
         ok = json_accepts({"type": "integer"})
         assert ok("9" * 16) and not ok("9" * 17) and not ok("01")
 
-    @pytest.mark.parametrize(("low", "high"), [(1, 7), (0, None), (None, None), (-15, 23), (-300, -7), (7, 7),
-                                               (95, 1234), (None, -5), (10, None)])
+    @pytest.mark.parametrize(
+        ("low", "high"),
+        [(1, 7), (0, None), (None, None), (-15, 23), (-300, -7), (7, 7), (95, 1234), (None, -5), (10, None)],
+    )
     def test_integer_ranges_are_exact(self, low, high):
-        ok = json_accepts({"type": "integer"} | ({} if low is None else {"minimum": low})
-                          | ({} if high is None else {"maximum": high}))
-        wrong = [n for n in range(-1500, 1500) if ok(str(n)) != ((low is None or n >= low) and (high is None or n <= high))]
+        ok = json_accepts(
+            {"type": "integer"}
+            | ({} if low is None else {"minimum": low})
+            | ({} if high is None else {"maximum": high})
+        )
+        wrong = [
+            n for n in range(-1500, 1500) if ok(str(n)) != ((low is None or n >= low) and (high is None or n <= high))
+        ]
         assert wrong == [] and not any(ok(s) for s in ("01", "-0", "+1", "1.0", ""))
 
     def test_exclusive_bounds_round_inward(self):
@@ -211,46 +281,61 @@ class TestJsonSchema:
         ok = json_accepts({"type": "string", "maxLength": 100000})
         assert ok('"' + "x" * 300 + '"')
 
-    @pytest.mark.parametrize(("schema", "message"), [
-        ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "'not'"),
-        ({"type": "object", "patternProperties": {"^x": {}}}, "patternProperties"),
-        ({"allOf": [{"type": "string"}, {"minLength": 1}]}, "allOf"),
-        ({"$ref": "https://example.com/s.json"}, "only references inside"),
-        ({"$ref": "#/$defs/missing"}, "points at nothing"),
-        ({"type": "date"}, "not a JSON Schema type"),
-        ({"enum": []}, "enum"),
-        ({"type": "object", "properties": {"a": False}, "required": ["a"]}, "admits no value"),
-        ({"type": "string", "pattern": '["]'}, "regex"),
-    ])
+    @pytest.mark.parametrize(
+        ("schema", "message"),
+        [
+            ({"type": "object", "properties": {"a": {"not": {"type": "string"}}}}, "'not'"),
+            ({"type": "object", "patternProperties": {"^x": {}}}, "patternProperties"),
+            ({"allOf": [{"type": "string"}, {"minLength": 1}]}, "allOf"),
+            ({"$ref": "https://example.com/s.json"}, "only references inside"),
+            ({"$ref": "#/$defs/missing"}, "points at nothing"),
+            ({"type": "date"}, "not a JSON Schema type"),
+            ({"enum": []}, "enum"),
+            ({"type": "object", "properties": {"a": False}, "required": ["a"]}, "admits no value"),
+            ({"type": "string", "pattern": '["]'}, "regex"),
+        ],
+    )
     def test_unsupported_constructs_are_value_errors_naming_them(self, schema, message):
         with pytest.raises(ValueError, match=re.escape(message) if message.startswith("'") else message):
             structural_tag_to_gbnf(f.structural_tag(f.arguments(schema)))
 
 
-XML_SCHEMA = {"type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
-                                               "tags": {"type": "array", "items": {"type": "string"}},
-                                               "x": {}, "y": {"enum": ["a", "b"]}}, "required": ["city"]}
+XML_SCHEMA = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string"},
+        "days": {"type": "integer"},
+        "tags": {"type": "array", "items": {"type": "string"}},
+        "x": {},
+        "y": {"enum": ["a", "b"]},
+    },
+    "required": ["city"],
+}
 XML_TEXTS = {
-    "glm_xml": ["<arg_key>city</arg_key><arg_value>Paris</arg_value>",
-                "<arg_key>city</arg_key>\n<arg_value>Pa ris</arg_value>\n<arg_key>days</arg_key><arg_value> 3 </arg_value>",
-                '<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>tags</arg_key><arg_value>["a"]</arg_value>',
-                "<arg_key>days</arg_key><arg_value>3</arg_value>",
-                "<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>days</arg_key><arg_value>x</arg_value>",
-                "<arg_key>city</arg_key><arg_value>a</arg_value>b</arg_value>",
-                "<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>x</arg_key><arg_value>hi</arg_value>",
-                "<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>x</arg_key><arg_value> [1] </arg_value>",
-                "<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>y</arg_key><arg_value>a</arg_value>",
-                '<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>y</arg_key><arg_value>"a"</arg_value>'],
-    "kimi_k3_xml": ['<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>',
-                    '<|open|>argument key="city" type="string"<|sep|>P<|close|>argument<|sep|>'
-                    '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>',
-                    '<|open|>argument key="city" type="string"<|sep|>P<|close|>argument<|sep|>'
-                    '<|open|>argument key="days" type="integer"<|sep|>3<|close|>argument<|sep|>',
-                    '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>',
-                    '<|open|>argument key="city" type="string"<|sep|>P<|close|>argument<|sep|>'
-                    '<|open|>argument key="x" type="number"<|sep|>hi<|close|>argument<|sep|>',
-                    '<|open|>argument key="city" type="string"<|sep|>P<|close|>argument<|sep|>'
-                    '<|open|>argument key="y" type="string"<|sep|>c<|close|>argument<|sep|>'],
+    "glm_xml": [
+        "<arg_key>city</arg_key><arg_value>Paris</arg_value>",
+        "<arg_key>city</arg_key>\n<arg_value>Pa ris</arg_value>\n<arg_key>days</arg_key><arg_value> 3 </arg_value>",
+        '<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>tags</arg_key><arg_value>["a"]</arg_value>',
+        "<arg_key>days</arg_key><arg_value>3</arg_value>",
+        "<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>days</arg_key><arg_value>x</arg_value>",
+        "<arg_key>city</arg_key><arg_value>a</arg_value>b</arg_value>",
+        "<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>x</arg_key><arg_value>hi</arg_value>",
+        "<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>x</arg_key><arg_value> [1] </arg_value>",
+        "<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>y</arg_key><arg_value>a</arg_value>",
+        '<arg_key>city</arg_key><arg_value>P</arg_value><arg_key>y</arg_key><arg_value>"a"</arg_value>',
+    ],
+    "kimi_k3_xml": [
+        '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>',
+        '<|open|>argument key="city" type="string"<|sep|>P<|close|>argument<|sep|>'
+        '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>',
+        '<|open|>argument key="city" type="string"<|sep|>P<|close|>argument<|sep|>'
+        '<|open|>argument key="days" type="integer"<|sep|>3<|close|>argument<|sep|>',
+        '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>',
+        '<|open|>argument key="city" type="string"<|sep|>P<|close|>argument<|sep|>'
+        '<|open|>argument key="x" type="number"<|sep|>hi<|close|>argument<|sep|>',
+        '<|open|>argument key="city" type="string"<|sep|>P<|close|>argument<|sep|>'
+        '<|open|>argument key="y" type="string"<|sep|>c<|close|>argument<|sep|>',
+    ],
 }
 
 
@@ -272,8 +357,10 @@ class TestXmlStyles:
 TAG_A, TAG_B = f.tag("<a>", f.const("1"), "</a>"), f.tag("<b>", f.regex("[0-9]"), "</b>")
 COMBINATORS = [
     (f.one_of(f.const("x"), f.const("yz")), ["x", "yz", "xyz", ""]),
-    (f.sequence(f.optional(f.const("x")), f.star(f.const("ab")), {"type": "plus", "content": f.const("!")}),
-     ["!", "xabab!!", "x", "ab"]),
+    (
+        f.sequence(f.optional(f.const("x")), f.star(f.const("ab")), {"type": "plus", "content": f.const("!")}),
+        ["!", "xabab!!", "x", "ab"],
+    ),
     ({"type": "repeat", "min": 1, "max": 2, "content": f.const("q")}, ["q", "qq", "", "qqq"]),
     (f.calls([TAG_A, TAG_B], ",", single=False), ["<a>1</a>", "<a>1</a>,<b>7</b>,<a>1</a>", "", "<a>1</a><b>7</b>"]),
     (f.calls([TAG_A, TAG_B], "", single=True), ["<b>7</b>", "<a>1</a><b>7</b>", ""]),
@@ -288,15 +375,23 @@ class TestFormats:
         for text in texts:
             assert mine(text) == ref(text), text
 
-    @pytest.mark.parametrize("tag", [
-        {"type": "structural_tag"}, {"format": f.const("x")}, '{"type": "structural_tag", "format": ',
-        f.structural_tag({"type": "dispatch", "rules": []}), f.structural_tag({"type": "sequence"}),
-        f.structural_tag({"type": "tags_with_separator", "tags": [], "separator": ""}),
-        f.structural_tag({"type": "tags_with_separator", "tags": ["x"], "separator": ""}),
-        f.structural_tag({"type": "or", "elements": []}),
-        f.structural_tag(f.arguments({"type": "object", "properties": {"a": {}}, "required": 5})),
-        f.structural_tag(f.arguments(functools.reduce(lambda inner, _: {"type": "array", "items": inner}, range(5000), {}))),
-    ])
+    @pytest.mark.parametrize(
+        "tag",
+        [
+            {"type": "structural_tag"},
+            {"format": f.const("x")},
+            '{"type": "structural_tag", "format": ',
+            f.structural_tag({"type": "dispatch", "rules": []}),
+            f.structural_tag({"type": "sequence"}),
+            f.structural_tag({"type": "tags_with_separator", "tags": [], "separator": ""}),
+            f.structural_tag({"type": "tags_with_separator", "tags": ["x"], "separator": ""}),
+            f.structural_tag({"type": "or", "elements": []}),
+            f.structural_tag(f.arguments({"type": "object", "properties": {"a": {}}, "required": 5})),
+            f.structural_tag(
+                f.arguments(functools.reduce(lambda inner, _: {"type": "array", "items": inner}, range(5000), {}))
+            ),
+        ],
+    )
     def test_malformed_or_unknown_formats_are_value_errors(self, tag):
         with pytest.raises(ValueError):
             structural_tag_to_gbnf(tag)

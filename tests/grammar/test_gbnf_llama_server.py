@@ -15,17 +15,17 @@ import time
 import httpx
 import pytest
 
-from deltafin.engine.weights.tokenizer_only import load_tokenizer_only
 from deltafin.engine.upstream.llama_server import added_tokens
+from deltafin.engine.weights.tokenizer_only import load_tokenizer_only
 from deltafin.grammar.gbnf import structural_tag_to_gbnf
 from deltafin.markup import formats as f
 from deltafin.markup.selection import forced_calls
+from deltafin.testing.llama_server import llama_server_binary
 from tests.conftest import compose_config
+from tests.gateway.llama_tier import SMOLLM2, gateway_model
 from tests.grammar.tools import NAMED, TIME, WEATHER
 from tests.markup.test_gbnf_families import SYNTAXES, special_tokens
 from tests.markup.test_tool_calls import parse, tools_for_parser
-from deltafin.testing.llama_server import llama_server_binary
-from tests.gateway.llama_tier import SMOLLM2, gateway_model
 from tests.tiers import unavailable
 
 pytestmark = [pytest.mark.e2e, pytest.mark.llama_server]
@@ -33,13 +33,17 @@ pytestmark = [pytest.mark.e2e, pytest.mark.llama_server]
 if not llama_server_binary().exists():
     unavailable("llama_server", f"llama-server not built ({llama_server_binary()}); run scripts/build-llama-server")
 
-MODES = {"named": ([WEATHER, TIME], NAMED, None), "required": ([WEATHER, TIME], "required", None),
-         "one-call": ([WEATHER, TIME], "required", False)}
+MODES = {
+    "named": ([WEATHER, TIME], NAMED, None),
+    "required": ([WEATHER, TIME], "required", None),
+    "one-call": ([WEATHER, TIME], "required", False),
+}
 #: where the family's output starts when the prompt closed reasoning (K3: inside the response channel it opened)
 PROMPT_END = {"kimi_k3": "<|open|>response<|sep|>"}
 #: SmolLM2's GGUF served under the qwen3 family (test_a_forced_call_through_the_gateway)
-QWEN3 = gateway_model("llama-smollm2-qwen3", SMOLLM2, ["engine.max_inflight=1", "model.family=qwen3",
-                                                       "model.context_length=2048"]).name
+QWEN3 = gateway_model(
+    "llama-smollm2-qwen3", SMOLLM2, ["engine.max_inflight=1", "model.family=qwen3", "model.context_length=2048"]
+).name
 
 
 @pytest.fixture(scope="module")
@@ -49,9 +53,19 @@ def llama(llama_tier):
 
 
 def complete(url: str, grammar: str, prompt: str | list[int], n_predict: int) -> httpx.Response:
-    return httpx.post(f"{url}/completion", timeout=600, json={
-        "prompt": prompt, "grammar": grammar, "n_predict": n_predict, "temperature": 0, "return_tokens": True,
-        "samplers": ["temperature"], "cache_prompt": False})
+    return httpx.post(
+        f"{url}/completion",
+        timeout=600,
+        json={
+            "prompt": prompt,
+            "grammar": grammar,
+            "n_predict": n_predict,
+            "temperature": 0,
+            "return_tokens": True,
+            "samplers": ["temperature"],
+            "cache_prompt": False,
+        },
+    )
 
 
 def test_a_malformed_grammar_is_refused_so_acceptance_means_something(llama):
@@ -76,14 +90,26 @@ def test_every_family_grammar_is_accepted(llama, family, mode, reasoning, with_t
 def test_a_large_toolset_is_accepted_and_answers_quickly(llama, family):
     """Thirty tools of nested arguments with markers as token ids: the grammar parses, and one constrained
     token comes back within seconds (the markers' text automata are shared, not one per string argument)."""
-    schema = {"type": "object", "properties": {
-        "q": {"type": "string"}, "n": {"type": "integer", "minimum": 1, "maximum": 500},
-        "opts": {"type": "array", "items": {"type": "object", "properties": {"k": {"type": "string"},
-                                                                             "v": {"anyOf": [{"type": "number"}, {"type": "null"}]}}}},
-        "mode": {"enum": ["fast", "slow"]}}, "required": ["q"]}
+    schema = {
+        "type": "object",
+        "properties": {
+            "q": {"type": "string"},
+            "n": {"type": "integer", "minimum": 1, "maximum": 500},
+            "opts": {
+                "type": "array",
+                "items": {
+                    "type": "object",
+                    "properties": {"k": {"type": "string"}, "v": {"anyOf": [{"type": "number"}, {"type": "null"}]}},
+                },
+            },
+            "mode": {"enum": ["fast", "slow"]},
+        },
+        "required": ["q"],
+    }
     tools = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": schema}} for i in range(30)]
-    grammar = structural_tag_to_gbnf(SYNTAXES[family].calls(forced_calls(tools, "required"), "enabled"),
-                                     special_tokens(family))
+    grammar = structural_tag_to_gbnf(
+        SYNTAXES[family].calls(forced_calls(tools, "required"), "enabled"), special_tokens(family)
+    )
     started = time.monotonic()
     response = complete(llama, grammar, "Hi", 1)
     assert response.status_code == 200, response.text
@@ -100,7 +126,7 @@ def test_added_tokens_are_matched_by_id(llama):
     response = complete(llama, grammar, "Hi", 8)
     assert response.status_code == 200, response.text
     tokens = response.json()["tokens"]
-    assert tokens[0] == start and sep in tokens and bundle.tokenizer.decode(tokens[1:tokens.index(sep)]) == "ok"
+    assert tokens[0] == start and sep in tokens and bundle.tokenizer.decode(tokens[1 : tokens.index(sep)]) == "ok"
 
 
 @pytest.mark.parametrize("family", list(SYNTAXES))
@@ -125,14 +151,21 @@ def test_a_forced_call_through_the_gateway(llama_tier):
 
     client = openai.OpenAI(base_url=f"{llama_tier.gateway.base_url}/v1", api_key="x", max_retries=0, timeout=600)
     messages = [{"role": "user", "content": "Weather in Rome for 3 days?"}]
-    reply = client.chat.completions.create(model=QWEN3, messages=messages, max_tokens=200, temperature=0,
-                                           tools=[WEATHER, TIME], tool_choice=NAMED)
+    reply = client.chat.completions.create(
+        model=QWEN3, messages=messages, max_tokens=200, temperature=0, tools=[WEATHER, TIME], tool_choice=NAMED
+    )
     # xgrammar takes (and ignores) `not`; the GBNF translation refuses it: a 400 naming tools, not a 500
-    odd = {"type": "function", "function": {"name": "get_weather", "parameters": {
-        "type": "object", "properties": {"city": {"not": {"type": "integer"}}}}}}
+    odd = {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {"type": "object", "properties": {"city": {"not": {"type": "integer"}}}},
+        },
+    }
     with pytest.raises(openai.BadRequestError) as refused:
-        client.chat.completions.create(model=QWEN3, messages=messages, max_tokens=20, tools=[odd],
-                                       tool_choice="required")
+        client.chat.completions.create(
+            model=QWEN3, messages=messages, max_tokens=20, tools=[odd], tool_choice="required"
+        )
     assert refused.value.body["param"] == "tools" and "'not'" in refused.value.body["message"]
     choice = reply.choices[0]
     assert choice.finish_reason == "tool_calls", choice.message

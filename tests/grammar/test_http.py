@@ -32,13 +32,18 @@ def client(config, services):
 
 
 class TestResponseFormatValidation:
-    @pytest.mark.parametrize("response_format,param", [
-        ({"type": "bogus"}, "response_format.type"),
-        ({"type": "json_schema"}, "response_format.json_schema"),
-        ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema"),
-        ({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}},
-         "response_format.json_schema.schema"),
-    ])
+    @pytest.mark.parametrize(
+        "response_format,param",
+        [
+            ({"type": "bogus"}, "response_format.type"),
+            ({"type": "json_schema"}, "response_format.json_schema"),
+            ({"type": "json_schema", "json_schema": {"name": "x"}}, "response_format.json_schema"),
+            (
+                {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "no-such-type"}}},
+                "response_format.json_schema.schema",
+            ),
+        ],
+    )
     def test_400_naming_the_field(self, client, response_format, param):
         response = client.post(CHAT, json={"messages": user(), "response_format": response_format, "max_tokens": 1})
         assert_openai_error(response, 400, param)
@@ -49,7 +54,9 @@ class TestResponseFormatValidation:
 
     def test_an_engine_without_constrained_decoding_refuses_instead_of_ignoring(self, client, services, monkeypatch):
         monkeypatch.setattr(services.ctx.engine, "engine", _NoGrammar(services.ctx.engine.engine))
-        response = client.post(CHAT, json={"messages": user(), "response_format": {"type": "json_object"}, "max_tokens": 1})
+        response = client.post(
+            CHAT, json={"messages": user(), "response_format": {"type": "json_object"}, "max_tokens": 1}
+        )
         assert_openai_error(response, 400, "response_format")
 
 
@@ -64,14 +71,19 @@ class TestTools:
         assert_openai_error(response, 400, "tool_choice")
 
     def test_tool_choice_none_keeps_tools_harmless(self, client):
-        response = client.post(CHAT, json={"messages": user(), "tools": [WEATHER], "tool_choice": "none", "max_tokens": 1})
+        response = client.post(
+            CHAT, json={"messages": user(), "tools": [WEATHER], "tool_choice": "none", "max_tokens": 1}
+        )
         assert response.status_code == 200, response.text
 
 
 class TestUnservedRoutes:
-    @pytest.mark.parametrize("method,path", [("post", "/v1/embeddings"), ("post", "/v1/audio/transcriptions"),
-                                             ("get", "/v1/nothing")])
+    @pytest.mark.parametrize(
+        "method,path", [("post", "/v1/embeddings"), ("post", "/v1/audio/transcriptions"), ("get", "/v1/nothing")]
+    )
     def test_404_says_what_is_served(self, client, method, path):
-        error = assert_openai_error(getattr(client, method)(path, json={}) if method == "post" else client.get(path), 404)
+        error = assert_openai_error(
+            getattr(client, method)(path, json={}) if method == "post" else client.get(path), 404
+        )
         assert path in error["message"] and "/v1/chat/completions" in error["message"]
         assert "/v1/responses" in error["message"] and error["code"] == "route_not_found"

@@ -26,8 +26,9 @@ def factory(loaded_model):
 
 
 def render(config, loaded_model, question: str) -> list[int]:
-    fmt = build_chat_format(config.model.chat_format, loaded_model.tokenizer, content_format=config.model.content_format,
-                            default_kwargs={})
+    fmt = build_chat_format(
+        config.model.chat_format, loaded_model.tokenizer, content_format=config.model.content_format, default_kwargs={}
+    )
     return fmt.render([ChatMessage(role="user", content=question)], None, {}).token_ids
 
 

@@ -59,18 +59,28 @@ def timed(coro) -> tuple[object, float]:
         except Exception as exc:  # the caller looks at it
             value = exc
         return value, time.perf_counter() - started
+
     return run(go())
 
 
 class TestLimits:
-    @pytest.mark.parametrize("schema, says", [
-        (prop({"type": "string", "pattern": "^[a-z]{12000}$"}), "repeats 12000 times"),
-        (prop({"type": "string", "pattern": "^(ab){5,1001}$"}), "repeats 1001 times"),
-        ({"type": "object", "patternProperties": {"^x{2000}$": {}}}, "repeats 2000 times"),
-        ({"type": "object", "properties": {f"p{i}": {"type": "string", "pattern": "^a{900}$"} for i in range(12)}}, "in all"),
-        (nested(400), "nested more than"),
-        (nested(300, {"$ref": "#/$defs/missing"}), "nested more than"),
-    ])
+    @pytest.mark.parametrize(
+        "schema, says",
+        [
+            (prop({"type": "string", "pattern": "^[a-z]{12000}$"}), "repeats 12000 times"),
+            (prop({"type": "string", "pattern": "^(ab){5,1001}$"}), "repeats 1001 times"),
+            ({"type": "object", "patternProperties": {"^x{2000}$": {}}}, "repeats 2000 times"),
+            (
+                {
+                    "type": "object",
+                    "properties": {f"p{i}": {"type": "string", "pattern": "^a{900}$"} for i in range(12)},
+                },
+                "in all",
+            ),
+            (nested(400), "nested more than"),
+            (nested(300, {"$ref": "#/$defs/missing"}), "nested more than"),
+        ],
+    )
     def test_hostile_shapes_are_refused_before_any_compile(self, schema, says):
         started = time.perf_counter()
         with pytest.raises(TooComplex, match=says):
@@ -84,7 +94,10 @@ class TestLimits:
         check_limits(structural_tag({"type": "structural_tag", "format": {"type": "regex", "pattern": "[0-9]{1,4}"}}))
 
     def test_a_huge_constraint_is_refused_by_size(self):
-        big = {"type": "object", "properties": {f"p{i}": {"type": "string", "description": "x" * 100} for i in range(6000)}}
+        big = {
+            "type": "object",
+            "properties": {f"p{i}": {"type": "string", "description": "x" * 100} for i in range(6000)},
+        }
         with pytest.raises(TooComplex, match="larger than"):
             check_limits(json_schema(big))
         assert len(json.dumps(big)) > limits.MAX_CONSTRAINT_BYTES
@@ -154,6 +167,7 @@ class TestPrepare:
     def test_a_request_that_gets_no_worker_by_its_deadline_is_429_and_its_compile_dropped(self, info):
         service = Grammars(*info, workers=1, timeout_s=2.0)
         try:
+
             async def scenario():
                 hostile = asyncio.ensure_future(service.prepare(SLOW))
                 await asyncio.sleep(0.3)  # the one worker is busy with it
@@ -183,10 +197,14 @@ class TestPrepare:
     def test_the_event_loop_keeps_ticking_while_a_worker_compiles(self, grammars):
         """Counted, not timed: a loop that sleeps 5 ms per tick ticks many times during a compile in a worker
         process, and not at all if the compile blocked it."""
+
         async def scenario():
             ticks = 0
-            task = asyncio.ensure_future(grammars.prepare(json_schema({"type": "object", "properties": {
-                f"q{i}": {"type": "string"} for i in range(1100)}})))  # about a second of compile
+            task = asyncio.ensure_future(
+                grammars.prepare(
+                    json_schema({"type": "object", "properties": {f"q{i}": {"type": "string"} for i in range(1100)}})
+                )
+            )  # about a second of compile
             while not task.done():
                 await asyncio.sleep(0.005)
                 ticks += 1

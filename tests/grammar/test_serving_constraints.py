@@ -17,8 +17,13 @@ from deltafin.rules.tool_choice_required_to_auto import ToolChoiceRequiredToAuto
 from deltafin.serving.constraints import request_constraint
 from tests.conftest import tiny_config
 
-WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
+WEATHER = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+    },
+}
 SCHEMA = {"type": "object", "properties": {"b": {"type": "integer"}, "a": {"type": "string"}}, "required": ["b", "a"]}
 K3_THINKING = '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
 K3_NO_THINKING = '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
@@ -29,18 +34,26 @@ def chat(**fields) -> ChatCompletionRequest:
 
 
 def accepts(constraint, text: str) -> bool:
-    matcher = xgr.GrammarMatcher(xgr.GrammarCompiler(xgr.TokenizerInfo([chr(c) for c in range(32, 127)])).compile_grammar(grammar_of(constraint)))
+    matcher = xgr.GrammarMatcher(
+        xgr.GrammarCompiler(xgr.TokenizerInfo([chr(c) for c in range(32, 127)])).compile_grammar(grammar_of(constraint))
+    )
     return matcher.accept_string(text) and matcher.is_completed()
 
 
 class TestResponseFormat:
     def test_json_schema_keeps_the_schema_property_order(self, config):
-        constraint, field = request_constraint(chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}), config.model, "")
+        constraint, field = request_constraint(
+            chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}),
+            config.model,
+            "",
+        )
         assert (constraint.kind, field) == ("json_schema", "response_format")
         assert list(json.loads(constraint.value)["properties"]) == ["b", "a"]
 
     def test_json_object_and_text(self, config):
-        assert request_constraint(chat(response_format={"type": "json_object"}), config.model, "")[0].kind == "json_object"
+        assert (
+            request_constraint(chat(response_format={"type": "json_object"}), config.model, "")[0].kind == "json_object"
+        )
         assert request_constraint(chat(response_format={"type": "text"}), config.model, "") is None
         assert request_constraint(chat(), config.model, "") is None
 
@@ -48,7 +61,10 @@ class TestResponseFormat:
         model = tiny_config("kimi_k3", "unused").model
         constraint, _ = request_constraint(chat(response_format={"type": "json_object"}), model, K3_THINKING)
         assert constraint.kind == "structural_tag"
-        assert accepts(constraint, 'Hmm.<|close|>think<|sep|><|open|>response<|sep|>{"a": 1}<|close|>response<|sep|><|close|>message<|sep|>')
+        assert accepts(
+            constraint,
+            'Hmm.<|close|>think<|sep|><|open|>response<|sep|>{"a": 1}<|close|>response<|sep|><|close|>message<|sep|>',
+        )
         assert not accepts(constraint, '{"a": 1}')
 
     def test_with_reasoning_off_the_answer_is_json_from_the_first_token(self):
@@ -63,10 +79,15 @@ class TestToolChoice:
         return tiny_config("glm47", "unused").model
 
     def test_named_function_is_forced_and_wins_over_response_format(self, glm):
-        request = chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "get_weather"}},
-                       response_format={"type": "json_object"})
+        request = chat(
+            tools=[WEATHER],
+            tool_choice={"type": "function", "function": {"name": "get_weather"}},
+            response_format={"type": "json_object"},
+        )
         constraint, field = request_constraint(request, glm, "<think></think>")
-        assert field == "tool_choice" and accepts(constraint, "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>")
+        assert field == "tool_choice" and accepts(
+            constraint, "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value></tool_call>"
+        )
 
     def test_auto_and_none_force_nothing(self, glm):
         assert request_constraint(chat(tools=[WEATHER], tool_choice="auto"), glm, "") is None
@@ -74,7 +95,9 @@ class TestToolChoice:
 
     def test_a_named_function_not_in_tools_is_400(self, glm):
         with pytest.raises(InvalidRequestError) as caught:
-            request_constraint(chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), glm, "")
+            request_constraint(
+                chat(tools=[WEATHER], tool_choice={"type": "function", "function": {"name": "nope"}}), glm, ""
+            )
         assert caught.value.param == "tool_choice"
 
     @pytest.mark.parametrize("rule", [ForceToolChoiceAuto(), ToolChoiceRequiredToAuto()])
@@ -97,5 +120,9 @@ def test_the_constraint_is_part_of_the_memo_key():
     for constraint in (json_object(), json_schema(SCHEMA)):
         constrained = GenerationJob((1, 2, 3), SamplingParams(max_tokens=4, temperature=0.0, constraint=constraint))
         assert memo.get(constrained) is None
-    memo.put(GenerationJob((1, 2, 3), SamplingParams(max_tokens=4, temperature=0.0, constraint=json_object())), ["json"])
-    assert memo.get(GenerationJob((1, 2, 3), SamplingParams(max_tokens=4, temperature=0.0, constraint=json_object()))) == ("json",)
+    memo.put(
+        GenerationJob((1, 2, 3), SamplingParams(max_tokens=4, temperature=0.0, constraint=json_object())), ["json"]
+    )
+    assert memo.get(
+        GenerationJob((1, 2, 3), SamplingParams(max_tokens=4, temperature=0.0, constraint=json_object()))
+    ) == ("json",)

@@ -8,10 +8,24 @@ from tests.conftest import TINY_SPECS
 #: the parser dialects under test (the tiny models' names) -> (model.family, model.variant)
 DIALECTS = TINY_SPECS
 
-WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
-    "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
-                                     "units": {"type": ["string", "null"]}, "opts": {"type": "object"}}}}},
-           {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}}]
+WEATHER = [
+    {
+        "type": "function",
+        "function": {
+            "name": "get_weather",
+            "parameters": {
+                "type": "object",
+                "properties": {
+                    "city": {"type": "string"},
+                    "days": {"type": "integer"},
+                    "units": {"type": ["string", "null"]},
+                    "opts": {"type": "object"},
+                },
+            },
+        },
+    },
+    {"type": "function", "function": {"name": "now", "parameters": {"type": "object", "properties": {}}}},
+]
 
 K3_THINK = '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
 K3_RESPONSE = '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
@@ -28,8 +42,9 @@ def ids(index, name):
 
 def make(fmt, prompt_text, tools=WEATHER, calls_allowed=None):
     family, variant = DIALECTS[fmt]
-    return build_output_parser(family, variant, prompt_text=prompt_text, tool_schemas=tools,
-                               calls_allowed=calls_allowed, new_id=ids)
+    return build_output_parser(
+        family, variant, prompt_text=prompt_text, tool_schemas=tools, calls_allowed=calls_allowed, new_id=ids
+    )
 
 
 def collect(parser, pieces, finish="stop"):

@@ -24,8 +24,14 @@ _THINK = ["<think>", "</think>"]
 #: each family's markers that are single tokens of its real vocabulary (ids made up: only the text matters here)
 MARKERS = {
     "kimi_k3": ["<|open|>", "<|close|>", "<|sep|>"],
-    "kimi_k2": [*_THINK, "<|tool_calls_section_begin|>", "<|tool_calls_section_end|>", "<|tool_call_begin|>",
-                "<|tool_call_argument_begin|>", "<|tool_call_end|>"],
+    "kimi_k2": [
+        *_THINK,
+        "<|tool_calls_section_begin|>",
+        "<|tool_calls_section_end|>",
+        "<|tool_call_begin|>",
+        "<|tool_call_argument_begin|>",
+        "<|tool_call_end|>",
+    ],
     "glm45": [*_THINK, "<tool_call>", "</tool_call>", "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"],
     "qwen3": [*_THINK, "<tool_call>", "</tool_call>"],
 }
@@ -34,6 +40,8 @@ MARKERS["glm47"] = MARKERS["glm45"]
 
 def special_tokens(family: str) -> dict[str, int]:
     return {text: 1000 + i for i, text in enumerate(MARKERS[family])}
+
+
 #: argument sets: in the schema (city enum, days 1..7), and out of it
 ARGUMENTS = [
     ("get_weather", {"city": "Paris", "days": 3}),
@@ -54,8 +62,10 @@ def _k3_value(value) -> tuple[str, str]:
 
 def call(family: str, name: str, args: dict, index: int) -> str:
     if family == "kimi_k3":
-        body = "".join(f'<|open|>argument key="{k}" type="{_k3_value(v)[0]}"<|sep|>{_k3_value(v)[1]}<|close|>argument<|sep|>'
-                       for k, v in args.items())
+        body = "".join(
+            f'<|open|>argument key="{k}" type="{_k3_value(v)[0]}"<|sep|>{_k3_value(v)[1]}<|close|>argument<|sep|>'
+            for k, v in args.items()
+        )
         return f'<|open|>call tool="{name}" index="{index}"<|sep|>{body}<|close|>call<|sep|>'
     if family == "kimi_k2":
         return f"<|tool_call_begin|>functions.{name}:{index}<|tool_call_argument_begin|>{json.dumps(args)}<|tool_call_end|>"
@@ -75,19 +85,37 @@ def wire(family: str, calls: list[str]) -> str:
 
 
 PREFIXES = {
-    "kimi_k3": ["", "<|close|>response<|sep|>", "hm<|close|>think<|sep|>", "<|close|>think<|sep|>",
-                "hm<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>",
-                "<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>",
-                "a<|open|>b<|close|>think<|sep|>", "Sure! <|close|>response<|sep|>"],
-    "think": ["", "Sure! ", "hm</think>", "hm</think>\n\n", "hm</think>\n\n\n", "<think>hm</think>\n", "<think></think>",
-              "a<think>b</think>", "<think>hm</think>\n</think>"],
+    "kimi_k3": [
+        "",
+        "<|close|>response<|sep|>",
+        "hm<|close|>think<|sep|>",
+        "<|close|>think<|sep|>",
+        "hm<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>",
+        "<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>",
+        "a<|open|>b<|close|>think<|sep|>",
+        "Sure! <|close|>response<|sep|>",
+    ],
+    "think": [
+        "",
+        "Sure! ",
+        "hm</think>",
+        "hm</think>\n\n",
+        "hm</think>\n\n\n",
+        "<think>hm</think>\n",
+        "<think></think>",
+        "a<think>b</think>",
+        "<think>hm</think>\n</think>",
+    ],
 }
 
 
 def outputs(family: str) -> list[str]:
     bodies = [wire(family, [call(family, n, a, 0)]) for n, a in ARGUMENTS]
-    bodies += [wire(family, [call(family, "get_weather", ARGUMENTS[0][1], 0), call(family, "get_time", {"zone": "CET"}, 1)]),
-               wire(family, []), wire(family, [call(family, "get_weather", ARGUMENTS[0][1], 0)]) + " thanks"]
+    bodies += [
+        wire(family, [call(family, "get_weather", ARGUMENTS[0][1], 0), call(family, "get_time", {"zone": "CET"}, 1)]),
+        wire(family, []),
+        wire(family, [call(family, "get_weather", ARGUMENTS[0][1], 0)]) + " thanks",
+    ]
     prefixes = PREFIXES.get(family, PREFIXES["think"])
     return [p + b for p, b in itertools.product(prefixes, bodies)]
 
@@ -96,8 +124,12 @@ CASES = [
     (family, reasoning, tools, choice, parallel)
     for family in SYNTAXES
     for reasoning in ("enabled", "disabled", "auto")
-    for tools, choice, parallel in [([WEATHER], NAMED, None), ([WEATHER, TIME], NAMED, None),
-                                    ([WEATHER, TIME], "required", None), ([WEATHER, TIME], "required", False)]
+    for tools, choice, parallel in [
+        ([WEATHER], NAMED, None),
+        ([WEATHER, TIME], NAMED, None),
+        ([WEATHER, TIME], "required", None),
+        ([WEATHER, TIME], "required", False),
+    ]
 ]
 
 
@@ -114,16 +146,23 @@ def test_gbnf_accepts_what_xgrammar_accepts(family, reasoning, tools, choice, pa
     assert [(text, mine(text)) for text, _ in verdicts] == verdicts
 
 
-@pytest.mark.parametrize(("family", "value"), [("kimi_k2", "a<|tool_call_end|>b"), ("qwen3", "a</tool_call>b"),
-                                             ("kimi_k3", "a<|close|>b")])
+@pytest.mark.parametrize(
+    ("family", "value"), [("kimi_k2", "a<|tool_call_end|>b"), ("qwen3", "a</tool_call>b"), ("kimi_k3", "a<|close|>b")]
+)
 def test_control_token_markers_stay_out_of_json_strings(family, value):
     """A control token matches its text in llama.cpp's character rules; xgrammar never lets one into text.
     With the markers known as tokens the grammar keeps them out of strings (keys and values), as xgrammar would."""
     any_args = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
     tag = SYNTAXES[family].calls(forced_calls([any_args], "required"), "disabled")
     if family == "kimi_k3":  # strings inside a JSON-typed argument
-        text = "<|close|>response<|sep|>" + wire(family, [
-            call(family, "get_time", {"zone": 1}, 0).replace(">1<", f">[{json.dumps(value)}]<").replace('"integer"', '"array"')])
+        text = "<|close|>response<|sep|>" + wire(
+            family,
+            [
+                call(family, "get_time", {"zone": 1}, 0)
+                .replace(">1<", f">[{json.dumps(value)}]<")
+                .replace('"integer"', '"array"')
+            ],
+        )
     else:
         text = wire(family, [call(family, "get_time", {"zone": value}, 0)])
     specials = special_tokens(family)

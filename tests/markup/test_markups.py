@@ -31,14 +31,22 @@ NOW = {"type": "function", "function": {"name": "now"}}  # no parameters: any ar
 FORCES = {
     "named": ([WEATHER, TIME], NAMED, None, [("get_weather", {"city": "Paris", "days": 3})]),
     "named-only-tool": ([WEATHER], NAMED, None, [("get_weather", {"city": "Rome", "days": 7})]),
-    "required-two": ([WEATHER, TIME], "required", None,
-                     [("get_weather", {"city": "Rome", "days": 1}), ("get_time", {"zone": "CET"})]),
+    "required-two": (
+        [WEATHER, TIME],
+        "required",
+        None,
+        [("get_weather", {"city": "Rome", "days": 1}), ("get_time", {"zone": "CET"})],
+    ),
     "required-one": ([WEATHER, TIME], "required", False, [("get_time", {"zone": "UTC"})]),
     "no-arguments": ([NOW], "required", None, [("now", {})]),
 }
 THOUGHT = "plan: call it"
-CASES = [(name, mode, force) for name, markup in sorted(MARKUPS.items()) for mode in markup.prompt_endings
-         for force in FORCES]
+CASES = [
+    (name, mode, force)
+    for name, markup in sorted(MARKUPS.items())
+    for mode in markup.prompt_endings
+    for force in FORCES
+]
 
 
 def forced_of(force: str):
@@ -48,8 +56,12 @@ def forced_of(force: str):
 
 def written(name: str, mode: str, force: str, calls=None) -> str:
     markup = MARKUPS[name]
-    return markup.write(FORCES[force][3] if calls is None else calls, reasoning=mode,
-                        thought=THOUGHT if mode != "disabled" else "", forced=forced_of(force))
+    return markup.write(
+        FORCES[force][3] if calls is None else calls,
+        reasoning=mode,
+        thought=THOUGHT if mode != "disabled" else "",
+        forced=forced_of(force),
+    )
 
 
 def refused_variants(name: str, mode: str, force: str) -> list[str]:
@@ -101,8 +113,13 @@ def test_the_parser_reads_back_what_the_markup_writes(name, mode, force):
     tools = FORCES[force][0]
 
     def parser():
-        return markup.output_parser(prompt_text="<|rendered prompt|>" + markup.prompt_endings[mode], tools=tools,
-                                    calls_allowed=True, new_id=lambda i, n: f"id{i}", forced=forced_of(force))
+        return markup.output_parser(
+            prompt_text="<|rendered prompt|>" + markup.prompt_endings[mode],
+            tools=tools,
+            calls_allowed=True,
+            new_id=lambda i, n: f"id{i}",
+            forced=forced_of(force),
+        )
 
     whole = collect(parser(), [text])
     assert [(c["name"], json.loads(c["arguments"])) for c in whole["calls"]] == FORCES[force][3]
@@ -118,7 +135,10 @@ def test_the_parser_reads_back_what_the_markup_writes(name, mode, force):
 def test_forced_json_calls_are_the_schema_serving_sends(force):
     """Serving sends forced_call_schema as a JSON-schema constraint; the markup's structural tag is that language."""
     forced = forced_of(force)
-    as_tag, as_schema = tag_recognizer(FORCED_JSON.calls(forced, "disabled")), schema_recognizer(forced_call_schema(forced))
+    as_tag, as_schema = (
+        tag_recognizer(FORCED_JSON.calls(forced, "disabled")),
+        schema_recognizer(forced_call_schema(forced)),
+    )
     for text in [written("forced_json", "disabled", force), *refused_variants("forced_json", "disabled", force)]:
         assert as_tag(text) == as_schema(text), text
 
@@ -128,8 +148,9 @@ MARKUP_MODULES = {type(markup).__module__ for markup in MARKUPS.values()}
 
 
 def test_every_module_that_defines_a_markup_is_found():
-    assert MARKUP_MODULES == {f"deltafin.markup.{p.stem}" for p in MARKUP_DIR.glob("*.py")
-                              if "= register(" in p.read_text()}
+    assert {
+        f"deltafin.markup.{p.stem}" for p in MARKUP_DIR.glob("*.py") if "= register(" in p.read_text()
+    } == MARKUP_MODULES
 
 
 @pytest.mark.parametrize("module", sorted(p.stem for p in MARKUP_DIR.glob("*.py")))
@@ -143,8 +164,9 @@ def test_a_markup_module_imports_no_other_markup(module):
     assert {m for m in ours if not m.startswith("deltafin.markup")} <= {"deltafin.protocol.sampling"}
 
 
-@pytest.mark.parametrize("markup", [m for m in MARKUPS.values() if hasattr(m, "reasoning_excludes")],
-                         ids=lambda m: m.name)
+@pytest.mark.parametrize(
+    "markup", [m for m in MARKUPS.values() if hasattr(m, "reasoning_excludes")], ids=lambda m: m.name
+)
 def test_a_forced_outputs_reasoning_holds_nothing_its_parser_reads_as_a_call(markup):
     """The reasoning parser ends reasoning at any call opener; a forced output's grammar must keep them all out
     of the reasoning block, or the parser reads a call the grammar never enforced."""

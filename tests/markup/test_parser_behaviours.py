@@ -3,7 +3,12 @@
 import pytest
 
 from tests.markup.parsing import (
-    K3_RESPONSE, K3_THINK, WEATHER, assert_every_split_matches, calls_of, tool,
+    K3_RESPONSE,
+    K3_THINK,
+    WEATHER,
+    assert_every_split_matches,
+    calls_of,
+    tool,
 )
 
 K2_THINK = "<|im_assistant|>assistant<|im_middle|><think>"
@@ -21,7 +26,9 @@ def k2_call(call_id, arguments):
 class TestRepeatedOpenerIsDropped:
     """1. The prompt already opened reasoning and the model writes the opener again."""
 
-    @pytest.mark.parametrize("fmt,prompt", [("glm47", GLM47_THINK), ("kimi_k2", K2_THINK), ("qwen3", QWEN3 + "<think>")])
+    @pytest.mark.parametrize(
+        "fmt,prompt", [("glm47", GLM47_THINK), ("kimi_k2", K2_THINK), ("qwen3", QWEN3 + "<think>")]
+    )
     def test_think(self, fmt, prompt):
         result = assert_every_split_matches(fmt, prompt, "<think>plan</think>answer")
         assert (result["reasoning"], result["content"]) == ("plan", "answer")
@@ -44,8 +51,10 @@ class TestReasoningOpenAtTheEndStaysReasoning:
     """2. Reasoning not closed when generation ends is reasoning_content, never repeated as content."""
 
     @pytest.mark.parametrize("finish", ["stop", "length"])
-    @pytest.mark.parametrize("fmt,prompt", [("glm47", GLM47_THINK), ("kimi_k2", K2_THINK), ("kimi_k3", K3_THINK),
-                                            ("qwen3", QWEN3 + "<think>")])
+    @pytest.mark.parametrize(
+        "fmt,prompt",
+        [("glm47", GLM47_THINK), ("kimi_k2", K2_THINK), ("kimi_k3", K3_THINK), ("qwen3", QWEN3 + "<think>")],
+    )
     def test_prefilled(self, fmt, prompt, finish):
         result = assert_every_split_matches(fmt, prompt, "The answer is 4.", finish)
         assert result == {"content": "", "reasoning": "The answer is 4.", "calls": []}
@@ -89,7 +98,9 @@ class TestKimiK2NamelessIds:
         assert result == {"content": "Let me check. ", "reasoning": "", "calls": []}
 
     def test_numbering_skips_a_dropped_call(self):
-        text = SECTION.format(k2_call("0", '{"city": "Tokyo"}') + k2_call("functions.book_flight:1", '{"city": "Oslo"}'))
+        text = SECTION.format(
+            k2_call("0", '{"city": "Tokyo"}') + k2_call("functions.book_flight:1", '{"city": "Oslo"}')
+        )
         result = assert_every_split_matches("kimi_k2", K2_ANSWER, text, tools=[self.WEATHER, self.FLIGHT])
         assert [(c["id"], c["name"]) for c in result["calls"]] == [("functions.book_flight:1", "book_flight")]
 
@@ -98,8 +109,10 @@ class TestKimiK2IdsMatchExactly:
     """4. A malformed id names its own function; a declared name inside it is not a match."""
 
     def test_no_substring_match(self):
-        text = SECTION.format(k2_call("functions.invalid_get_weather.0", '{"city": "Beijing"}')
-                              + k2_call("functions.valid_get_weather:1", '{"city": "Shanghai"}'))
+        text = SECTION.format(
+            k2_call("functions.invalid_get_weather.0", '{"city": "Beijing"}')
+            + k2_call("functions.valid_get_weather:1", '{"city": "Shanghai"}')
+        )
         tools = [tool("valid_get_weather", city={"type": "string"})]
         result = assert_every_split_matches("kimi_k2", K2_ANSWER, text, tools=tools)
         assert [c["name"] for c in result["calls"]] == ["invalid_get_weather", "valid_get_weather"]
@@ -123,8 +136,16 @@ class TestHeldTextIsReleasedAtANormalEnd:
     """6. A trailing "<" that might have begun a marker is text when generation ends normally; after
     max_tokens a cut marker is still dropped."""
 
-    @pytest.mark.parametrize("fmt,prompt", [("kimi_k2", K2_ANSWER), ("kimi_k3", K3_RESPONSE), ("glm47", GLM47_ANSWER),
-                                            ("glm45", "<|assistant|>\n<think></think>"), ("qwen3", QWEN3)])
+    @pytest.mark.parametrize(
+        "fmt,prompt",
+        [
+            ("kimi_k2", K2_ANSWER),
+            ("kimi_k3", K3_RESPONSE),
+            ("glm47", GLM47_ANSWER),
+            ("glm45", "<|assistant|>\n<think></think>"),
+            ("qwen3", QWEN3),
+        ],
+    )
     def test_content(self, fmt, prompt):
         result = assert_every_split_matches(fmt, prompt, "normal text <")
         assert result == {"content": "normal text <", "reasoning": "", "calls": []}
@@ -133,9 +154,15 @@ class TestHeldTextIsReleasedAtANormalEnd:
     def test_reasoning(self, fmt, prompt):
         assert assert_every_split_matches(fmt, prompt, "is 3 < 4? yes <")["reasoning"] == "is 3 < 4? yes <"
 
-    @pytest.mark.parametrize("fmt,prompt,text", [("kimi_k2", K2_ANSWER, "Hi<|tool_calls_sec"),
-                                                 ("glm47", GLM47_ANSWER, "Hi<tool_ca"), ("kimi_k3", K3_RESPONSE, "Hi<|clo"),
-                                                 ("qwen3", QWEN3, "Hi<tool_")])
+    @pytest.mark.parametrize(
+        "fmt,prompt,text",
+        [
+            ("kimi_k2", K2_ANSWER, "Hi<|tool_calls_sec"),
+            ("glm47", GLM47_ANSWER, "Hi<tool_ca"),
+            ("kimi_k3", K3_RESPONSE, "Hi<|clo"),
+            ("qwen3", QWEN3, "Hi<tool_"),
+        ],
+    )
     def test_cut_marker_after_max_tokens_is_dropped(self, fmt, prompt, text):
         assert assert_every_split_matches(fmt, prompt, text, "length")["content"] == "Hi"
 
@@ -147,11 +174,14 @@ class TestHeldTextIsReleasedAtANormalEnd:
 class TestNoCallWithoutAName:
     """7. A call whose name is empty or whitespace is dropped; the text around it stays."""
 
-    @pytest.mark.parametrize("fmt,text", [
-        ("glm47", "A<tool_call> <arg_key>city</arg_key><arg_value>Rome</arg_value></tool_call>B"),
-        ("glm47", "A<tool_call></tool_call>B"),
-        ("glm45", "A<tool_call>\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n</tool_call>B"),
-    ])
+    @pytest.mark.parametrize(
+        "fmt,text",
+        [
+            ("glm47", "A<tool_call> <arg_key>city</arg_key><arg_value>Rome</arg_value></tool_call>B"),
+            ("glm47", "A<tool_call></tool_call>B"),
+            ("glm45", "A<tool_call>\n<arg_key>city</arg_key>\n<arg_value>Rome</arg_value>\n</tool_call>B"),
+        ],
+    )
     def test_glm(self, fmt, text):
         result = assert_every_split_matches(fmt, GLM47_ANSWER, text)
         assert result == {"content": "AB", "reasoning": "", "calls": []}
@@ -161,8 +191,10 @@ class TestNoCallWithoutAName:
         assert [(c["id"], c["name"]) for c in result["calls"]] == [("call_0", "now")]
 
     def test_k3(self):
-        text = ('<|open|>tools<|sep|><|open|>call tool=" " index="1"<|sep|><|open|>argument key="a" type="string"<|sep|>'
-                'x<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>')
+        text = (
+            '<|open|>tools<|sep|><|open|>call tool=" " index="1"<|sep|><|open|>argument key="a" type="string"<|sep|>'
+            "x<|close|>argument<|sep|><|close|>call<|sep|><|close|>tools<|sep|>"
+        )
         assert assert_every_split_matches("kimi_k3", K3_RESPONSE, text)["calls"] == []
 
     def test_hermes(self):
@@ -173,14 +205,22 @@ class TestNoCallWithoutAName:
 class TestSchemaTypesReadUnions:
     """8. A field whose schema allows a string (`anyOf`, `oneOf`, a type list) keeps the raw text."""
 
-    TOOLS = [tool("note", text={"anyOf": [{"type": "string"}, {"type": "null"}]},
-                  label={"oneOf": [{"type": "null"}, {"type": "string"}]}, tag={"type": ["null", "string"]},
-                  count={"anyOf": [{"type": "integer"}, {"type": "null"}]})]
+    TOOLS = [
+        tool(
+            "note",
+            text={"anyOf": [{"type": "string"}, {"type": "null"}]},
+            label={"oneOf": [{"type": "null"}, {"type": "string"}]},
+            tag={"type": ["null", "string"]},
+            count={"anyOf": [{"type": "integer"}, {"type": "null"}]},
+        )
+    ]
 
     def test_optional_strings_stay_strings(self):
-        text = ("<tool_call>note<arg_key>text</arg_key><arg_value>true</arg_value><arg_key>label</arg_key>"
-                "<arg_value>12</arg_value><arg_key>tag</arg_key><arg_value>null</arg_value>"
-                "<arg_key>count</arg_key><arg_value>3</arg_value></tool_call>")
+        text = (
+            "<tool_call>note<arg_key>text</arg_key><arg_value>true</arg_value><arg_key>label</arg_key>"
+            "<arg_value>12</arg_value><arg_key>tag</arg_key><arg_value>null</arg_value>"
+            "<arg_key>count</arg_key><arg_value>3</arg_value></tool_call>"
+        )
         result = assert_every_split_matches("glm47", GLM47_ANSWER, text, tools=self.TOOLS)
         assert calls_of(result) == [("note", {"text": "true", "label": "12", "tag": "null", "count": 3})]
 
@@ -188,14 +228,21 @@ class TestSchemaTypesReadUnions:
 class TestBlankContentBesideCallsIsNull:
     """9. Whitespace-only content beside tool calls is no content; without calls it is kept."""
 
-    @pytest.mark.parametrize("fmt,prompt,text", [
-        ("glm47", GLM47_ANSWER, "  \n  <tool_call>now</tool_call>\n"),
-        ("glm47", GLM47_ANSWER, "\n<tool_call>now</tool_call>\n<tool_call>now</tool_call>\n"),
-        ("kimi_k2", K2_ANSWER, "\n    " + SECTION.format(k2_call("functions.now:0", "{}")) + "\n"),
-        ("kimi_k3", K3_RESPONSE, '\n  <|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="now" index="1"<|sep|>'
-                                 "<|close|>call<|sep|><|close|>tools<|sep|>"),
-        ("qwen3", QWEN3, '\n\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'),
-    ])
+    @pytest.mark.parametrize(
+        "fmt,prompt,text",
+        [
+            ("glm47", GLM47_ANSWER, "  \n  <tool_call>now</tool_call>\n"),
+            ("glm47", GLM47_ANSWER, "\n<tool_call>now</tool_call>\n<tool_call>now</tool_call>\n"),
+            ("kimi_k2", K2_ANSWER, "\n    " + SECTION.format(k2_call("functions.now:0", "{}")) + "\n"),
+            (
+                "kimi_k3",
+                K3_RESPONSE,
+                '\n  <|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="now" index="1"<|sep|>'
+                "<|close|>call<|sep|><|close|>tools<|sep|>",
+            ),
+            ("qwen3", QWEN3, '\n\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'),
+        ],
+    )
     def test_dropped_beside_calls(self, fmt, prompt, text):
         result = assert_every_split_matches(fmt, prompt, text)
         assert result["content"] == "" and {c["name"] for c in result["calls"]} == {"now"}
@@ -212,9 +259,11 @@ class TestKimiK3CallsOnlyWhenAllowed:
     """10. Without tools declared or with tool_choice "none" (calls_allowed false) K3 reports no call, and the
     tools channel is not content either (its markers are control tokens)."""
 
-    TEXT = ('Sure.<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="now" index="1"<|sep|>'
-            '<|open|>argument key="a" type="string"<|sep|>x<|close|>argument<|sep|><|close|>call<|sep|>'
-            "<|close|>tools<|sep|><|close|>message<|sep|>")
+    TEXT = (
+        'Sure.<|close|>response<|sep|><|open|>tools<|sep|><|open|>call tool="now" index="1"<|sep|>'
+        '<|open|>argument key="a" type="string"<|sep|>x<|close|>argument<|sep|><|close|>call<|sep|>'
+        "<|close|>tools<|sep|><|close|>message<|sep|>"
+    )
 
     @pytest.mark.parametrize("options", [{"tools": None}, {"tools": WEATHER, "calls_allowed": False}])
     def test_no_calls(self, options):
@@ -225,18 +274,23 @@ class TestKimiK3CallsOnlyWhenAllowed:
 class TestKimiK3MessageEnd:
     """11. `<|end_of_msg|>` and anything after `<|close|>message<|sep|>` are not content."""
 
-    @pytest.mark.parametrize("text", [
-        "Hello<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>",
-        "Hello<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>trailing text",
-        "Hello<|close|>message<|sep|>",
-        "Hello<|end_of_msg|>",
-    ])
+    @pytest.mark.parametrize(
+        "text",
+        [
+            "Hello<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>",
+            "Hello<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|>trailing text",
+            "Hello<|close|>message<|sep|>",
+            "Hello<|end_of_msg|>",
+        ],
+    )
     def test_response(self, text):
         assert assert_every_split_matches("kimi_k3", K3_RESPONSE, text)["content"] == "Hello"
 
     def test_after_a_closed_message_nothing_is_parsed(self):
-        text = ('Done.<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|><|open|>tools<|sep|>'
-                '<|open|>call tool="now" index="1"<|sep|><|close|>call<|sep|><|close|>tools<|sep|>')
+        text = (
+            "Done.<|close|>response<|sep|><|close|>message<|sep|><|end_of_msg|><|open|>tools<|sep|>"
+            '<|open|>call tool="now" index="1"<|sep|><|close|>call<|sep|><|close|>tools<|sep|>'
+        )
         result = assert_every_split_matches("kimi_k3", K3_RESPONSE, text)
         assert result == {"content": "Done.", "reasoning": "", "calls": []}
 
@@ -245,36 +299,68 @@ class TestWherePeersDisagreeTheModelsOutputIsKept:
     """Undeclared calls are returned, text between calls is kept, a call cut by max_tokens keeps its
     partial arguments."""
 
-    @pytest.mark.parametrize("fmt,prompt,text", [
-        ("kimi_k2", K2_ANSWER, SECTION.format(k2_call("functions.get_news:0", '{"topic": "tech"}'))),
-        ("glm47", GLM47_ANSWER, "<tool_call>get_news<arg_key>topic</arg_key><arg_value>tech</arg_value></tool_call>"),
-        ("qwen3", QWEN3, '<tool_call>\n{"name": "get_news", "arguments": {"topic": "tech"}}\n</tool_call>'),
-        ("kimi_k3", K3_RESPONSE, '<|open|>tools<|sep|><|open|>call tool="get_news" index="1"<|sep|><|open|>argument '
-                                 'key="topic" type="string"<|sep|>tech<|close|>argument<|sep|><|close|>call<|sep|>'),
-    ])
+    @pytest.mark.parametrize(
+        "fmt,prompt,text",
+        [
+            ("kimi_k2", K2_ANSWER, SECTION.format(k2_call("functions.get_news:0", '{"topic": "tech"}'))),
+            (
+                "glm47",
+                GLM47_ANSWER,
+                "<tool_call>get_news<arg_key>topic</arg_key><arg_value>tech</arg_value></tool_call>",
+            ),
+            ("qwen3", QWEN3, '<tool_call>\n{"name": "get_news", "arguments": {"topic": "tech"}}\n</tool_call>'),
+            (
+                "kimi_k3",
+                K3_RESPONSE,
+                '<|open|>tools<|sep|><|open|>call tool="get_news" index="1"<|sep|><|open|>argument '
+                'key="topic" type="string"<|sep|>tech<|close|>argument<|sep|><|close|>call<|sep|>',
+            ),
+        ],
+    )
     def test_undeclared_calls_are_returned(self, fmt, prompt, text):
         assert calls_of(assert_every_split_matches(fmt, prompt, text)) == [("get_news", {"topic": "tech"})]
 
-    @pytest.mark.parametrize("fmt,prompt,text", [
-        ("kimi_k2", K2_ANSWER, "Before. " + SECTION.format(k2_call("functions.now:0", "{}")) + " After tools."),
-        ("glm47", GLM47_ANSWER, "Before. <tool_call>now</tool_call> After tools."),
-        ("qwen3", QWEN3, 'Before. <tool_call>\n{"name": "now", "arguments": {}}\n</tool_call> After tools.'),
-    ])
+    @pytest.mark.parametrize(
+        "fmt,prompt,text",
+        [
+            ("kimi_k2", K2_ANSWER, "Before. " + SECTION.format(k2_call("functions.now:0", "{}")) + " After tools."),
+            ("glm47", GLM47_ANSWER, "Before. <tool_call>now</tool_call> After tools."),
+            ("qwen3", QWEN3, 'Before. <tool_call>\n{"name": "now", "arguments": {}}\n</tool_call> After tools.'),
+        ],
+    )
     def test_text_around_calls_is_kept(self, fmt, prompt, text):
         result = assert_every_split_matches(fmt, prompt, text)
         assert result["content"] == "Before.  After tools." and [c["name"] for c in result["calls"]] == ["now"]
 
-    @pytest.mark.parametrize("fmt,prompt,text,arguments", [
-        ("kimi_k2", K2_ANSWER, SECTION[:-len("{}<|tool_calls_section_end|>")] + '<|tool_call_begin|>functions.get_weather:0 '
-                               '<|tool_call_argument_begin|>{"city": "Bei', '{"city": "Bei'),
-        ("glm47", GLM47_ANSWER, "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Bei", '{"city": "Bei'),
-        ("glm47", GLM47_ANSWER, "<tool_call>get_weather<arg_key>opts</arg_key><arg_value>[1, ", '{"opts": [1, '),
-        ("qwen3", QWEN3, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Bei', '{"city": "Bei'),
-        ("kimi_k3", K3_RESPONSE, '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
-                                 '<|open|>argument key="city" type="string"<|sep|>Bei', '{"city": "Bei'),
-        ("kimi_k3", K3_RESPONSE, '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
-                                 '<|open|>argument key="opts" type="object"<|sep|>{"a": ', '{"opts": {"a": '),
-    ])
+    @pytest.mark.parametrize(
+        "fmt,prompt,text,arguments",
+        [
+            (
+                "kimi_k2",
+                K2_ANSWER,
+                SECTION[: -len("{}<|tool_calls_section_end|>")] + "<|tool_call_begin|>functions.get_weather:0 "
+                '<|tool_call_argument_begin|>{"city": "Bei',
+                '{"city": "Bei',
+            ),
+            ("glm47", GLM47_ANSWER, "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Bei", '{"city": "Bei'),
+            ("glm47", GLM47_ANSWER, "<tool_call>get_weather<arg_key>opts</arg_key><arg_value>[1, ", '{"opts": [1, '),
+            ("qwen3", QWEN3, '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Bei', '{"city": "Bei'),
+            (
+                "kimi_k3",
+                K3_RESPONSE,
+                '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
+                '<|open|>argument key="city" type="string"<|sep|>Bei',
+                '{"city": "Bei',
+            ),
+            (
+                "kimi_k3",
+                K3_RESPONSE,
+                '<|open|>tools<|sep|><|open|>call tool="get_weather" index="1"<|sep|>'
+                '<|open|>argument key="opts" type="object"<|sep|>{"a": ',
+                '{"opts": {"a": ',
+            ),
+        ],
+    )
     def test_a_cut_call_keeps_its_partial_arguments(self, fmt, prompt, text, arguments):
         result = assert_every_split_matches(fmt, prompt, text, "length")
         assert [(c["name"], c["arguments"]) for c in result["calls"]] == [("get_weather", arguments)]

@@ -10,6 +10,7 @@ import pytest
 import xgrammar as xgr
 
 from deltafin.engine.weights.loader import load_model
+from deltafin.families import build_output_parser, get_family
 from deltafin.grammar.compiled import logits_width
 from deltafin.grammar.constraints import grammar_of, structural_tag
 from deltafin.markup.glm import GLM45, GLM47
@@ -17,7 +18,6 @@ from deltafin.markup.hermes import HERMES
 from deltafin.markup.kimi_k2 import KIMI_K2
 from deltafin.markup.selection import forced_calls
 from deltafin.markup.xtml import XTML
-from deltafin.families import build_output_parser, get_family
 from deltafin.prompt import build_chat_format
 from deltafin.protocol.chat import ChatMessage, ToolDefinition
 from tests.conftest import tiny_config
@@ -35,7 +35,7 @@ SYNTAXES = {
     ),
     "kimi_k2": (
         KIMI_K2.calls,
-        '<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>'
+        "<|tool_calls_section_begin|><|tool_call_begin|>functions.get_weather:0<|tool_call_argument_begin|>"
         '{"city": "Paris", "days": 3}<|tool_call_end|><|tool_calls_section_end|>',
     ),
     "glm45": (
@@ -97,9 +97,11 @@ class TestWireForm:
         text = CLOSE_OPEN_CHANNEL.get(family, "") + wire
         m = matcher(family, build(forced_calls([WEATHER, TIME], NAMED), "disabled"), tokenizers[family])
         assert m.accept_string(text) and m.is_completed()
-        prompt = '<|open|>response<|sep|>' if family == "kimi_k3" else ""
+        prompt = "<|open|>response<|sep|>" if family == "kimi_k3" else ""
         parsed = parse(family, text, prompt, tools_for_parser([WEATHER, TIME]))
-        assert [(c["name"], json.loads(c["arguments"])) for c in parsed["calls"]] == [("get_weather", {"city": "Paris", "days": 3})]
+        assert [(c["name"], json.loads(c["arguments"])) for c in parsed["calls"]] == [
+            ("get_weather", {"city": "Paris", "days": 3})
+        ]
 
     def test_no_text_before_a_forced_call(self, family, tokenizers):
         build, wire = SYNTAXES[family]
@@ -119,7 +121,12 @@ class TestWireForm:
 
     def test_reasoning_first_when_the_prompt_opened_it(self, family, tokenizers):
         build, wire = SYNTAXES[family]
-        text = "Let me think: weather.\n" + END_OF_THINKING.get(family, "</think>") + ("" if family == "kimi_k3" else "\n") + wire
+        text = (
+            "Let me think: weather.\n"
+            + END_OF_THINKING.get(family, "</think>")
+            + ("" if family == "kimi_k3" else "\n")
+            + wire
+        )
         m = matcher(family, build(forced_calls([WEATHER], NAMED), "enabled"), tokenizers[family])
         assert m.accept_string(text) and m.is_completed()
         prompt = "<|open|>think<|sep|>" if family == "kimi_k3" else "<think>"
@@ -131,7 +138,11 @@ class TestWireForm:
         to the literal wire forms above, with the prompt's channel closed and after reasoning."""
         model = tiny_config(family, "unused").model
         markup = get_family(model.family).markup(model.variant)
-        call, forced, wire = ("get_weather", {"city": "Paris", "days": 3}), forced_calls([WEATHER, TIME], NAMED), SYNTAXES[family][1]
+        call, forced, wire = (
+            ("get_weather", {"city": "Paris", "days": 3}),
+            forced_calls([WEATHER, TIME], NAMED),
+            SYNTAXES[family][1],
+        )
         assert markup.write([call], forced=forced) == CLOSE_OPEN_CHANNEL.get(family, "") + wire
         thought = "Let me think: weather.\n"
         after = END_OF_THINKING.get(family, "</think>") + ("" if family == "kimi_k3" else "\n")
@@ -150,8 +161,12 @@ def serve_prompt(family, tiny_models, tools, loaded):
     if family not in loaded:
         loaded[family] = load_model(config.model, config.placement)
     lm = loaded[family]
-    fmt = build_chat_format(config.model.chat_format, lm.tokenizer, content_format=config.model.content_format,
-                            default_kwargs=dict(config.model.chat_template_kwargs))
+    fmt = build_chat_format(
+        config.model.chat_format,
+        lm.tokenizer,
+        content_format=config.model.content_format,
+        default_kwargs=dict(config.model.chat_template_kwargs),
+    )
     prompt = fmt.render([ChatMessage(role="user", content="Weather in Paris?")], tools_for_parser(tools), {})
     return lm, prompt, config.model
 

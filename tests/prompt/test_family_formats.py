@@ -7,14 +7,21 @@ from deltafin.prompt import build_chat_format
 from deltafin.protocol.chat import ChatMessage, FunctionCall, ToolCall
 from tests.conftest import tiny_config
 
-TOOLS_JSON = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
+TOOLS_JSON = {
+    "type": "function",
+    "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}},
+}
 
 
 def chat_format(family, tiny_models):
     config = tiny_config(family, tiny_models[family])
     tokenizer = AutoTokenizer.from_pretrained(tiny_models[family])
-    fmt = build_chat_format(config.model.chat_format, tokenizer, content_format=config.model.content_format,
-                            default_kwargs=dict(config.model.chat_template_kwargs))
+    fmt = build_chat_format(
+        config.model.chat_format,
+        tokenizer,
+        content_format=config.model.content_format,
+        default_kwargs=dict(config.model.chat_template_kwargs),
+    )
     return fmt, tokenizer
 
 
@@ -41,7 +48,7 @@ class TestKimiK3Xtml:
             '<|open|>call tool="get_weather" index="1"<|sep|>'
             '<|open|>argument key="city" type="string"<|sep|>Paris<|close|>argument<|sep|>'
             '<|open|>argument key="days" type="number"<|sep|>3<|close|>argument<|sep|>'
-            '<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>'
+            "<|close|>call<|sep|><|close|>tools<|sep|><|close|>message<|sep|><|end_of_msg|>"
             '<|open|>message role="tool" tool="get_weather" index="1"<|sep|>sunny<|close|>message<|sep|><|end_of_msg|>'
             '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
         )
@@ -51,7 +58,7 @@ class TestKimiK3Xtml:
         text = fmt.render(history(), None, {"thinking_effort": "low"}).text
         assert text.startswith('<|open|>message role="system" type="thinking-effort"<|sep|>')
         assert "Now the system is invoked with `thinking_effort=low`.<|close|>message<|sep|><|end_of_msg|>" in text
-        assert '<|open|>think<|sep|>dropped<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>' in text
+        assert "<|open|>think<|sep|>dropped<|close|>think<|sep|><|open|>response<|sep|><|close|>response<|sep|>" in text
         assert text.endswith('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
 
     def test_history_arguments_as_object_or_string_render_the_same(self, tiny_models):
@@ -68,13 +75,16 @@ class TestKimiK3Xtml:
         assert 'key="a&quot;b"' in text
 
     def test_tools_are_declared(self, tiny_models):
-        from deltafin.protocol.chat import ToolDefinition, FunctionDefinition
+        from deltafin.protocol.chat import FunctionDefinition, ToolDefinition
+
         fmt, _ = chat_format("kimi_k3", tiny_models)
         tools = [ToolDefinition(function=FunctionDefinition(name="get_weather"))]
         text = fmt.render([ChatMessage(role="user", content="hi")], tools, {}).text
-        assert text.startswith('<|open|>message role="system" type="tool-declare"<|sep|># Tools\n'
-                               'Here are the available tools, described in JSONSchema.\n\n'
-                               '```json\n[{"function":{"name":"get_weather"},"type":"function"}]\n```<|close|>message')
+        assert text.startswith(
+            '<|open|>message role="system" type="tool-declare"<|sep|># Tools\n'
+            "Here are the available tools, described in JSONSchema.\n\n"
+            '```json\n[{"function":{"name":"get_weather"},"type":"function"}]\n```<|close|>message'
+        )
 
 
 class TestTemplates:
@@ -109,6 +119,7 @@ class TestTemplates:
     def test_glm_tool_list_content_leaks_part_dicts_without_the_flatten_rule(self, tiny_models):
         fmt, _ = chat_format("glm47", tiny_models)
         from deltafin.protocol.chat import TextPart
+
         messages = history()
         messages[3].content = [TextPart("12:"), TextPart("00")]
         assert "{'type': 'text', 'text': '12:'}" in fmt.render(messages, None, {}).text
@@ -118,22 +129,33 @@ class TestQwen3Template:
     def test_conversation_with_tool_call(self, tiny_models):
         fmt, _ = chat_format("qwen3", tiny_models)
         text = fmt.render(history(), None, {}).text
-        assert text.startswith("<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWeather?<|im_end|>\n"
-                               "<|im_start|>assistant\n")
-        assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call><|im_end|>\n' in text
-        assert text.endswith("<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n")
+        assert text.startswith(
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n"
+        )
+        assert (
+            '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call><|im_end|>\n'
+            in text
+        )
+        assert text.endswith(
+            "<|im_start|>user\n<tool_response>\nsunny\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+        )
         assert fmt.render(history(), None, {"enable_thinking": False}).text.endswith(
-            "<|im_start|>assistant\n<think>\n\n</think>\n\n")
+            "<|im_start|>assistant\n<think>\n\n</think>\n\n"
+        )
 
     def test_tools_are_declared_in_the_system_turn(self, tiny_models):
         from deltafin.protocol.chat import FunctionDefinition, ToolDefinition
+
         fmt, _ = chat_format("qwen3", tiny_models)
         tools = [ToolDefinition(function=FunctionDefinition(name="get_weather"))]
-        text = fmt.render([ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="hi")],
-                          tools, {}).text
+        text = fmt.render(
+            [ChatMessage(role="system", content="Be brief."), ChatMessage(role="user", content="hi")], tools, {}
+        ).text
         assert text.startswith("<|im_start|>system\nBe brief.\n\n# Tools\n")
         assert '\n<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
-        assert text.count("<|im_start|>system") == 1 and text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+        assert text.count("<|im_start|>system") == 1 and text.endswith(
+            "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+        )
 
 
 FORGED = {

@@ -19,7 +19,9 @@ class TestDecodeRequest:
         request = decode_request(b'{"prompt": "x", "max_tokens_default": 3}', CompletionRequest)
         assert request.max_tokens_default is None
 
-    @pytest.mark.parametrize("raw,param", [(b'{"prompt": "x", "max_tokens": "2"}', "max_tokens"), (b'{"prompt": "x", "n": 1.0}', "n")])
+    @pytest.mark.parametrize(
+        "raw,param", [(b'{"prompt": "x", "max_tokens": "2"}', "max_tokens"), (b'{"prompt": "x", "n": 1.0}', "n")]
+    )
     def test_no_coercion(self, raw, param):
         assert error_of(raw, CompletionRequest).param == param
 
@@ -27,7 +29,10 @@ class TestDecodeRequest:
         assert error_of(b'{"messages": [{"content": "x"}]}').param == "messages[0].role"
 
     def test_deep_nesting_is_a_400(self):
-        assert "nested too deeply" in error_of(b'{"chat_template_kwargs": {"a": ' + b"[" * 5000 + b"]" * 5000 + b"}}").message
+        assert (
+            "nested too deeply"
+            in error_of(b'{"chat_template_kwargs": {"a": ' + b"[" * 5000 + b"]" * 5000 + b"}}").message
+        )
 
     def test_malformed_json(self):
         assert "not valid JSON" in error_of(b'{"messages": [').message

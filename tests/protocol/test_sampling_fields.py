@@ -12,7 +12,9 @@ def request(**fields) -> ChatCompletionRequest:
 
 
 def params(req, **kw):
-    return req.sampling_params(max_tokens=kw.pop("max_tokens", 10), vocab_size=100, logprobs=False, top_logprobs=0, **kw)
+    return req.sampling_params(
+        max_tokens=kw.pop("max_tokens", 10), vocab_size=100, logprobs=False, top_logprobs=0, **kw
+    )
 
 
 class TestSamplingMapping:

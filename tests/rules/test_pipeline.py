@@ -41,8 +41,14 @@ class TestBuild:
     def test_para_builds_every_rule_for_its_family(self):
         rules = compose_config(["compat=para"]).compat.rules
         assert build_pipeline(rules, "glm").names == [
-            "chat_default_max_tokens", "max_tokens_cap", "force_tool_choice_auto", "glm_tool_choice_required",
-            "glm_context_413", "glm_reasoning_usage", "flatten_tool_text", "streaming_error_preflight",
+            "chat_default_max_tokens",
+            "max_tokens_cap",
+            "force_tool_choice_auto",
+            "glm_tool_choice_required",
+            "glm_context_413",
+            "glm_reasoning_usage",
+            "flatten_tool_text",
+            "streaming_error_preflight",
         ]
         kimi = build_pipeline(rules, "kimi_k3").names
         assert "kimi_thinking" in kimi and "kimi_sampling_pins" in kimi and "glm_context_413" not in kimi
@@ -55,10 +61,18 @@ class TestBuild:
         [
             ({"x": {"_target_": "nope.Nope"}}, r"^compat\.rules\.x: "),
             ({"x": {"value": 1}}, r"compat\.rules\.x: a rule needs `_target_`"),
-            ({"x": {"_target_": "deltafin.rules.max_tokens_cap.MaxTokensCap", "value": -1}}, r"compat\.rules\.x: ValueError"),
-            ({"x": {"_target_": "deltafin.rules.max_tokens_cap.MaxTokensCap", "bogus": 1}}, r"compat\.rules\.x: TypeError"),
-            ({"x": {"_target_": "deltafin.rules.force_tool_choice_auto.ForceToolChoiceAuto", "families": ["glx"]}},
-             r"compat\.rules\.x\.families: unknown family 'glx'"),
+            (
+                {"x": {"_target_": "deltafin.rules.max_tokens_cap.MaxTokensCap", "value": -1}},
+                r"compat\.rules\.x: ValueError",
+            ),
+            (
+                {"x": {"_target_": "deltafin.rules.max_tokens_cap.MaxTokensCap", "bogus": 1}},
+                r"compat\.rules\.x: TypeError",
+            ),
+            (
+                {"x": {"_target_": "deltafin.rules.force_tool_choice_auto.ForceToolChoiceAuto", "families": ["glx"]}},
+                r"compat\.rules\.x\.families: unknown family 'glx'",
+            ),
             ({"x": {"_target_": "collections.OrderedDict"}}, r"is not a deltafin Rule"),
         ],
     )
@@ -75,7 +89,9 @@ class TestBuild:
         assert pipeline.rules[0].rule.value == 4096
 
     def test_user_rule_can_be_added_from_the_command_line(self):
-        rules = compose_config(["compat=none", f"+compat.rules.mine._target_={RECORDER}", "+compat.rules.mine.tag=m"]).compat.rules
+        rules = compose_config(
+            ["compat=none", f"+compat.rules.mine._target_={RECORDER}", "+compat.rules.mine.tag=m"]
+        ).compat.rules
         assert build_pipeline(rules, "smollm2").names == ["mine"]
 
 
@@ -90,7 +106,12 @@ class TestOrder:
         body = pipeline.on_response({}, CTX, changed)
         error = pipeline.on_error(DeltafinError("x"), CTX, changed)
         assert Recorder.log == [
-            ("request", "a"), ("request", "b"), ("response", "b"), ("response", "a"), ("error", "b"), ("error", "a"),
+            ("request", "a"),
+            ("request", "b"),
+            ("response", "b"),
+            ("response", "a"),
+            ("error", "b"),
+            ("error", "a"),
         ]
         assert body["seen"] == "ba" and error.message == "xba"
         assert changed == ["a", "b"]
@@ -117,6 +138,7 @@ class TestOrder:
                 async def wrap():
                     async for c in chunks:
                         yield c + self.tag
+
                 return wrap()
 
         async def source():

@@ -143,10 +143,14 @@ class TestSamplingPins:
 
 class TestFlattenToolText:
     def request(self, content):
-        return chat(messages=[{"role": "user", "content": "q"}, {"role": "tool", "tool_call_id": "c1", "content": content}])
+        return chat(
+            messages=[{"role": "user", "content": "q"}, {"role": "tool", "tool_call_id": "c1", "content": content}]
+        )
 
     def test_text_parts_join_without_separator(self):
-        out = FlattenToolText().request(self.request([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]), CTX)
+        out = FlattenToolText().request(
+            self.request([{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]), CTX
+        )
         assert as_dict(out)["messages"][1] == {"role": "tool", "content": "ab", "tool_call_id": "c1"}
 
     def test_list_with_a_non_text_part_is_untouched(self):
@@ -158,7 +162,9 @@ class TestFlattenToolText:
         assert FlattenToolText().request(request, CTX) is request
 
     def test_other_roles_are_untouched(self):
-        request = chat(messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}])
+        request = chat(
+            messages=[{"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]
+        )
         assert FlattenToolText().request(request, CTX) is request
 
 

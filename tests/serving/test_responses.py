@@ -24,11 +24,22 @@ from deltafin.serving.responses.tools import chat_tool_choice, served_tools
 
 EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
 ITEM = pydantic.TypeAdapter(ResponseItem)
-WEATHER = {"type": "function", "name": "get_weather", "description": "Weather", "strict": True,
-           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
-GROUP = {"type": "namespace", "name": "agents", "description": "Sub-agents.", "tools": [
-    {"type": "function", "name": "spawn", "parameters": {"type": "object", "properties": {}}},
-    {"type": "function", "name": "get_weather", "description": "Same name, other group"}]}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "description": "Weather",
+    "strict": True,
+    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]},
+}
+GROUP = {
+    "type": "namespace",
+    "name": "agents",
+    "description": "Sub-agents.",
+    "tools": [
+        {"type": "function", "name": "spawn", "parameters": {"type": "object", "properties": {}}},
+        {"type": "function", "name": "get_weather", "description": "Same name, other group"},
+    ],
+}
 
 
 def request(**fields) -> ResponsesRequest:
@@ -45,6 +56,7 @@ def bad(param: str):
             self.ctx.__exit__(*exc)
             assert self.info.value.param == param and self.info.value.status == 400
             return True
+
     return Raises()
 
 
@@ -55,27 +67,38 @@ class TestInputItems:
         ITEM.validate_python(item)
 
     def test_every_kind_is_canonical_with_an_id(self):
-        items = canonical_input([
-            {"role": "developer", "content": "be brief"},
-            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
-            {"type": "reasoning", "summary": [], "encrypted_content": encode_reasoning("think")},
-            {"type": "function_call", "call_id": "c1", "name": "spawn", "namespace": "agents", "arguments": "{}"},
-            {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "done"}]},
-        ])
-        assert [i["type"] for i in items] == ["message", "message", "reasoning", "function_call", "function_call_output"]
+        items = canonical_input(
+            [
+                {"role": "developer", "content": "be brief"},
+                {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "ok"}]},
+                {"type": "reasoning", "summary": [], "encrypted_content": encode_reasoning("think")},
+                {"type": "function_call", "call_id": "c1", "name": "spawn", "namespace": "agents", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": [{"type": "input_text", "text": "done"}]},
+            ]
+        )
+        assert [i["type"] for i in items] == [
+            "message",
+            "message",
+            "reasoning",
+            "function_call",
+            "function_call_output",
+        ]
         assert all(i["id"] for i in items)
         for item in items:
             ITEM.validate_python(item)
 
-    @pytest.mark.parametrize("value,param", [
-        ([{"type": "web_search_call", "id": "x"}], "input[0].type"),
-        ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content[0].type"),
-        ([{"role": "tool", "content": "x"}], "input[0].role"),
-        (["hi"], "input[0]"),
-        ([{"type": "function_call", "call_id": "c", "name": "f"}], "input[0].arguments"),
-        ([{"role": "user", "content": 3}], "input[0].content"),
-        ([{"content": "no type, no role"}], "input[0].type"),
-    ])
+    @pytest.mark.parametrize(
+        "value,param",
+        [
+            ([{"type": "web_search_call", "id": "x"}], "input[0].type"),
+            ([{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}], "input[0].content[0].type"),
+            ([{"role": "tool", "content": "x"}], "input[0].role"),
+            (["hi"], "input[0]"),
+            ([{"type": "function_call", "call_id": "c", "name": "f"}], "input[0].arguments"),
+            ([{"role": "user", "content": 3}], "input[0].content"),
+            ([{"content": "no type, no role"}], "input[0].type"),
+        ],
+    )
     def test_unsupported_or_malformed_items_are_400_naming_them(self, value, param):
         with bad(param):
             canonical_input(value)
@@ -92,20 +115,27 @@ class TestTools:
         assert served.definitions[0].function.strict is True
 
     def test_hosted_tools_are_dropped_and_named_or_rejected(self):
-        served = served_tools([{"type": "web_search"}, WEATHER, {"type": "web_search"}, {"type": "file_search"}],
-                              unsupported="drop")
+        served = served_tools(
+            [{"type": "web_search"}, WEATHER, {"type": "web_search"}, {"type": "file_search"}], unsupported="drop"
+        )
         assert served.dropped == ["web_search", "file_search"] and len(served.definitions) == 1
         with bad("tools[0].type"):
             served_tools([{"type": "web_search"}], unsupported="reject")
 
-    @pytest.mark.parametrize("tools,param", [
-        ([{"type": "custom", "name": "x"}], "tools[0].type"),
-        ([WEATHER, {"type": "local_shell"}], "tools[1].type"),
-        ([{"type": "function"}], "tools[0].name"),
-        ([WEATHER, WEATHER], "tools[1].name"),
-        ([{"type": "namespace", "name": "n", "tools": [{"type": "custom", "name": "x"}]}], "tools[0].tools[0].type"),
-        ([{"type": "function", "name": "f", "parameters": "no"}], "tools[0].parameters"),
-    ])
+    @pytest.mark.parametrize(
+        "tools,param",
+        [
+            ([{"type": "custom", "name": "x"}], "tools[0].type"),
+            ([WEATHER, {"type": "local_shell"}], "tools[1].type"),
+            ([{"type": "function"}], "tools[0].name"),
+            ([WEATHER, WEATHER], "tools[1].name"),
+            (
+                [{"type": "namespace", "name": "n", "tools": [{"type": "custom", "name": "x"}]}],
+                "tools[0].tools[0].type",
+            ),
+            ([{"type": "function", "name": "f", "parameters": "no"}], "tools[0].parameters"),
+        ],
+    )
     def test_other_tool_types_and_bad_tools_are_400(self, tools, param):
         with bad(param):
             served_tools(tools, unsupported="drop")
@@ -116,8 +146,10 @@ class TestTools:
         assert choice == {"type": "function", "function": {"name": "agents__spawn"}}
         choice, _ = chat_tool_choice({"type": "function", "name": "get_weather", "namespace": "agents"}, served)
         assert choice["function"]["name"] == "agents__get_weather"
-        mode, allowed = chat_tool_choice({"type": "allowed_tools", "mode": "required",
-                                          "tools": [{"type": "function", "name": "get_weather"}]}, served)
+        mode, allowed = chat_tool_choice(
+            {"type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_weather"}]},
+            served,
+        )
         assert mode == "required" and [t.function.name for t in allowed] == ["get_weather"]
         with bad("tool_choice.name"):
             chat_tool_choice({"type": "function", "name": "nope"}, served)
@@ -127,17 +159,19 @@ class TestTools:
 
 class TestConversation:
     def test_a_function_call_round_trip_keeps_calls_outputs_and_reasoning(self):
-        items = canonical_input([
-            {"role": "developer", "content": "Use tools."},
-            {"role": "user", "content": "Weather in Paris?"},
-            {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Need weather."}]},
-            {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
-            {"type": "function_call", "call_id": "c2", "name": "spawn", "namespace": "agents", "arguments": "{}"},
-            {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
-            {"type": "function_call_output", "call_id": "c2", "output": "spawned"},
-            {"role": "assistant", "content": "Sunny."},
-            {"role": "user", "content": "Thanks"},
-        ])
+        items = canonical_input(
+            [
+                {"role": "developer", "content": "Use tools."},
+                {"role": "user", "content": "Weather in Paris?"},
+                {"type": "reasoning", "summary": [], "content": [{"type": "reasoning_text", "text": "Need weather."}]},
+                {"type": "function_call", "call_id": "c1", "name": "get_weather", "arguments": '{"city": "Paris"}'},
+                {"type": "function_call", "call_id": "c2", "name": "spawn", "namespace": "agents", "arguments": "{}"},
+                {"type": "function_call_output", "call_id": "c1", "output": "sunny"},
+                {"type": "function_call_output", "call_id": "c2", "output": "spawned"},
+                {"role": "assistant", "content": "Sunny."},
+                {"role": "user", "content": "Thanks"},
+            ]
+        )
         messages = chat_messages("Be kind.", items, developer_role=False)
         assert [m.role for m in messages] == ["system", "user", "assistant", "tool", "tool", "assistant", "user"]
         assert messages[0].content == "Be kind.\n\nUse tools."
@@ -156,9 +190,13 @@ class TestConversation:
         assert speaks_developer("xtml", None) is True
 
     def test_replayed_encoded_reasoning_is_that_turns_reasoning(self):
-        items = canonical_input([{"role": "user", "content": "q"},
-                                 {"type": "reasoning", "summary": [], "encrypted_content": encode_reasoning("é ok")},
-                                 {"role": "assistant", "content": "a"}])
+        items = canonical_input(
+            [
+                {"role": "user", "content": "q"},
+                {"type": "reasoning", "summary": [], "encrypted_content": encode_reasoning("é ok")},
+                {"role": "assistant", "content": "a"},
+            ]
+        )
         assert chat_messages(None, items, developer_role=True)[1].reasoning_content == "é ok"
         assert decode_reasoning("gAAAAB-openai-state") is None
         assert decode_reasoning(encode_reasoning("x")[:-2] + "!!") is None
@@ -170,8 +208,11 @@ async def _chunks(chunks):
 
 
 def _events(chunks, req=None, fail=None):
-    shape = ResponseShape(req or request(input="q", include=["reasoning.encrypted_content"]),
-                          served_tools([WEATHER, GROUP], unsupported="drop"), "m")
+    shape = ResponseShape(
+        req or request(input="q", include=["reasoning.encrypted_content"]),
+        served_tools([WEATHER, GROUP], unsupported="drop"),
+        "m",
+    )
     stream = ResponseEvents(shape, lambda: 3)
 
     async def run():
@@ -182,6 +223,7 @@ def _events(chunks, req=None, fail=None):
         except UpstreamError as exc:
             out += stream.failed(exc)
         return out
+
     return asyncio.run(run())
 
 
@@ -191,22 +233,45 @@ def _delta(**delta):
 
 class TestEvents:
     def test_reasoning_text_and_calls_stream_in_openai_order_and_parse(self):
-        chunks = [_delta(role="assistant", content=""), _delta(reasoning_content="Hm"), _delta(reasoning_content="m."),
-                  _delta(content="Hi"), _delta(content="!"),
-                  _delta(tool_calls=[{"index": 0, "id": "call_1", "type": "function",
-                                      "function": {"name": "agents__spawn", "arguments": ""}}]),
-                  _delta(tool_calls=[{"index": 0, "function": {"arguments": "{}"}}]),
-                  {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls", "logprobs": None}]},
-                  {"choices": [], "usage": {"prompt_tokens": 5, "completion_tokens": 9, "total_tokens": 14,
-                                            "prompt_tokens_details": {"cached_tokens": 2}}}]
+        chunks = [
+            _delta(role="assistant", content=""),
+            _delta(reasoning_content="Hm"),
+            _delta(reasoning_content="m."),
+            _delta(content="Hi"),
+            _delta(content="!"),
+            _delta(
+                tool_calls=[
+                    {
+                        "index": 0,
+                        "id": "call_1",
+                        "type": "function",
+                        "function": {"name": "agents__spawn", "arguments": ""},
+                    }
+                ]
+            ),
+            _delta(tool_calls=[{"index": 0, "function": {"arguments": "{}"}}]),
+            {"choices": [{"index": 0, "delta": {}, "finish_reason": "tool_calls", "logprobs": None}]},
+            {
+                "choices": [],
+                "usage": {
+                    "prompt_tokens": 5,
+                    "completion_tokens": 9,
+                    "total_tokens": 14,
+                    "prompt_tokens_details": {"cached_tokens": 2},
+                },
+            },
+        ]
         events = _events(chunks)
         for event in events:
             EVENT.validate_python(event)
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
         kinds = [e["type"] for e in events]
         assert kinds[:2] == ["response.created", "response.in_progress"] and kinds[-1] == "response.completed"
-        assert kinds.index("response.reasoning_text.delta") < kinds.index("response.output_text.delta") \
+        assert (
+            kinds.index("response.reasoning_text.delta")
+            < kinds.index("response.output_text.delta")
             < kinds.index("response.function_call_arguments.delta")
+        )
         final = Response.model_validate(events[-1]["response"])
         assert [item.type for item in final.output] == ["reasoning", "message", "function_call"]
         reasoning, message, call = final.output
@@ -233,6 +298,7 @@ class TestEvents:
         async def failing():
             yield _delta(content="par")
             raise UpstreamError("upstream went away")
+
         events = _events(None, fail=failing())
         for event in events:
             EVENT.validate_python(event)
@@ -242,22 +308,37 @@ class TestEvents:
 
 
 class TestRequestChecks:
-    @pytest.mark.parametrize("fields,param", [
-        ({"background": True}, "background"), ({"conversation": "conv_1"}, "conversation"),
-        ({"prompt": {"id": "p"}}, "prompt"), ({"max_tool_calls": 3}, "max_tool_calls"),
-        ({"truncation": "sometimes"}, "truncation"), ({"include": ["nope"]}, "include[0]"),
-        ({"reasoning": {"effort": "maximal"}}, "reasoning.effort"), ({"text": {"verbosity": "high"}}, "text.verbosity"),
-        ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
-        ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
-        ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
-    ])
+    @pytest.mark.parametrize(
+        "fields,param",
+        [
+            ({"background": True}, "background"),
+            ({"conversation": "conv_1"}, "conversation"),
+            ({"prompt": {"id": "p"}}, "prompt"),
+            ({"max_tool_calls": 3}, "max_tool_calls"),
+            ({"truncation": "sometimes"}, "truncation"),
+            ({"include": ["nope"]}, "include[0]"),
+            ({"reasoning": {"effort": "maximal"}}, "reasoning.effort"),
+            ({"text": {"verbosity": "high"}}, "text.verbosity"),
+            ({"text": {"format": {"type": "xml"}}}, "text.format.type"),
+            ({"text": {"format": {"type": "json_schema", "name": "x"}}}, "text.format.schema"),
+            ({"metadata": {f"k{i}": "v" for i in range(17)}}, "metadata"),
+        ],
+    )
     def test_fields_deltafin_does_not_serve_are_400_by_name(self, fields, param):
         with bad(param):
             request(input="q", **fields).check()
 
     def test_what_codex_sends_passes(self):
-        request(input="q", store=False, include=["reasoning.encrypted_content"], prompt_cache_key="k",
-                client_metadata={"a": "b"}, reasoning={"summary": "auto"}, background=False, service_tier="auto").check()
+        request(
+            input="q",
+            store=False,
+            include=["reasoning.encrypted_content"],
+            prompt_cache_key="k",
+            client_metadata={"a": "b"},
+            reasoning={"summary": "auto"},
+            background=False,
+            service_tier="auto",
+        ).check()
 
 
 class TestStores:
@@ -269,6 +350,7 @@ class TestStores:
             if request.param == "memory":
                 return MemoryStore(entries, max_bytes)
             return SqliteStore(str(tmp_path / "responses.db"), entries, max_bytes)
+
         return make
 
     def test_records_are_scoped_to_their_owner(self, make):

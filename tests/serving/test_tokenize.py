@@ -18,8 +18,14 @@ from tests.conftest import tiny_config
 from tests.prompt import oracles
 
 GATEWAY = ["engine=llama_server", "engine.url=http://127.0.0.1:9"]
-SEARCH = {"type": "function", "function": {"name": "search", "description": "Find things",
-                                           "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}
+SEARCH = {
+    "type": "function",
+    "function": {
+        "name": "search",
+        "description": "Find things",
+        "parameters": {"type": "object", "properties": {"q": {"type": "string"}}},
+    },
+}
 SCHEMA = {"type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"]}
 
 
@@ -68,7 +74,8 @@ def detokenize(client, tokens):
 
 K3_BODY = {
     "messages": [{"role": "developer", "content": "Be brief."}, {"role": "user", "content": "Find cats."}],
-    "tools": [SEARCH], "tool_choice": "required",
+    "tools": [SEARCH],
+    "tool_choice": "required",
     "response_format": {"type": "json_schema", "json_schema": {"name": "out", "schema": SCHEMA}},
     "reasoning_effort": "low",
 }
@@ -79,9 +86,14 @@ def test_k3_every_field_that_shapes_the_prompt_is_rendered(k3):
     tokens = tokenize(client, K3_BODY)
     assert tokens == chat_ids(services, K3_BODY)
     text = detokenize(client, tokens)
-    for part in ('type="tool-declare"', "`thinking_effort=low`", "`tool_choice=required`", "`response_format=json_schema`",
-                 '{"properties":{"answer":{"type":"string"}},"required":["answer"],"type":"object"}',
-                 'role="system"<|sep|>Be brief.'):
+    for part in (
+        'type="tool-declare"',
+        "`thinking_effort=low`",
+        "`tool_choice=required`",
+        "`response_format=json_schema`",
+        '{"properties":{"answer":{"type":"string"}},"required":["answer"],"type":"object"}',
+        'role="system"<|sep|>Be brief.',
+    ):
         assert part in text, part
     assert text.endswith('<|open|>message role="assistant"<|sep|><|open|>think<|sep|>')
 
@@ -92,17 +104,26 @@ def test_k3_tokenize_is_the_reference_encoder(k3):
     reference = oracles.k3_encoder()
     messages = copy.deepcopy(K3_BODY["messages"])
     messages[0]["role"] = "system"
-    segments = reference.build_chat_segments(messages, [SEARCH], thinking=True, thinking_effort="low",
-                                             tool_choice="required", response_format=K3_BODY["response_format"])
+    segments = reference.build_chat_segments(
+        messages,
+        [SEARCH],
+        thinking=True,
+        thinking_effort="low",
+        tool_choice="required",
+        response_format=K3_BODY["response_format"],
+    )
     assert detokenize(client, tokenize(client, K3_BODY)) == "".join(s.text for s in segments)
 
 
-@pytest.mark.parametrize("body, ending", [
-    ({"reasoning_effort": "none"}, "<|open|>response<|sep|>"),
-    ({"chat_template_kwargs": {"thinking": False}}, "<|open|>response<|sep|>"),
-    ({"thinking": {"type": "disabled"}}, "<|open|>response<|sep|>"),  # compat=para's kimi_thinking rule
-    ({"thinking": {"type": "enabled"}}, "<|open|>think<|sep|>"),
-])
+@pytest.mark.parametrize(
+    "body, ending",
+    [
+        ({"reasoning_effort": "none"}, "<|open|>response<|sep|>"),
+        ({"chat_template_kwargs": {"thinking": False}}, "<|open|>response<|sep|>"),
+        ({"thinking": {"type": "disabled"}}, "<|open|>response<|sep|>"),  # compat=para's kimi_thinking rule
+        ({"thinking": {"type": "enabled"}}, "<|open|>think<|sep|>"),
+    ],
+)
 def test_k3_thinking_switches(k3_para, body, ending):
     client, services = k3_para
     full = {"messages": [{"role": "user", "content": "hi"}], **body}
@@ -117,13 +138,19 @@ def test_the_rules_shape_tokenize_as_they_shape_chat(k3_para):
     assert tokens == chat_ids(services, K3_BODY) and "`tool_choice=required`" not in detokenize(client, tokens)
 
 
-@pytest.mark.parametrize("body, param", [
-    ({"reasoning_effort": "medium"}, "reasoning_effort"),
-    ({"chat_template_kwargs": {"thinking_effort": "medium"}}, "chat_template_kwargs.thinking_effort"),
-    ({"response_format": {"type": "xml"}}, "response_format.type"),
-    ({"tool_choice": "sometimes"}, "tool_choice"),
-    ({"messages": [{"role": "user", "content": "go"}, {"role": "tool", "tool_call_id": "x", "content": "?"}]}, "messages[1]"),
-])
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"reasoning_effort": "medium"}, "reasoning_effort"),
+        ({"chat_template_kwargs": {"thinking_effort": "medium"}}, "chat_template_kwargs.thinking_effort"),
+        ({"response_format": {"type": "xml"}}, "response_format.type"),
+        ({"tool_choice": "sometimes"}, "tool_choice"),
+        (
+            {"messages": [{"role": "user", "content": "go"}, {"role": "tool", "tool_call_id": "x", "content": "?"}]},
+            "messages[1]",
+        ),
+    ],
+)
 def test_k3_refusals_are_400s_naming_the_field(k3, body, param):
     client, _ = k3
     response = client.post("/tokenize", json={"messages": [{"role": "user", "content": "hi"}], **body})
@@ -133,8 +160,12 @@ def test_k3_refusals_are_400s_naming_the_field(k3, body, param):
 
 def test_templates_get_reasoning_effort_and_their_kwargs(qwen3):
     client, services = qwen3
-    body = {"messages": [{"role": "user", "content": " hi "}], "tools": [SEARCH], "reasoning_effort": "low",
-            "chat_template_kwargs": {"enable_thinking": False}}
+    body = {
+        "messages": [{"role": "user", "content": " hi "}],
+        "tools": [SEARCH],
+        "reasoning_effort": "low",
+        "chat_template_kwargs": {"enable_thinking": False},
+    }
     tokens = tokenize(client, body)
     assert tokens == chat_ids(services, body)
     text = detokenize(client, tokens)

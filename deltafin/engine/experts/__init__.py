@@ -18,32 +18,55 @@ import structlog
 import torch
 
 from deltafin.engine.experts.checkpoint import CheckpointLayoutError
-from deltafin.engine.experts.model import NotPoolable, meta_model, model_shape, experts_modules
+from deltafin.engine.experts.model import NotPoolable, experts_modules, meta_model, model_shape
 from deltafin.engine.experts.pool import ExpertPool, PoolCounters, PoolStats
 from deltafin.engine.experts.sizing import PoolPlan, PoolTooSmall, plan_pool
 
 log = structlog.get_logger("deltafin.engine")
 
 __all__ = [
-    "ExpertPool", "PoolCounters", "PoolStats", "PoolPlan", "PoolTooSmall", "NotPoolable", "CheckpointLayoutError",
-    "charge", "check_pool", "load_pooled_model",
+    "ExpertPool",
+    "PoolCounters",
+    "PoolStats",
+    "PoolPlan",
+    "PoolTooSmall",
+    "NotPoolable",
+    "CheckpointLayoutError",
+    "charge",
+    "check_pool",
+    "load_pooled_model",
 ]
 
 #: LFRU's half-life, in forward passes (a score halves when its expert went unused for this many passes)
 LFRU_HALF_LIFE_PASSES = 8
 
 
-def check_pool(folder: Path, placement: Any, *, dtype: torch.dtype, trust_remote_code: bool, max_batch: int) -> PoolPlan:
+def check_pool(
+    folder: Path, placement: Any, *, dtype: torch.dtype, trust_remote_code: bool, max_batch: int
+) -> PoolPlan:
     """The pool `placement.experts` asks for, checked against the model's config (no weights read);
     PoolTooSmall / NotPoolable with a one-line reason."""
     _, _, meta = meta_model(folder, dtype=dtype, trust_remote_code=trust_remote_code)
     shape = model_shape(meta, experts_modules(meta))
-    return plan_pool(shape, pool_mb=placement.experts.pool_mb, prefetch=placement.experts.prefetch, dtype=dtype,
-                     quantize=placement.quantize, max_batch=max_batch)
+    return plan_pool(
+        shape,
+        pool_mb=placement.experts.pool_mb,
+        prefetch=placement.experts.prefetch,
+        dtype=dtype,
+        quantize=placement.quantize,
+        max_batch=max_batch,
+    )
 
 
-def load_pooled_model(folder: Path, placement: Any, *, dtype: torch.dtype, trust_remote_code: bool,
-                      max_batch: int, cache_dir: Path | None = None) -> tuple[Any, ExpertPool]:
+def load_pooled_model(
+    folder: Path,
+    placement: Any,
+    *,
+    dtype: torch.dtype,
+    trust_remote_code: bool,
+    max_batch: int,
+    cache_dir: Path | None = None,
+) -> tuple[Any, ExpertPool]:
     """The model with its dense weights loaded and its routed experts served by a new pool. With int8 slots,
     `placement.experts.quantized_copy` and a `cache_dir`, misses read the int8 copy of the experts there
     (written at the first boot); otherwise they read the checkpoint."""
@@ -55,10 +78,17 @@ def load_pooled_model(folder: Path, placement: Any, *, dtype: torch.dtype, trust
 
     model, experts, index, shape = load_dense(folder, dtype=dtype, trust_remote_code=trust_remote_code)
     settings = placement.experts
-    plan = plan_pool(shape, pool_mb=settings.pool_mb, prefetch=settings.prefetch, dtype=dtype,
-                     quantize=placement.quantize, max_batch=max_batch)
-    slots = slots_class(placement.quantize)(plan.slots, index.gate_up_shape, index.down_shape, dtype,
-                                            torch.device(placement.device))
+    plan = plan_pool(
+        shape,
+        pool_mb=settings.pool_mb,
+        prefetch=settings.prefetch,
+        dtype=dtype,
+        quantize=placement.quantize,
+        max_batch=max_batch,
+    )
+    slots = slots_class(placement.quantize)(
+        plan.slots, index.gate_up_shape, index.down_shape, dtype, torch.device(placement.device)
+    )
     source: Any = None
     if slots.kind == "int8" and settings.quantized_copy and cache_dir is not None:
         try:
@@ -68,14 +98,30 @@ def load_pooled_model(folder: Path, placement: Any, *, dtype: torch.dtype, trust
     if source is None:
         source = CheckpointSource(index)
     policy = make_policy(settings.policy, plan.slots, half_life=LFRU_HALF_LIFE_PASSES * len(index.layers))
-    pool = ExpertPool(index, slots, source, policy, slot_bytes=plan.slot_bytes,
-                      routers=[router_of(model, name) for name in index.layers],
-                      prefetch=settings.prefetch, readers=settings.readers)
+    pool = ExpertPool(
+        index,
+        slots,
+        source,
+        policy,
+        slot_bytes=plan.slot_bytes,
+        routers=[router_of(model, name) for name in index.layers],
+        prefetch=settings.prefetch,
+        readers=settings.readers,
+    )
     attach(model, experts, pool)
-    log.info("expert_pool", slots=plan.slots, slot_mib=round(plan.slot_bytes / (1 << 20), 3),
-             pool_mib=round(plan.pool_bytes / (1 << 20), 1), experts=plan.total_experts,
-             experts_mib=round(index.total_bytes / (1 << 20), 1), policy=settings.policy, prefetch=settings.prefetch,
-             format=slots.kind, source=type(source).__name__, direct_io=getattr(source, "direct", False))
+    log.info(
+        "expert_pool",
+        slots=plan.slots,
+        slot_mib=round(plan.slot_bytes / (1 << 20), 3),
+        pool_mib=round(plan.pool_bytes / (1 << 20), 1),
+        experts=plan.total_experts,
+        experts_mib=round(index.total_bytes / (1 << 20), 1),
+        policy=settings.policy,
+        prefetch=settings.prefetch,
+        format=slots.kind,
+        source=type(source).__name__,
+        direct_io=getattr(source, "direct", False),
+    )
     return model, pool
 
 

@@ -19,9 +19,10 @@ from __future__ import annotations
 import json
 import re
 import struct
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterable
+from typing import Any
 
 import torch
 
@@ -87,7 +88,9 @@ def tensor_table(files: list[Path]) -> dict[str, TensorEntry]:
         header.pop("__metadata__", None)
         for name, info in header.items():
             begin, end = info["data_offsets"]
-            table[name] = TensorEntry(number, start + begin, end - begin, _DTYPES.get(info["dtype"]), tuple(info["shape"]))
+            table[name] = TensorEntry(
+                number, start + begin, end - begin, _DTYPES.get(info["dtype"]), tuple(info["shape"])
+            )
     return table
 
 
@@ -134,8 +137,13 @@ def build_index(folder: Path, model: Any, experts: dict[str, Any]) -> ExpertInde
     count, gate_up_rows, hidden = first.gate_up_proj.shape
     down_shape = tuple(first.down_proj.shape[1:])
     for name, module in experts.items():
-        if tuple(module.gate_up_proj.shape) != (count, gate_up_rows, hidden) or tuple(module.down_proj.shape[1:]) != down_shape:
-            raise CheckpointLayoutError(f"{name}: experts of different shapes in one model are not supported by the pool")
+        if (
+            tuple(module.gate_up_proj.shape) != (count, gate_up_rows, hidden)
+            or tuple(module.down_proj.shape[1:]) != down_shape
+        ):
+            raise CheckpointLayoutError(
+                f"{name}: experts of different shapes in one model are not supported by the pool"
+            )
     found: list[list[list[Piece]]] = [[[] for _ in range(count)] for _ in layers]
     number_of = {name: i for i, name in enumerate(layers)}
     dense: list[str] = []
@@ -152,13 +160,22 @@ def build_index(folder: Path, model: Any, experts: dict[str, Any]) -> ExpertInde
         layer = number_of[module_name]
         for expert, piece in _pieces(key, entry, part, pattern, by_pattern, count, gate_up_rows, down_shape):
             found[layer][expert].append(piece)
-    pieces = [[_complete(layers[l], e, found[l][e], gate_up_rows, down_shape[0]) for e in range(count)] for l in range(len(layers))]
+    pieces = [
+        [_complete(layers[i], e, found[i][e], gate_up_rows, down_shape[0]) for e in range(count)]
+        for i in range(len(layers))
+    ]
     return ExpertIndex(files, layers, count, (gate_up_rows, hidden), down_shape, pieces, dense)
 
 
 def _pieces(
-    key: str, entry: TensorEntry, part: str, pattern: str | None, by_pattern: dict[str, Any],
-    count: int, gate_up_rows: int, down_shape: tuple[int, int],
+    key: str,
+    entry: TensorEntry,
+    part: str,
+    pattern: str | None,
+    by_pattern: dict[str, Any],
+    count: int,
+    gate_up_rows: int,
+    down_shape: tuple[int, int],
 ) -> Iterable[tuple[int, Piece]]:
     rows_total = gate_up_rows if part == "gate_up_proj" else down_shape[0]
     if pattern is None:  # stored fused: slice [e] of [E, rows, cols]

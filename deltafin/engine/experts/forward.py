@@ -18,8 +18,9 @@ IMPLEMENTATION = "deltafin_pool"
 
 
 @torch.compiler.disable  # the pool's bookkeeping is Python; a compiled step calls it as one opaque function
-def pooled_experts_forward(self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
-                           top_k_weights: torch.Tensor) -> torch.Tensor:
+def pooled_experts_forward(
+    self: Any, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
     binding = getattr(self, "_deltafin_pool", None)
     if binding is None:
         raise RuntimeError(f"{type(self).__name__} runs the expert pool's implementation without a pool attached")

@@ -37,12 +37,19 @@ def experts_modules(model: nn.Module) -> dict[str, nn.Module]:
     for name, module in model.named_modules():
         if not hasattr(module, "_is_expert_parallel") or not hasattr(module, "gate_up_proj"):
             continue  # not built by @use_experts_implementation with fused gate/up weights
-        layout = {"has_gate": True, "has_bias": False, "is_transposed": False, "is_concatenated": True,
-                  "has_post_expert_norm": False}
+        layout = {
+            "has_gate": True,
+            "has_bias": False,
+            "is_transposed": False,
+            "is_concatenated": True,
+            "has_post_expert_norm": False,
+        }
         wrong = [key for key, value in layout.items() if getattr(module, key, value) != value]
         if wrong or getattr(module.gate_up_proj, "ndim", 0) != 3:
-            raise NotPoolable(f"{name} ({type(module).__name__}): experts with {', '.join(wrong) or 'this layout'} "
-                              "are not supported by the expert pool")
+            raise NotPoolable(
+                f"{name} ({type(module).__name__}): experts with {', '.join(wrong) or 'this layout'} "
+                "are not supported by the expert pool"
+            )
         found[name] = module
     return found
 
@@ -89,8 +96,13 @@ def model_shape(model: nn.Module, experts: dict[str, nn.Module]) -> ModelShape:
     if not top_k:
         raise NotPoolable(f"{first_name}: cannot tell how many experts a token is routed to")
     count, gate_up_rows, hidden = first.gate_up_proj.shape
-    return ModelShape(len(experts), int(count), int(top_k), (int(gate_up_rows), int(hidden)),
-                      tuple(int(n) for n in first.down_proj.shape[1:]))  # type: ignore[arg-type]
+    return ModelShape(
+        len(experts),
+        int(count),
+        int(top_k),
+        (int(gate_up_rows), int(hidden)),
+        tuple(int(n) for n in first.down_proj.shape[1:]),
+    )  # type: ignore[arg-type]
 
 
 def load_dense(
@@ -115,8 +127,8 @@ def load_dense(
     handles = {path: safe_open(str(path), framework="pt", device="cpu") for path in index.files}
     try:
         located = {}
-        for path, handle in handles.items():
-            for key in handle.keys():
+        for _path, handle in handles.items():
+            for key in handle:
                 located[key] = handle
         state: dict[str, Any] = {key: located[key].get_slice(key) for key in index.dense_keys}
         for name in index.layers:

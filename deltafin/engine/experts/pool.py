@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import structlog
 import torch
@@ -45,10 +46,10 @@ class PoolCounters:
     misses: int = 0
     bytes_read: int = 0
 
-    def __sub__(self, other: "PoolCounters") -> "PoolCounters":
+    def __sub__(self, other: PoolCounters) -> PoolCounters:
         return PoolCounters(self.hits - other.hits, self.misses - other.misses, self.bytes_read - other.bytes_read)
 
-    def __add__(self, other: "PoolCounters") -> "PoolCounters":
+    def __add__(self, other: PoolCounters) -> PoolCounters:
         return PoolCounters(self.hits + other.hits, self.misses + other.misses, self.bytes_read + other.bytes_read)
 
 
@@ -109,9 +110,15 @@ class ExpertPool:
 
     def stats(self) -> PoolStats:
         return PoolStats(
-            slots=self.slots.count, occupied=self.slots.count - len(self._free), slot_bytes=self.slot_bytes,
-            hits=self.hits, misses=self.misses, bytes_read=self.bytes_read, prefetch_reads=self.prefetch_reads,
-            prefetch_hits=self.prefetch_hits, wait_seconds=self.wait_seconds,
+            slots=self.slots.count,
+            occupied=self.slots.count - len(self._free),
+            slot_bytes=self.slot_bytes,
+            hits=self.hits,
+            misses=self.misses,
+            bytes_read=self.bytes_read,
+            prefetch_reads=self.prefetch_reads,
+            prefetch_hits=self.prefetch_hits,
+            wait_seconds=self.wait_seconds,
         )
 
     def compute_threads(self, threads: int) -> int:
@@ -127,8 +134,9 @@ class ExpertPool:
 
     # One experts call.
 
-    def forward(self, layer: int, module: Any, hidden: torch.Tensor, top_k_index: torch.Tensor,
-                top_k_weights: torch.Tensor) -> torch.Tensor:
+    def forward(
+        self, layer: int, module: Any, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
         """hidden: [T, H]; top_k_index, top_k_weights: [T, k] -> the routed experts' output [T, H]."""
         self._tick += 1
         tokens, k = top_k_index.shape
@@ -148,8 +156,9 @@ class ExpertPool:
                     out = self._run(module, hidden, ids, weights, k, ready, out)
                 if pending:
                     self._wait(pending)
-                    out = self._run(module, hidden, ids, weights, k,
-                                    {e: s for e, s in slot_of.items() if s in pending}, out)
+                    out = self._run(
+                        module, hidden, ids, weights, k, {e: s for e, s in slot_of.items() if s in pending}, out
+                    )
             finally:
                 for slot in slot_of.values():
                     self._pins[slot] -= 1
@@ -157,8 +166,16 @@ class ExpertPool:
         # as transformers' grouped_mm: a deterministic sum over each token's k choices
         return out.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
 
-    def _run(self, module: Any, hidden: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, k: int,
-             slot_of: dict[int, int], out: torch.Tensor | None) -> torch.Tensor:
+    def _run(
+        self,
+        module: Any,
+        hidden: torch.Tensor,
+        ids: torch.Tensor,
+        weights: torch.Tensor,
+        k: int,
+        slot_of: dict[int, int],
+        out: torch.Tensor | None,
+    ) -> torch.Tensor:
         """Compute the (token, choice) pairs routed to the experts in `slot_of` into `out` [T * k, H]."""
         lut = torch.full((self.index.experts,), -1, dtype=torch.long, device=ids.device)
         lut[torch.tensor(list(slot_of), device=ids.device)] = torch.tensor(list(slot_of.values()), device=ids.device)

@@ -11,9 +11,9 @@ import itertools
 import os
 import queue
 import threading
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from pathlib import Path
-from typing import Callable, Sequence
 
 import torch
 

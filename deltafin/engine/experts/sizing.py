@@ -38,8 +38,9 @@ class PoolPlan:
         return self.slots * self.slot_bytes
 
 
-def plan_pool(shape: ModelShape, *, pool_mb: int, prefetch: bool, dtype: torch.dtype, quantize: str,
-              max_batch: int) -> PoolPlan:
+def plan_pool(
+    shape: ModelShape, *, pool_mb: int, prefetch: bool, dtype: torch.dtype, quantize: str, max_batch: int
+) -> PoolPlan:
     slot_bytes = slots_class(quantize).slot_bytes(shape.gate_up_shape, shape.down_shape, dtype)
     total = shape.layers * shape.experts
     slots = min(pool_mb * MIB // slot_bytes, total)  # more slots than experts would never be used

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import math
 import threading
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -36,8 +37,14 @@ def _bytes_of(tensor: torch.Tensor) -> memoryview:
 class FloatSlots:
     kind = "float"
 
-    def __init__(self, count: int, gate_up_shape: tuple[int, int], down_shape: tuple[int, int],
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        count: int,
+        gate_up_shape: tuple[int, int],
+        down_shape: tuple[int, int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.count = count
         # torch.empty: a slot's pages are touched (and counted in the process's memory) when an expert fills it
         self.gate_up = torch.empty((count, *gate_up_shape), dtype=dtype, device=device)
@@ -74,8 +81,14 @@ class Int8Slots:
 
     kind = "int8"
 
-    def __init__(self, count: int, gate_up_shape: tuple[int, int], down_shape: tuple[int, int],
-                 dtype: torch.dtype, device: torch.device) -> None:
+    def __init__(
+        self,
+        count: int,
+        gate_up_shape: tuple[int, int],
+        down_shape: tuple[int, int],
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
         self.count = count
         self.gate_up_shape, self.down_shape = tuple(gate_up_shape), tuple(down_shape)
         self.stride = Int8Slots.slot_bytes(gate_up_shape, down_shape, dtype)
@@ -87,8 +100,12 @@ class Int8Slots:
     @staticmethod
     def _layout(gate_up_shape: Sequence[int], down_shape: Sequence[int]) -> list[tuple[str, int, int]]:
         """(name, bytes, offset) of the four tensors of a slot, each aligned."""
-        sizes = [("q_gate_up", math.prod(gate_up_shape)), ("s_gate_up", 4 * gate_up_shape[0]),
-                 ("q_down", math.prod(down_shape)), ("s_down", 4 * down_shape[0])]
+        sizes = [
+            ("q_gate_up", math.prod(gate_up_shape)),
+            ("s_gate_up", 4 * gate_up_shape[0]),
+            ("q_down", math.prod(down_shape)),
+            ("s_down", 4 * down_shape[0]),
+        ]
         layout, at = [], 0
         for name, size in sizes:
             layout.append((name, size, at))
@@ -143,8 +160,10 @@ class Int8Slots:
 
     def bind(self, slot: int) -> None:
         views = self.views(self.record(slot))
-        self.modules[slot] = (int8.linear(views["q_gate_up"], views["s_gate_up"]),
-                              int8.linear(views["q_down"], views["s_down"]))
+        self.modules[slot] = (
+            int8.linear(views["q_gate_up"], views["s_gate_up"]),
+            int8.linear(views["q_down"], views["s_down"]),
+        )
 
     def project(self, module: Any, x: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
         out = torch.empty((x.shape[0], self.down_shape[0]), dtype=x.dtype, device=x.device)

@@ -80,8 +80,17 @@ class Int8Copy:
 def int8_copy_path(folder: Path, index: ExpertIndex, stride: int, cache_dir: Path) -> Path:
     from deltafin.engine.quant.quantize import FORMAT, source_key
 
-    key = source_key(folder, "int8-experts", INT8_COPY_FORMAT, FORMAT, len(index.layers), index.experts,
-                     index.gate_up_shape, index.down_shape, stride)
+    key = source_key(
+        folder,
+        "int8-experts",
+        INT8_COPY_FORMAT,
+        FORMAT,
+        len(index.layers),
+        index.experts,
+        index.gate_up_shape,
+        index.down_shape,
+        stride,
+    )
     return cache_dir / "experts" / f"{folder.name}-int8-{key}.bin"
 
 
@@ -97,8 +106,12 @@ def open_int8_copy(folder: Path, index: ExpertIndex, slots: Any, cache_dir: Path
 
 def _write_int8_copy(path: Path, index: ExpertIndex, slots: Any, size: int) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
-    log.info("expert_int8_copy_start", path=str(path), experts=len(index.layers) * index.experts,
-             mib=round(size / (1 << 20), 1))
+    log.info(
+        "expert_int8_copy_start",
+        path=str(path),
+        experts=len(index.layers) * index.experts,
+        mib=round(size / (1 << 20), 1),
+    )
     started = time.perf_counter()
     staging = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     reader = ExpertReader(index.files)

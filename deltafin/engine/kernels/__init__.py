@@ -30,8 +30,8 @@ import os
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import structlog
 import torch
@@ -43,8 +43,17 @@ SOURCE_DIR = Path(__file__).parent
 VARIANTS: dict[str, list[str]] = {
     "portable": [],
     "avx2": ["-DDELTAFIN_VARIANT_AVX2", "-mavx2", "-mfma", "-mf16c"],
-    "avx512": ["-DDELTAFIN_VARIANT_AVX512", "-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw", "-mavx512vl",
-               "-mavx512dq", "-mavx512vnni"],
+    "avx512": [
+        "-DDELTAFIN_VARIANT_AVX512",
+        "-mavx2",
+        "-mfma",
+        "-mf16c",
+        "-mavx512f",
+        "-mavx512bw",
+        "-mavx512vl",
+        "-mavx512dq",
+        "-mavx512vnni",
+    ],
 }
 #: `deltafin_cpu_features()` bits a variant needs
 _NEEDS = {"portable": 0, "avx2": 1, "avx512": 3}
@@ -130,8 +139,12 @@ def variant() -> str:
     if wanted and wanted in runnable:
         return wanted
     if wanted:
-        log.warning("kernel_variant_refused", wanted=wanted, runnable=runnable,
-                    reason="unknown variant" if wanted not in VARIANTS else "this CPU cannot run it")
+        log.warning(
+            "kernel_variant_refused",
+            wanted=wanted,
+            runnable=runnable,
+            reason="unknown variant" if wanted not in VARIANTS else "this CPU cannot run it",
+        )
     return runnable[0]
 
 
@@ -179,8 +192,17 @@ def int8_matvec() -> Int8Matvec | None:
         x = x.contiguous()
         (m, k), n = x.shape, w.shape[0]
         y = torch.empty(m, n, dtype=torch.float32)
-        function(x.data_ptr(), w.data_ptr(), scale.data_ptr(), None if bias is None else bias.data_ptr(),
-                 y.data_ptr(), m, n, k, torch.get_num_threads())
+        function(
+            x.data_ptr(),
+            w.data_ptr(),
+            scale.data_ptr(),
+            None if bias is None else bias.data_ptr(),
+            y.data_ptr(),
+            m,
+            n,
+            k,
+            torch.get_num_threads(),
+        )
         return y
 
     return run

@@ -10,7 +10,8 @@ kinds it does not know are refused when the model loads.
 
 from __future__ import annotations
 
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 from transformers import DynamicCache

@@ -38,7 +38,7 @@ SUPPORTED = (DynamicLayer, LinearAttentionLayer, LinearAttentionAndFullAttention
 #: why a layer kind cannot run, for the one-line load error
 _REASONS = {
     DynamicSlidingWindowLayer: "sliding-window attention (the batched cache keeps every position: a window "
-                               "would be cropped across rows of different lengths)",
+    "would be cropped across rows of different lengths)",
     DynamicIndexedLayer: "indexed sparse attention (its indexer keys are not carried by the batched cache)",
 }
 
@@ -157,7 +157,7 @@ def _initialized(layer: Any) -> list[tuple[int, str]]:
 def _copy_state_facts(into: Any, source: Any) -> None:
     """What transformers keeps beside the states: which are there, their kernel size, whether a forward pass
     has run (the next one then continues them instead of starting a prompt), device and dtype."""
-    for table, flags in _STATE_TABLES:
+    for _table, flags in _STATE_TABLES:
         getattr(into, flags).update(getattr(source, flags))
     into.conv_kernel_size.update(source.conv_kernel_size)
     into.has_previous_state.update(source.has_previous_state)

@@ -6,7 +6,8 @@ exactly the tokens it saw: it is reused only when all of them start the new prom
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from deltafin.engine.kv.cache_layers import exact_length_only
 
@@ -57,8 +58,11 @@ class PrefixCache:
         # An attention-only entry that is a prefix of the new one is never the better match: drop it. One
         # with recurrent state still serves prompts that leave the new entry's path after it (an assistant
         # turn rendered back otherwise than it was generated): only an identical one goes.
-        self._items = [(c, old) for c, old in self._items
-                       if _common_prefix(old, ids) < len(old) or (exact_length_only(c) and old != ids)]
+        self._items = [
+            (c, old)
+            for c, old in self._items
+            if _common_prefix(old, ids) < len(old) or (exact_length_only(c) and old != ids)
+        ]
         self._items.append((cache, list(ids)))
         del self._items[: -self._entries]
 

@@ -18,8 +18,9 @@ transformers forward.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -55,9 +56,10 @@ def _fuse(parts: list[nn.Module]) -> nn.Module:
         fused = nn.Linear(weight.shape[1], weight.shape[0], bias=has_bias, device=weight.device, dtype=weight.dtype)
         fused.weight = nn.Parameter(weight, requires_grad=False)
         if has_bias:
-            fused.bias = nn.Parameter(torch.cat([
-                p.bias.detach() if p.bias is not None else weight.new_zeros(p.out_features) for p in parts
-            ]), requires_grad=False)
+            fused.bias = nn.Parameter(
+                torch.cat([p.bias.detach() if p.bias is not None else weight.new_zeros(p.out_features) for p in parts]),
+                requires_grad=False,
+            )
         start = 0
         for p in parts:
             end = start + p.out_features
@@ -101,13 +103,26 @@ class FusedLlamaStep:
         #: layers take their buffers with them (and a new layer can never inherit an old one's buffer).
         self._room: weakref.WeakKeyDictionary[Any, tuple[torch.Tensor, torch.Tensor]] = weakref.WeakKeyDictionary()
 
-    def __call__(self, model: Any, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
-                 cache: Any, *, cache_arg: str = "cache") -> torch.Tensor:
+    def __call__(
+        self,
+        model: Any,
+        tokens: torch.Tensor,
+        attention_mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any,
+        *,
+        cache_arg: str = "cache",
+    ) -> torch.Tensor:
         layers = cache.layers
         return self.forward(tokens, attention_mask, positions, lambda i, k, v: self._append(layers[i], k, v))
 
-    def forward(self, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
-                write: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    def forward(
+        self,
+        tokens: torch.Tensor,
+        attention_mask: torch.Tensor,
+        positions: torch.Tensor,
+        write: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
         """tokens [B, 1], attention_mask [B, S] (0 = hidden), positions [B, 1] -> logits [B, V].
         `write(layer, keys, values)` stores the new position's keys and values [B, Hk, 1, D] in the layer's
         cache and returns the keys and values to attend over ([B, Hk, S, D]): the eager step appends
@@ -149,11 +164,19 @@ class FusedLlamaStep:
         Eager only: under placement.compile the static step (`deltafin.engine.llama.fused_static`) owns the buffers."""
         room = self._room.get(kv)
         length = kv.keys.shape[2]
-        if (room is None or room[0].data_ptr() != kv.keys.data_ptr() or room[0].shape[:2] != kv.keys.shape[:2]
-                or kv.keys.stride() != room[0].stride() or length >= room[0].shape[2]):
+        if (
+            room is None
+            or room[0].data_ptr() != kv.keys.data_ptr()
+            or room[0].shape[:2] != kv.keys.shape[:2]
+            or kv.keys.stride() != room[0].stride()
+            or length >= room[0].shape[2]
+        ):
             rows, kv_heads, _, dim = kv.keys.shape
             capacity = length + ROOM
-            room = (kv.keys.new_empty(rows, kv_heads, capacity, dim), kv.values.new_empty(rows, kv_heads, capacity, dim))
+            room = (
+                kv.keys.new_empty(rows, kv_heads, capacity, dim),
+                kv.values.new_empty(rows, kv_heads, capacity, dim),
+            )
             room[0][:, :, :length] = kv.keys
             room[1][:, :, :length] = kv.values
             self._room[kv] = room
@@ -176,9 +199,14 @@ def fused_llama_step(model: Any) -> FusedLlamaStep | None:
     layers = []
     for block in model.model.layers:
         attention, mlp = block.self_attn, block.mlp
-        layers.append(_Layer(
-            block.input_layernorm.weight, _fuse([attention.q_proj, attention.k_proj, attention.v_proj]),
-            attention.o_proj, block.post_attention_layernorm.weight, _fuse([mlp.gate_proj, mlp.up_proj]),
-            mlp.down_proj,
-        ))
+        layers.append(
+            _Layer(
+                block.input_layernorm.weight,
+                _fuse([attention.q_proj, attention.k_proj, attention.v_proj]),
+                attention.o_proj,
+                block.post_attention_layernorm.weight,
+                _fuse([mlp.gate_proj, mlp.up_proj]),
+                mlp.down_proj,
+            )
+        )
     return FusedLlamaStep(model, layers)

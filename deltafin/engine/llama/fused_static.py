@@ -19,7 +19,8 @@ it pays no padding.
 from __future__ import annotations
 
 import types
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -39,8 +40,15 @@ def capacity_bucket(width: int, bucket: int = CAPACITY_BUCKET) -> int:
     return -(-width // bucket) * bucket
 
 
-def _static_body(step: FusedLlamaStep, tokens: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor,
-                 index: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor]) -> torch.Tensor:
+def _static_body(
+    step: FusedLlamaStep,
+    tokens: torch.Tensor,
+    mask: torch.Tensor,
+    positions: torch.Tensor,
+    index: torch.Tensor,
+    keys: list[torch.Tensor],
+    values: list[torch.Tensor],
+) -> torch.Tensor:
     """tokens [R, 1], mask [R, C], positions [R, 1], index [1] (the column to write), per-layer buffers
     [R, Hk, C, D] -> logits [R, V]."""
 
@@ -72,8 +80,16 @@ class StaticFusedStep:
         #: the per-layer views last given to the cache: still there means the buffers still hold the cache
         self._views: list[tuple[torch.Tensor, torch.Tensor]] = []
 
-    def __call__(self, model: Any, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
-                 cache: Any, *, cache_arg: str = "cache") -> torch.Tensor:
+    def __call__(
+        self,
+        model: Any,
+        tokens: torch.Tensor,
+        attention_mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any,
+        *,
+        cache_arg: str = "cache",
+    ) -> torch.Tensor:
         rows, width = attention_mask.shape  # width = L + 1
         shape = (row_bucket(rows), capacity_bucket(width, self.bucket))
         self._ensure_buffers(cache.layers, shape)
@@ -85,8 +101,15 @@ class StaticFusedStep:
         mask[:rows, :width] = attention_mask
         mask[rows:] = 1  # dummy rows attend everything (finite zeros): no row of -inf, so no NaN
         index = torch.tensor([width - 1], device=tokens.device)
-        logits = graph(self.fused, F.pad(tokens, (0, 0, 0, pad)), mask, F.pad(positions, (0, 0, 0, pad)), index,
-                       [k for k, _ in self._buffers], [v for _, v in self._buffers])  # [R, V]
+        logits = graph(
+            self.fused,
+            F.pad(tokens, (0, 0, 0, pad)),
+            mask,
+            F.pad(positions, (0, 0, 0, pad)),
+            index,
+            [k for k, _ in self._buffers],
+            [v for _, v in self._buffers],
+        )  # [R, V]
         self._views = [(k[:rows, :, :width], v[:rows, :, :width]) for k, v in self._buffers]
         for layer, (k, v) in zip(cache.layers, self._views):
             layer.keys, layer.values = k, v

@@ -38,25 +38,42 @@ ROOM = 256
 
 
 class _Matrix(ctypes.Structure):
-    _fields_ = [("data", ctypes.c_void_p), ("type", ctypes.c_int64), ("rows", ctypes.c_int64),
-                ("cols", ctypes.c_int64), ("row_bytes", ctypes.c_int64)]
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("type", ctypes.c_int64),
+        ("rows", ctypes.c_int64),
+        ("cols", ctypes.c_int64),
+        ("row_bytes", ctypes.c_int64),
+    ]
 
 
 class _Layer(ctypes.Structure):
-    _fields_ = [("attn_norm", ctypes.c_void_p), ("ffn_norm", ctypes.c_void_p),
-                *[(name, _Matrix) for name in ("q", "k", "v", "o", "gate", "up", "down")]]
+    _fields_ = [
+        ("attn_norm", ctypes.c_void_p),
+        ("ffn_norm", ctypes.c_void_p),
+        *[(name, _Matrix) for name in ("q", "k", "v", "o", "gate", "up", "down")],
+    ]
 
 
 class _Model(ctypes.Structure):
-    _fields_ = [*[(name, ctypes.c_int64) for name in
-                  ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")],
-                ("eps", ctypes.c_float), ("scale", ctypes.c_float), ("layer", ctypes.POINTER(_Layer)),
-                ("embed", _Matrix), ("head", _Matrix), ("norm", ctypes.c_void_p)]
+    _fields_ = [
+        *[
+            (name, ctypes.c_int64)
+            for name in ("layers", "hidden", "heads", "kv_heads", "head_dim", "intermediate", "vocab")
+        ],
+        ("eps", ctypes.c_float),
+        ("scale", ctypes.c_float),
+        ("layer", ctypes.POINTER(_Layer)),
+        ("embed", _Matrix),
+        ("head", _Matrix),
+        ("norm", ctypes.c_void_p),
+    ]
 
 
 def _matrix(linear: GGMLLinear) -> _Matrix:
-    return _Matrix(linear.blocks.data_ptr(), linear.ggml_type, linear.out_features, linear.in_features,
-                   linear.row_bytes)
+    return _Matrix(
+        linear.blocks.data_ptr(), linear.ggml_type, linear.out_features, linear.in_features, linear.row_bytes
+    )
 
 
 class _Room:
@@ -148,28 +165,55 @@ class NativeLlamaStep:
         for i, block in enumerate(inner.layers):
             a, m = block.self_attn, block.mlp
             self._layers[i] = _Layer(
-                block.input_layernorm.weight.data_ptr(), block.post_attention_layernorm.weight.data_ptr(),
+                block.input_layernorm.weight.data_ptr(),
+                block.post_attention_layernorm.weight.data_ptr(),
                 *[_matrix(p) for p in (a.q_proj, a.k_proj, a.v_proj, a.o_proj, m.gate_proj, m.up_proj, m.down_proj)],
             )
         self._model = _Model(
-            len(inner.layers), config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
-            self.head_dim, config.intermediate_size, self.vocab, config.rms_norm_eps, attention.scaling,
-            self._layers, _matrix(inner.embed_tokens.table), _matrix(model.lm_head), inner.norm.weight.data_ptr(),
+            len(inner.layers),
+            config.hidden_size,
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            self.head_dim,
+            config.intermediate_size,
+            self.vocab,
+            config.rms_norm_eps,
+            attention.scaling,
+            self._layers,
+            _matrix(inner.embed_tokens.table),
+            _matrix(model.lm_head),
+            inner.norm.weight.data_ptr(),
         )
         self._forward = ggml().deltafin_llama_forward  # type: ignore[union-attr]
         self._cos = self._sin = torch.empty(0, self.head_dim // 2)
         self._decode_room = _Room(len(inner.layers))
         self._prefill_room = _Room(len(inner.layers))
 
-    def __call__(self, model: Any, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor,
-                 cache: Any, *, cache_arg: str = "cache") -> torch.Tensor:
+    def __call__(
+        self,
+        model: Any,
+        tokens: torch.Tensor,
+        attention_mask: torch.Tensor,
+        positions: torch.Tensor,
+        cache: Any,
+        *,
+        cache_arg: str = "cache",
+    ) -> torch.Tensor:
         """One decode step of the batch: each row's token written at column L (= width - 1) of its row."""
         rows, width = attention_mask.shape
         capacity = self._decode_room.ensure(cache.layers, width - 1, width)
         rows_index = torch.arange(rows)
-        return self._run(tokens.reshape(rows), positions.reshape(rows), rows_index,
-                         torch.full((rows,), width - 1, dtype=torch.int64), attention_mask.to(torch.int64).contiguous(),
-                         width, capacity, self._decode_room, 0)
+        return self._run(
+            tokens.reshape(rows),
+            positions.reshape(rows),
+            rows_index,
+            torch.full((rows,), width - 1, dtype=torch.int64),
+            attention_mask.to(torch.int64).contiguous(),
+            width,
+            capacity,
+            self._decode_room,
+            0,
+        )
 
     def prefill(self, ids: torch.Tensor, cache: Any, logits_to_keep: int) -> torch.Tensor:
         """ids [T] of one row after the cache's L tokens -> logits [T or the last `logits_to_keep`, V]."""
@@ -185,20 +229,51 @@ class NativeLlamaStep:
         capacity = self._prefill_room.ensure(layers, length, length + count, owned=owned)
         positions = torch.arange(length, length + count)
         first = 0 if not logits_to_keep else max(count - logits_to_keep, 0)
-        return self._run(ids, positions, torch.zeros(count, dtype=torch.int64), positions, None, length + count,
-                         capacity, self._prefill_room, first)
+        return self._run(
+            ids,
+            positions,
+            torch.zeros(count, dtype=torch.int64),
+            positions,
+            None,
+            length + count,
+            capacity,
+            self._prefill_room,
+            first,
+        )
 
-    def _run(self, tokens: torch.Tensor, positions: torch.Tensor, kv_row: torch.Tensor, kv_col: torch.Tensor,
-             mask: torch.Tensor | None, width: int, capacity: int, room: _Room, first: int) -> torch.Tensor:
+    def _run(
+        self,
+        tokens: torch.Tensor,
+        positions: torch.Tensor,
+        kv_row: torch.Tensor,
+        kv_col: torch.Tensor,
+        mask: torch.Tensor | None,
+        width: int,
+        capacity: int,
+        room: _Room,
+        first: int,
+    ) -> torch.Tensor:
         tokens = tokens.to(torch.int64).contiguous()
         positions = positions.to(torch.int64).contiguous()
         self._ensure_rotary(int(positions.max()) + 1)
         count = tokens.shape[0]
         logits = torch.empty(count - first, self.vocab, dtype=torch.float32)
         failed = self._forward(
-            ctypes.byref(self._model), tokens.data_ptr(), positions.data_ptr(), kv_row.data_ptr(), kv_col.data_ptr(),
-            None if mask is None else mask.data_ptr(), count, width, capacity, room.keys.data_ptr(),
-            room.values.data_ptr(), self._cos.data_ptr(), self._sin.data_ptr(), logits.data_ptr(), first,
+            ctypes.byref(self._model),
+            tokens.data_ptr(),
+            positions.data_ptr(),
+            kv_row.data_ptr(),
+            kv_col.data_ptr(),
+            None if mask is None else mask.data_ptr(),
+            count,
+            width,
+            capacity,
+            room.keys.data_ptr(),
+            room.values.data_ptr(),
+            self._cos.data_ptr(),
+            self._sin.data_ptr(),
+            logits.data_ptr(),
+            first,
             torch.get_num_threads(),
         )
         if failed == -2:  # the loader (gguf_native.unsupported) refuses such files first
@@ -223,31 +298,51 @@ def _native_window(input_ids, attention_mask, position_ids, cache, kwargs) -> bo
     attention layers, no padding, positions following the cache."""
     if input_ids is None or input_ids.dim() != 2 or input_ids.shape[0] != 1 or input_ids.shape[1] == 0:
         return False
-    if cache is not None and not all(type(layer).__name__ == "DynamicLayer" for layer in getattr(cache, "layers", [None])):
+    if cache is not None and not all(
+        type(layer).__name__ == "DynamicLayer" for layer in getattr(cache, "layers", [None])
+    ):
         return False
     if kwargs.get("inputs_embeds") is not None or kwargs.get("labels") is not None:
         return False
     if kwargs.get("output_attentions") or kwargs.get("output_hidden_states"):
         return False
     length = cache.get_seq_length() if cache is not None else 0
-    if attention_mask is not None and (attention_mask.shape[-1] != length + input_ids.shape[1] or not bool(attention_mask.all())):
+    if attention_mask is not None and (
+        attention_mask.shape[-1] != length + input_ids.shape[1] or not bool(attention_mask.all())
+    ):
         return False
-    if position_ids is not None and not torch.equal(
-            position_ids.reshape(-1).cpu(), torch.arange(length, length + input_ids.shape[1])):
-        return False
-    return True
+    return not (
+        position_ids is not None
+        and not torch.equal(position_ids.reshape(-1).cpu(), torch.arange(length, length + input_ids.shape[1]))
+    )
 
 
 def install_native_forward(model: Any, step: NativeLlamaStep) -> None:
     """The model's forward runs prefill windows natively (see the module docstring); other calls as before."""
     original = type(model).forward
 
-    def forward(self, input_ids=None, attention_mask=None, position_ids=None, cache=None, use_cache=None,
-                logits_to_keep=0, **kwargs):
+    def forward(
+        self,
+        input_ids=None,
+        attention_mask=None,
+        position_ids=None,
+        cache=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):
         cache = cache if cache is not None else kwargs.pop("past_key_values", None)
         if not _native_window(input_ids, attention_mask, position_ids, cache, kwargs):
-            return original(self, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                            cache=cache, use_cache=use_cache, logits_to_keep=logits_to_keep, **kwargs)
+            return original(
+                self,
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=use_cache,
+                logits_to_keep=logits_to_keep,
+                **kwargs,
+            )
         keep = logits_to_keep if isinstance(logits_to_keep, int) else 0
         own = cache if cache is not None else DynamicCache(config=self.config)  # a whole-prompt call: same bits
         logits = step.prefill(input_ids[0], own, keep)

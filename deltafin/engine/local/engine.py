@@ -24,25 +24,26 @@ import copy
 import queue
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Sequence
 
 import structlog
 import torch
 from transformers import DynamicCache
 
-from deltafin.engine.kv.batch import BatchKV
-from deltafin.engine.text.choice_decoder import ChoiceDecoder
-from deltafin.engine.experts import PoolCounters, PoolStats, charge as charge_experts
 from deltafin.engine.events import GenerationJob, PromptLogprobs
-from deltafin.engine.local.generator import PREFILL_CHUNK, PromptPrefill, cache_argument
-from deltafin.engine.local.steps import decode_step_for
+from deltafin.engine.experts import PoolCounters, PoolStats
+from deltafin.engine.experts import charge as charge_experts
 from deltafin.engine.interface import EngineCapabilities, EngineClient
-from deltafin.engine.weights.loader import LoadedModel
+from deltafin.engine.kv.batch import BatchKV
 from deltafin.engine.kv.prefix_cache import PrefixCache
+from deltafin.engine.local.generator import PREFILL_CHUNK, PromptPrefill, cache_argument
 from deltafin.engine.local.row import Row, Submission
 from deltafin.engine.local.sampler import Sampler
+from deltafin.engine.local.steps import decode_step_for
 from deltafin.engine.stream import GenerationStream
+from deltafin.engine.text.choice_decoder import ChoiceDecoder
+from deltafin.engine.weights.loader import LoadedModel
 from deltafin.errors import InvalidRequestError
 
 log = structlog.get_logger("deltafin.engine")
@@ -175,11 +176,13 @@ class LocalEngine(EngineClient):
                 sub.stream.end()
                 return
             if any(job.params.constraint is not None and job.grammar is None for job in sub.jobs):
-                sub.fail(InvalidRequestError(
-                    "Constrained decoding (response_format / enforced tool calls) needs a grammar compiled "
-                    "before the request is submitted; none came with it.",
-                    param="response_format",
-                ))
+                sub.fail(
+                    InvalidRequestError(
+                        "Constrained decoding (response_format / enforced tool calls) needs a grammar compiled "
+                        "before the request is submitted; none came with it.",
+                        param="response_format",
+                    )
+                )
                 return
             if not all(job.prompt_ids for job in sub.jobs):
                 sub.fail(InvalidRequestError("The prompt is empty: at least one token is needed.", param="prompt"))
@@ -200,8 +203,9 @@ class LocalEngine(EngineClient):
         want_prompt = job.params.prompt_logprobs
         # Prompt logprobs need logits at every prompt position, so nothing may come from the cache.
         cache, cached = self.prefix_cache.take(() if want_prompt is not None else job.prompt_ids)
-        work = PromptPrefill(self.model, job.prompt_ids, cache, cached, cache_arg=self.cache_arg,
-                             prompt_logprobs=want_prompt)
+        work = PromptPrefill(
+            self.model, job.prompt_ids, cache, cached, cache_arg=self.cache_arg, prompt_logprobs=want_prompt
+        )
         self._prefilling.append(PromptInPrefill(sub, choices, work, cached))
 
     def _prefill_chunk(self) -> None:

@@ -10,7 +10,8 @@ Both stay on the device: the only host transfer per step is the sampled ids, don
 from __future__ import annotations
 
 import inspect
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -35,8 +36,16 @@ class PromptPrefill:
     the caller passes `cached=0` for them; they are computed window by window and only the entries are kept (an
     8k prompt never holds [8k, V] logits). Any split into windows leaves the cache as one pass would."""
 
-    def __init__(self, model: Any, ids: Sequence[int], cache: Any, cached: int, *, cache_arg: str = "cache",
-                 prompt_logprobs: int | None = None) -> None:
+    def __init__(
+        self,
+        model: Any,
+        ids: Sequence[int],
+        cache: Any,
+        cached: int,
+        *,
+        cache_arg: str = "cache",
+        prompt_logprobs: int | None = None,
+    ) -> None:
         assert cached < len(ids), "prefill needs at least one token not in the cache"
         self.model = model
         self.ids = ids

@@ -12,10 +12,10 @@ from typing import Any
 
 import torch
 
-from deltafin.engine.text.choice_decoder import ChoiceDecoder
 from deltafin.engine.events import FinishReason, GenerationJob, TextDelta
 from deltafin.engine.local.sampler import Sampler
 from deltafin.engine.stream import GenerationStream
+from deltafin.engine.text.choice_decoder import ChoiceDecoder
 
 
 @dataclass(eq=False)

@@ -7,12 +7,12 @@ draw and moves them to the host in one transfer per step.
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 
-from deltafin.engine.local.row_constraint import RowConstraint
 from deltafin.engine.events import TokenLogprob
+from deltafin.engine.local.row_constraint import RowConstraint
 from deltafin.protocol.sampling import SamplingParams
 
 _FLOAT_MAX = torch.finfo(torch.float32).max
@@ -60,9 +60,13 @@ class Sampler:
             self._counts = torch.zeros(vocab_size, device=device)
         self._seen: torch.Tensor | None = None
         #: greedy with nothing to apply: the argmax of the raw logits (one operator a row, the common case)
-        self._plain_greedy = (params.greedy and constraint is None and not params.logit_bias
-                              and not (params.presence_penalty or params.frequency_penalty)
-                              and params.repetition_penalty == 1.0)
+        self._plain_greedy = (
+            params.greedy
+            and constraint is None
+            and not params.logit_bias
+            and not (params.presence_penalty or params.frequency_penalty)
+            and params.repetition_penalty == 1.0
+        )
         if params.repetition_penalty != 1.0:
             self._seen = torch.zeros(vocab_size, dtype=torch.bool, device=device)
             if prompt_ids:

@@ -8,7 +8,8 @@ model loaded with its GGUF blocks runs its whole step in C; a float or int8 Llam
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from deltafin.engine.llama.fused import fused_llama_step
 from deltafin.engine.llama.fused_static import StaticFusedStep

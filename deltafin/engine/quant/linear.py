@@ -38,7 +38,9 @@ INT8PACK_K = 16
 
 
 @torch.library.custom_op("deltafin::int8_matvec", mutates_args=())
-def int8_matvec_op(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+def int8_matvec_op(
+    x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None
+) -> torch.Tensor:
     """The C kernel as a torch operator, so torch.compile keeps it as one opaque call in the graph (a ctypes
     call would split the graph at every layer). Eager code calls the kernel directly: an operator call costs
     a few microseconds more, 121 times a step."""
@@ -71,7 +73,7 @@ class Int8Linear(nn.Module):
         return {"weight": q, "scales": scales}
 
     @classmethod
-    def fused(cls, parts: list["Int8Linear"]) -> "Int8Linear":
+    def fused(cls, parts: list[Int8Linear]) -> Int8Linear:
         """One layer computing `parts` side by side (q, k, v -> qkv): one kernel call instead of several."""
         if all(p.bias is None for p in parts):
             bias = None
@@ -98,8 +100,14 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
-    def __init__(self, packed: torch.Tensor, scales_zeros: torch.Tensor, bias: torch.Tensor | None,
-                 in_features: int, out_features: int) -> None:
+    def __init__(
+        self,
+        packed: torch.Tensor,
+        scales_zeros: torch.Tensor,
+        bias: torch.Tensor | None,
+        in_features: int,
+        out_features: int,
+    ) -> None:
         super().__init__()
         self.in_features, self.out_features = in_features, out_features
         self.register_buffer("weight", packed)  # packed int4, layout owned by the kernel
@@ -133,7 +141,9 @@ class GGMLLinear(nn.Module):
     """A linear layer over a GGUF tensor's blocks: `blocks` uint8 [N, row bytes] (one weight row per line, in
     a 64-byte-aligned torch buffer), ggml type id `ggml_type`, float32 activations in and out."""
 
-    def __init__(self, blocks: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None = None) -> None:
+    def __init__(
+        self, blocks: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None = None
+    ) -> None:
         super().__init__()
         library = ggml()
         assert library is not None and library.deltafin_ggml_supported(ggml_type), "loader checks this first"
@@ -151,9 +161,18 @@ class GGMLLinear(nn.Module):
         rows = x.reshape(-1, self.in_features).float().contiguous()
         out = torch.empty(rows.shape[0], self.out_features, dtype=torch.float32)
         bias = None if self.bias is None else self.bias.data_ptr()
-        failed = self._matmul(rows.data_ptr(), rows.shape[0], self.blocks.data_ptr(), self.ggml_type,
-                              self.out_features, self.in_features, self.row_bytes, bias, out.data_ptr(),
-                              torch.get_num_threads())
+        failed = self._matmul(
+            rows.data_ptr(),
+            rows.shape[0],
+            self.blocks.data_ptr(),
+            self.ggml_type,
+            self.out_features,
+            self.in_features,
+            self.row_bytes,
+            bias,
+            out.data_ptr(),
+            torch.get_num_threads(),
+        )
         if failed:
             raise MemoryError("the GGML matmul could not allocate its activation buffer")
         return out.reshape(*shape[:-1], self.out_features).to(x.dtype)
@@ -162,8 +181,15 @@ class GGMLLinear(nn.Module):
         """The float32 weight rows `rows` (all when None): for embedding lookups and tests, never kept."""
         ids = torch.arange(self.out_features) if rows is None else rows.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(ids.shape[0], self.in_features, dtype=torch.float32)
-        ggml().deltafin_ggml_dequantize(self.blocks.data_ptr(), self.ggml_type, self.in_features, self.row_bytes,
-                                        ids.data_ptr(), ids.shape[0], out.data_ptr())
+        ggml().deltafin_ggml_dequantize(
+            self.blocks.data_ptr(),
+            self.ggml_type,
+            self.in_features,
+            self.row_bytes,
+            ids.data_ptr(),
+            ids.shape[0],
+            out.data_ptr(),
+        )
         return out
 
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from deltafin.engine.text.detokenizer import IncrementalDetokenizer
 from deltafin.engine.events import Finished, FinishReason, TextDelta, TokenLogprob
+from deltafin.engine.text.detokenizer import IncrementalDetokenizer
 from deltafin.engine.text.stops import StopMatcher
 from deltafin.protocol.sampling import SamplingParams
 

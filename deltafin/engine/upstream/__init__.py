@@ -5,7 +5,8 @@ Each builder takes the composed config and returns an `EngineClient`; only the t
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Callable
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 from deltafin.config import DeltafinConfig
 from deltafin.engine.upstream.engine import Adapter, UpstreamEngine, UpstreamSettings
@@ -17,13 +18,20 @@ if TYPE_CHECKING:  # the loader (and its torch import) waits until an engine is 
 def settings_of(config: DeltafinConfig) -> UpstreamSettings:
     e = config.engine
     return UpstreamSettings(
-        url=str(e.url), max_inflight=e.max_inflight, connect_timeout_s=e.connect_timeout_s,
-        read_timeout_s=e.read_timeout_s, retry_after_s=e.retry_after_s, model=e.model, api_key=e.api_key,
+        url=str(e.url),
+        max_inflight=e.max_inflight,
+        connect_timeout_s=e.connect_timeout_s,
+        read_timeout_s=e.read_timeout_s,
+        retry_after_s=e.retry_after_s,
+        model=e.model,
+        api_key=e.api_key,
         spare_connections=e.spare_connections,
     )
 
 
-def _builder(name: str, make_adapter: Callable[[DeltafinConfig, TokenizerBundle], Adapter]) -> Callable[..., UpstreamEngine]:
+def _builder(
+    name: str, make_adapter: Callable[[DeltafinConfig, TokenizerBundle], Adapter]
+) -> Callable[..., UpstreamEngine]:
     def build(config: DeltafinConfig, **kwargs: Any) -> UpstreamEngine:
         from deltafin.engine.weights.tokenizer_only import load_tokenizer_only
 

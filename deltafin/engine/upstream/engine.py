@@ -15,17 +15,17 @@ import time
 import uuid
 import weakref
 from abc import ABC, abstractmethod
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Callable, Iterator, Protocol, Sequence
+from typing import Any, Protocol
 
 import msgspec
 import structlog
 
-from deltafin.engine.text.choice_decoder import ChoiceDecoder
 from deltafin.engine.events import GenerationJob, TextDelta
 from deltafin.engine.interface import EngineCapabilities, EngineClient, Readiness
 from deltafin.engine.stream import GenerationStream
-from deltafin.engine.weights.tokenizer_only import TokenizerBundle
+from deltafin.engine.text.choice_decoder import ChoiceDecoder
 from deltafin.engine.upstream.health import UpstreamHealth
 from deltafin.engine.upstream.http1 import (
     ConnectFailed,
@@ -44,6 +44,7 @@ from deltafin.engine.upstream.wire import (
     error_in_stream,
     sse_batches,
 )
+from deltafin.engine.weights.tokenizer_only import TokenizerBundle
 from deltafin.errors import DeltafinError, UpstreamError, UpstreamTimeoutError, UpstreamUnavailableError
 
 log = structlog.get_logger("deltafin.upstream")
@@ -112,8 +113,14 @@ class Adapter(ABC):
 
 
 class UpstreamEngine(EngineClient):
-    def __init__(self, adapter: Adapter, bundle: TokenizerBundle, *, connect: Connector | None = None,
-                 observer: UpstreamObserver | None = None) -> None:
+    def __init__(
+        self,
+        adapter: Adapter,
+        bundle: TokenizerBundle,
+        *,
+        connect: Connector | None = None,
+        observer: UpstreamObserver | None = None,
+    ) -> None:
         self.adapter = adapter
         self.settings = adapter.settings
         self.name = adapter.engine
@@ -186,9 +193,18 @@ class UpstreamEngine(EngineClient):
             s = self.settings
             headers = {"Authorization": f"Bearer {s.api_key}"} if s.api_key else {}
             # Idle connections for every generation in flight, plus the health check and aborts.
-            self._pool = (loop, Http1Pool(self.target.url, max_idle=s.max_inflight + 2, headers=headers, connect=self._connect,
-                                          connect_timeout_s=s.connect_timeout_s, read_timeout_s=s.read_timeout_s,
-                                          spare=s.spare_connections))
+            self._pool = (
+                loop,
+                Http1Pool(
+                    self.target.url,
+                    max_idle=s.max_inflight + 2,
+                    headers=headers,
+                    connect=self._connect,
+                    connect_timeout_s=s.connect_timeout_s,
+                    read_timeout_s=s.read_timeout_s,
+                    spare=s.spare_connections,
+                ),
+            )
         return self._pool[1]
 
     async def _stop(self, pending: set[asyncio.Task[None]], rids: list[str], tasks: list[asyncio.Task[None]]) -> None:
@@ -205,7 +221,9 @@ class UpstreamEngine(EngineClient):
             return
         path, body = call
         try:
-            async with self.pool.request("POST", path, _encode(body), read_timeout_s=self.settings.connect_timeout_s) as response:
+            async with self.pool.request(
+                "POST", path, _encode(body), read_timeout_s=self.settings.connect_timeout_s
+            ) as response:
                 await response.read_all()
         except TransportError as exc:  # the connection is closed anyway; the upstream notices in time
             log.warning("upstream_abort_failed", engine=self.name, error=type(exc).__name__)
@@ -225,8 +243,15 @@ class UpstreamEngine(EngineClient):
             return frozenset()
         return self.stop_token_ids | frozenset(job.params.stop_token_ids)
 
-    async def _choice(self, job: GenerationJob, choice: int, rid: str, stream: GenerationStream, gate: "_Gate",
-                      exchange: Exchange | BaseException) -> None:
+    async def _choice(
+        self,
+        job: GenerationJob,
+        choice: int,
+        rid: str,
+        stream: GenerationStream,
+        gate: _Gate,
+        exchange: Exchange | BaseException,
+    ) -> None:
         started = time.perf_counter()
         try:
             if isinstance(exchange, BaseException):  # building the request failed on the request's task
@@ -246,14 +271,23 @@ class UpstreamEngine(EngineClient):
             self._count_error("timeout")
             self.health.unavailable(f"{self.target} sent nothing for {self.settings.read_timeout_s:g} s")
             raise UpstreamTimeoutError(
-                f"The upstream {self.target} timed out (nothing for {self.settings.read_timeout_s:g} s).") from None
+                f"The upstream {self.target} timed out (nothing for {self.settings.read_timeout_s:g} s)."
+            ) from None
         except TransportError as exc:  # the connection broke mid-stream
             self._count_error("disconnected")
             self.health.unavailable(f"{self.target} closed a stream ({exc})")
             raise UpstreamError(f"The upstream {self.target} closed the stream ({exc}).") from None
 
-    async def _stream_choice(self, job: GenerationJob, choice: int, rid: str, stream: GenerationStream,
-                             gate: "_Gate", started: float, exchange: Exchange) -> None:
+    async def _stream_choice(
+        self,
+        job: GenerationJob,
+        choice: int,
+        rid: str,
+        stream: GenerationStream,
+        gate: _Gate,
+        started: float,
+        exchange: Exchange,
+    ) -> None:
         prompt_len = len(job.prompt_ids)
         fell_back = resent = False
         while True:
@@ -269,8 +303,14 @@ class UpstreamEngine(EngineClient):
                             fell_back = True
                             exchange = self._send(job, choice, rid, stream)  # the adapter switched endpoints
                             continue
-                        raise error_for_status(self.target, response.status, raw, response.headers,
-                                               context_length=self.context_length, prompt_tokens=prompt_len)
+                        raise error_for_status(
+                            self.target,
+                            response.status,
+                            raw,
+                            response.headers,
+                            context_length=self.context_length,
+                            prompt_tokens=prompt_len,
+                        )
                     await self._read(response, job, choice, stream, gate, started, self._stop_ids(job))
                     return
             except _Unanswered as exc:
@@ -281,12 +321,21 @@ class UpstreamEngine(EngineClient):
                 # cannot retry a response whose head it has passed on); a dead single upstream refuses the
                 # connect, which is a 503 + Retry-After.
                 resent = True
-                log.warning("upstream_resend", engine=self.name, upstream=self.target.url, choice=choice,
-                            error=str(exc.cause))
+                log.warning(
+                    "upstream_resend", engine=self.name, upstream=self.target.url, choice=choice, error=str(exc.cause)
+                )
                 exchange = self._send(job, choice, rid, stream)
 
-    async def _read(self, response: Response, job: GenerationJob, choice: int, stream: GenerationStream,
-                    gate: "_Gate", started: float, stop_ids: frozenset[int]) -> None:
+    async def _read(
+        self,
+        response: Response,
+        job: GenerationJob,
+        choice: int,
+        stream: GenerationStream,
+        gate: _Gate,
+        started: float,
+        stop_ids: frozenset[int],
+    ) -> None:
         decoder = ChoiceDecoder(self.tokenizer, job.params, stop_ids, choice)
         state = self.adapter.new_state(job)
         finish: Chunk | None = None
@@ -302,8 +351,12 @@ class UpstreamEngine(EngineClient):
                     chunk = self.adapter.parse(payload, state)
                     if chunk.error is not None:
                         _emit(stream, deltas)
-                        raise error_in_stream(self.target, chunk.error, context_length=self.context_length,
-                                              prompt_tokens=len(job.prompt_ids))
+                        raise error_in_stream(
+                            self.target,
+                            chunk.error,
+                            context_length=self.context_length,
+                            prompt_tokens=len(job.prompt_ids),
+                        )
                     gate.arrived()
                     if chunk.prompt_tokens is not None:
                         prompt_tokens = chunk.prompt_tokens
@@ -318,7 +371,9 @@ class UpstreamEngine(EngineClient):
                     if chunk.finish_reason is not None:
                         if chunk.finish_reason not in ("stop", "length"):  # vLLM's "abort" (preempted, shut down ...)
                             _emit(stream, deltas)
-                            raise UpstreamError(f"The upstream {self.target} ended the generation: {chunk.finish_reason}.")
+                            raise UpstreamError(
+                                f"The upstream {self.target} ended the generation: {chunk.finish_reason}."
+                            )
                         finish = chunk
                     elif decoder.done:
                         stopped = True  # Deltafin stopped (a stop string, a stop id the upstream does not know)
@@ -342,8 +397,13 @@ class UpstreamEngine(EngineClient):
         if first_token_s is not None:
             timings["prefill_s"] = first_token_s  # the upstream's queue + prefill, as seen from here
         reason = finish.finish_reason if finish is not None else None  # "stop" or "length", checked above
-        tail, finished = decoder.finish(reason, prompt_tokens=prompt_tokens, cached_tokens=cached,
-                                        stop_reason=finish.stop_reason if finish is not None else None, timings=timings)
+        tail, finished = decoder.finish(
+            reason,
+            prompt_tokens=prompt_tokens,
+            cached_tokens=cached,
+            stop_reason=finish.stop_reason if finish is not None else None,
+            timings=timings,
+        )
         if tail is not None:
             stream.emit(tail)
         stream.emit(finished)
@@ -359,8 +419,14 @@ class _Submission:
     them: when every choice ended, the stream ends; when one failed or the client left, the others are stopped
     (upstream too) in a task of their own, then the stream ends or fails."""
 
-    def __init__(self, engine: UpstreamEngine, jobs: Sequence[GenerationJob], stream: GenerationStream, gate: "_Gate",
-                 request_ids: Iterator[str]) -> None:
+    def __init__(
+        self,
+        engine: UpstreamEngine,
+        jobs: Sequence[GenerationJob],
+        stream: GenerationStream,
+        gate: _Gate,
+        request_ids: Iterator[str],
+    ) -> None:
         self._engine = engine
         self._jobs = jobs
         self._stream = stream
@@ -478,8 +544,14 @@ def _emit(stream: GenerationStream, deltas: list[TextDelta]) -> None:
         stream.emit(deltas[0])
     elif deltas:
         first = deltas[0]
-        stream.emit(TextDelta(first.choice, "".join(d.text for d in deltas), tuple(t for d in deltas for t in d.token_ids),
-                              tuple(lp for d in deltas for lp in d.logprobs)))
+        stream.emit(
+            TextDelta(
+                first.choice,
+                "".join(d.text for d in deltas),
+                tuple(t for d in deltas for t in d.token_ids),
+                tuple(lp for d in deltas for lp in d.logprobs),
+            )
+        )
 
 
 def _aligned(chunk: Chunk):

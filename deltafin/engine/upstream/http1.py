@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import ssl
 import urllib.parse
-from typing import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 #: opens one connection to the upstream (tests pass an in-process one); the pool owns what it returns
 Connector = Callable[[], Awaitable[tuple[asyncio.StreamReader, asyncio.StreamWriter]]]
@@ -134,8 +134,9 @@ class _Watchdog:
 class Response:
     """One response, owning its connection until `close()` (which returns it to the pool when reusable)."""
 
-    def __init__(self, pool: "Http1Pool", conn: "_Connection", status: int, headers: dict[str, str],
-                 watchdog: _Watchdog) -> None:
+    def __init__(
+        self, pool: Http1Pool, conn: _Connection, status: int, headers: dict[str, str], watchdog: _Watchdog
+    ) -> None:
         self.status = status
         self.headers = headers
         self._pool = pool
@@ -216,7 +217,7 @@ class Response:
             self._pool._release(self._conn, reusable=self._complete and self._keep_alive)
             self._conn = None  # type: ignore[assignment]
 
-    async def __aenter__(self) -> "Response":
+    async def __aenter__(self) -> Response:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -246,8 +247,17 @@ class Http1Pool:
     The pool belongs to one event loop (connections cannot move between loops); `UpstreamEngine` makes one
     per loop."""
 
-    def __init__(self, base_url: str, *, max_idle: int, connect_timeout_s: float, read_timeout_s: float,
-                 headers: Mapping[str, str] | None = None, connect: Connector | None = None, spare: int = 0) -> None:
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        max_idle: int,
+        connect_timeout_s: float,
+        read_timeout_s: float,
+        headers: Mapping[str, str] | None = None,
+        connect: Connector | None = None,
+        spare: int = 0,
+    ) -> None:
         parts = urllib.parse.urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) URL: {base_url}")
@@ -273,8 +283,15 @@ class Http1Pool:
         context = ssl.create_default_context() if self._tls else None
         return await asyncio.open_connection(self._host, self._port, ssl=context, limit=_READ_SIZE * 4)
 
-    def request(self, method: str, path: str, body: bytes | None = None, headers: Mapping[str, str] | None = None,
-                *, read_timeout_s: float | None = None) -> "Exchange":
+    def request(
+        self,
+        method: str,
+        path: str,
+        body: bytes | None = None,
+        headers: Mapping[str, str] | None = None,
+        *,
+        read_timeout_s: float | None = None,
+    ) -> Exchange:
         """`async with pool.request(...) as response:` the response head has been read; the body is yours.
 
         When an idle connection is at hand the request is written here and now, before the caller's next await
@@ -310,7 +327,7 @@ class Http1Pool:
     async def _open(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
         try:
             opened = await asyncio.wait_for(self._connect(), self._connect_timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ConnectFailed(f"ConnectTimeout after {self._connect_timeout_s:g} s") from None
         except OSError as exc:
             raise ConnectFailed(f"{type(exc).__name__}: {exc}") from None
@@ -371,8 +388,9 @@ class Http1Pool:
         conn.writer.write(raw)
         return conn, watchdog
 
-    async def _exchange(self, raw: bytes, read_timeout_s: float | None,
-                        sent: tuple[_Connection, _Watchdog] | None = None) -> Response:
+    async def _exchange(
+        self, raw: bytes, read_timeout_s: float | None, sent: tuple[_Connection, _Watchdog] | None = None
+    ) -> Response:
         loop = asyncio.get_running_loop()
         for attempt in (0, 1):
             if sent is not None:  # written already on a reused connection (`_send_now`)
@@ -406,7 +424,9 @@ class Http1Pool:
                 raise
         raise AssertionError("unreachable")
 
-    async def _send_and_read_head(self, conn: _Connection, raw: bytes | None, watchdog: _Watchdog) -> tuple[int, dict[str, str]]:
+    async def _send_and_read_head(
+        self, conn: _Connection, raw: bytes | None, watchdog: _Watchdog
+    ) -> tuple[int, dict[str, str]]:
         """Write `raw` (None: written already) and read the response head."""
         try:
             if raw is not None:
@@ -422,7 +442,7 @@ class Http1Pool:
             raise ConnectionBroken("the connection closed inside the response head") from None
         except asyncio.LimitOverrunError:
             raise ConnectionBroken("the response head is too long") from None
-        except asyncio.TimeoutError:
+        except TimeoutError:
             raise ConnectionBroken("the request could not be written within the connect timeout") from None
         except OSError as exc:
             if watchdog.expired:

@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import functools
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from deltafin.engine.events import GenerationJob, TokenLogprob
 from deltafin.engine.upstream.engine import Adapter, UpstreamSettings
@@ -84,8 +85,9 @@ class LlamaServerAdapter(Adapter):
         except ValueError as exc:
             # tool calls always come as tags_with_separator; a tag without one is reasoning + response_format
             param = "tools" if '"tags_with_separator"' in tag else "response_format"
-            raise InvalidRequestError(f"This constraint cannot be sent to the llama-server upstream: {exc}",
-                                      param=param) from exc
+            raise InvalidRequestError(
+                f"This constraint cannot be sent to the llama-server upstream: {exc}", param=param
+            ) from exc
 
     def new_state(self, job: GenerationJob) -> int:
         return job.params.top_logprobs  # alternatives asked for (n_probs is at least 1, see above)
@@ -116,7 +118,9 @@ def added_tokens(tokenizer: Any, stop_ids: frozenset[int] = frozenset()) -> dict
     complete, never through a `<[ID]>` element, so naming one mid-grammar would leave no token to sample."""
     get = getattr(tokenizer, "get_added_vocab", None)
     added = get() if callable(get) else {}
-    return {text: int(i) for text, i in added.items() if len(text) > 1 and not text.isspace() and int(i) not in stop_ids}
+    return {
+        text: int(i) for text, i in added.items() if len(text) > 1 and not text.isspace() and int(i) not in stop_ids
+    }
 
 
 def _logprobs(raw: Any, top_k: int) -> list[TokenLogprob | None]:

@@ -49,7 +49,12 @@ class SglangAdapter(Adapter):
                 knobs["json_schema"] = json.dumps({"type": "object"})
             else:  # json_schema and structural_tag: SGLang takes both as JSON strings
                 knobs[kind] = value
-        body: dict[str, Any] = {"input_ids": list(job.prompt_ids), "sampling_params": knobs, "stream": True, "rid": request_id}
+        body: dict[str, Any] = {
+            "input_ids": list(job.prompt_ids),
+            "sampling_params": knobs,
+            "stream": True,
+            "rid": request_id,
+        }
         if params.logprobs:
             body.update(return_logprob=True, top_logprobs_num=params.top_logprobs, logprob_start_len=-1)
         return "/generate", body
@@ -75,8 +80,11 @@ class SglangAdapter(Adapter):
         # Cumulative: the list holds every id so far (its length is the completion count); else only new ones.
         new = ids[state.ids :] if total is not None and len(ids) == total and len(ids) >= state.ids else ids
         state.ids += len(new)
-        chunk = Chunk(token_ids=[int(i) for i in new], prompt_tokens=meta.get("prompt_tokens"),
-                      cached_tokens=meta.get("cached_tokens"))
+        chunk = Chunk(
+            token_ids=[int(i) for i in new],
+            prompt_tokens=meta.get("prompt_tokens"),
+            cached_tokens=meta.get("cached_tokens"),
+        )
         chunk.logprobs = _logprobs(meta, len(new))
         if isinstance(finish, dict):
             chunk.finish_reason = "length" if finish.get("type") == "length" else "stop"

@@ -45,10 +45,15 @@ class VllmAdapter(Adapter):
         # and its log line happen once.
         if self.path == GENERATE:
             self.path = COMPLETIONS
-            log.warning("upstream_api_fallback", engine=self.engine, upstream=self.settings.url, status=status,
-                        endpoint=COMPLETIONS,
-                        answer=body[:300].decode("utf-8", "replace"),
-                        hint="start vLLM with --enable-scale-out for /inference/v1/generate")
+            log.warning(
+                "upstream_api_fallback",
+                engine=self.engine,
+                upstream=self.settings.url,
+                status=status,
+                endpoint=COMPLETIONS,
+                answer=body[:300].decode("utf-8", "replace"),
+                hint="start vLLM with --enable-scale-out for /inference/v1/generate",
+            )
         return True
 
     def request(self, job: GenerationJob, request_id: str, stop_ids: frozenset[int]) -> tuple[str, dict[str, Any]]:
@@ -66,12 +71,23 @@ class VllmAdapter(Adapter):
         if params.constraint is not None:
             knobs["structured_outputs"] = _structured(params.constraint.kind, params.constraint.value)
         if self.path == GENERATE:
-            body: dict[str, Any] = {"token_ids": list(job.prompt_ids), "sampling_params": knobs, "stream": True,
-                                    "request_id": request_id}
+            body: dict[str, Any] = {
+                "token_ids": list(job.prompt_ids),
+                "sampling_params": knobs,
+                "stream": True,
+                "request_id": request_id,
+            }
         else:
-            body = {"prompt": list(job.prompt_ids), **knobs, "n": 1, "stream": True,
-                    "stream_options": {"include_usage": True, "continuous_usage_stats": False},
-                    "return_token_ids": True, "return_tokens_as_token_ids": True, "request_id": request_id}
+            body = {
+                "prompt": list(job.prompt_ids),
+                **knobs,
+                "n": 1,
+                "stream": True,
+                "stream_options": {"include_usage": True, "continuous_usage_stats": False},
+                "return_token_ids": True,
+                "return_tokens_as_token_ids": True,
+                "request_id": request_id,
+            }
         if self.settings.model is not None:
             body["model"] = self.settings.model
         return self.path, body
@@ -119,8 +135,15 @@ def _logprobs(raw: Any) -> list[TokenLogprob | None]:
     if isinstance(raw, dict) and "content" in raw:
         for entry in raw["content"] or ():
             token_id = entry.get("token_id", id_from_token_string(entry.get("token", "")))
-            tops = [(t.get("token_id", id_from_token_string(t.get("token", ""))), t["logprob"]) for t in entry.get("top_logprobs") or ()]
-            out.append(token_logprob(token_id, entry["logprob"], [(t, lp) for t, lp in tops if t is not None]) if token_id is not None else None)
+            tops = [
+                (t.get("token_id", id_from_token_string(t.get("token", ""))), t["logprob"])
+                for t in entry.get("top_logprobs") or ()
+            ]
+            out.append(
+                token_logprob(token_id, entry["logprob"], [(t, lp) for t, lp in tops if t is not None])
+                if token_id is not None
+                else None
+            )
         return out
     tokens = raw.get("tokens") or ()
     values = raw.get("token_logprobs") or ()

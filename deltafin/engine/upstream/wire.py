@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, AsyncIterator, Mapping, Sequence
+from typing import Any
 
 import msgspec
 
@@ -21,7 +22,9 @@ from deltafin.errors import (
 )
 
 #: wording vLLM, SGLang and llama-server use when a prompt does not fit their context
-_CONTEXT_WORDS = re.compile(r"context length|context size|context window|exceed_context|maximum context|longer than", re.I)
+_CONTEXT_WORDS = re.compile(
+    r"context length|context size|context window|exceed_context|maximum context|longer than", re.I
+)
 
 
 @dataclass
@@ -73,7 +76,9 @@ class SseSplitter:
             if event.startswith(b"data:") and b"\n" not in event:  # the common case: one data line
                 out.append(event[6:] if event[5:6] == b" " else event[5:])
                 continue
-            lines = [line[6:] if line[5:6] == b" " else line[5:] for line in event.split(b"\n") if line.startswith(b"data:")]
+            lines = [
+                line[6:] if line[5:6] == b" " else line[5:] for line in event.split(b"\n") if line.startswith(b"data:")
+            ]
             if lines:
                 out.append(b"\n".join(lines))
         return out
@@ -166,15 +171,18 @@ class Target:
         return f"{self.engine} at {self.url}"
 
 
-def error_for_status(target: Target, status: int, body: bytes, headers: Mapping[str, str], *,
-                     context_length: int, prompt_tokens: int) -> DeltafinError:
+def error_for_status(
+    target: Target, status: int, body: bytes, headers: Mapping[str, str], *, context_length: int, prompt_tokens: int
+) -> DeltafinError:
     """What a non-200 upstream answer means to Deltafin's client."""
     message = error_message(body)
     retry = headers.get("retry-after") or str(target.retry_after_s)
     if status == 429:
         return UpstreamBusyError(f"The upstream {target} is busy: {message}", headers={"Retry-After": retry})
     if status == 503:
-        return UpstreamUnavailableError(f"The upstream {target} is not ready: {message}", headers={"Retry-After": retry})
+        return UpstreamUnavailableError(
+            f"The upstream {target} is not ready: {message}", headers={"Retry-After": retry}
+        )
     if status in (400, 413, 422) and _CONTEXT_WORDS.search(message):
         return context_error(context_length, prompt_tokens)
     if status == 400:

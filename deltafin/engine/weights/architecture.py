@@ -19,10 +19,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from transformers.core_model_loading import ConversionOps, WeightConverter, WeightRenaming
@@ -60,8 +61,10 @@ UNIMPLEMENTED: dict[str, list[tuple[Callable[[dict[str, Any]], bool], str]]] = {
         (_linear("gate_lower_bound"), "a lower-bounded KDA gate (linear_attn_config.gate_lower_bound)"),
         (_linear("use_full_rank_gate"), "a full-rank KDA gate (linear_attn_config.use_full_rank_gate)"),
         (lambda c: c.get("mla_use_nope") is False, "rotary MLA (mla_use_nope=false; transformers' is NoPE only)"),
-        (lambda c: c.get("moe_router_activation_func", "sigmoid") != "sigmoid",
-         "softmax expert routing (moe_router_activation_func)"),
+        (
+            lambda c: c.get("moe_router_activation_func", "sigmoid") != "sigmoid",
+            "softmax expert routing (moe_router_activation_func)",
+        ),
     ],
 }
 
@@ -108,8 +111,15 @@ class ViewAsParameter(ConversionOps):
     saving, which runs the table backwards, never meets it (it has no reverse)."""
 
     @torch.no_grad
-    def convert(self, input_dict: dict[str, Any], source_patterns: list[str], target_patterns: list[str],
-                model: Any = None, full_layer_name: str | None = None, **kwargs: Any) -> dict[str, torch.Tensor]:
+    def convert(
+        self,
+        input_dict: dict[str, Any],
+        source_patterns: list[str],
+        target_patterns: list[str],
+        model: Any = None,
+        full_layer_name: str | None = None,
+        **kwargs: Any,
+    ) -> dict[str, torch.Tensor]:
         (tensors,) = input_dict.values()
         tensor = tensors[0] if isinstance(tensors, list) else tensors
         shape = model.get_parameter(full_layer_name).shape
@@ -126,7 +136,8 @@ def k3_views() -> Iterator[None]:
     original = conversion_mapping.get_checkpoint_conversion_mapping("kimi_linear") or []
     patched = [
         WeightConverter("self_attn.A_log", "self_attn.forget_gate.A_log", operations=[ViewAsParameter()])
-        if isinstance(t, WeightRenaming) and t.source_patterns == [r"self_attn\.A_log"] else t
+        if isinstance(t, WeightRenaming) and t.source_patterns == [r"self_attn\.A_log"]
+        else t
         for t in original
     ]
     conversion_mapping.register_checkpoint_conversion_mapping("kimi_linear", patched, overwrite=True)

@@ -42,8 +42,12 @@ ARCHITECTURES = ("llama",)
 #: (llama.cpp stores other widths in another type, as Q4_K_M files do).
 NATIVE_TYPES = {2: "Q4_0", 3: "Q4_1", 6: "Q5_0", 7: "Q5_1", 8: "Q8_0", 12: "Q4_K", 13: "Q5_K", 14: "Q6_K"}
 _PROJECTIONS = {
-    "attn_q": ("self_attn", "q_proj"), "attn_k": ("self_attn", "k_proj"), "attn_v": ("self_attn", "v_proj"),
-    "attn_output": ("self_attn", "o_proj"), "ffn_gate": ("mlp", "gate_proj"), "ffn_up": ("mlp", "up_proj"),
+    "attn_q": ("self_attn", "q_proj"),
+    "attn_k": ("self_attn", "k_proj"),
+    "attn_v": ("self_attn", "v_proj"),
+    "attn_output": ("self_attn", "o_proj"),
+    "ffn_gate": ("mlp", "gate_proj"),
+    "ffn_up": ("mlp", "up_proj"),
     "ffn_down": ("mlp", "down_proj"),
 }
 
@@ -68,11 +72,15 @@ def unsupported(gguf: Path) -> str | None:
         if tensor.name.rsplit(".", 2)[-2] in (*_PROJECTIONS, "token_embd", "output"):
             kind = int(tensor.tensor_type)
             if kind not in NATIVE_TYPES:
-                return f"tensor {tensor.name} is {tensor.tensor_type.name}, not one of {', '.join(NATIVE_TYPES.values())}"
+                return (
+                    f"tensor {tensor.name} is {tensor.tensor_type.name}, not one of {', '.join(NATIVE_TYPES.values())}"
+                )
             values = int(library.deltafin_ggml_block_values(kind))
             if int(tensor.shape[0]) % values:
-                return (f"tensor {tensor.name} is {tensor.tensor_type.name} with rows of {int(tensor.shape[0])} values, "
-                        f"not a multiple of its {values}-value blocks")
+                return (
+                    f"tensor {tensor.name} is {tensor.tensor_type.name} with rows of {int(tensor.shape[0])} values, "
+                    f"not a multiple of its {values}-value blocks"
+                )
     return None
 
 

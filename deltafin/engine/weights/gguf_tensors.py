@@ -50,7 +50,7 @@ class _Cursor:
     def string(self) -> str:
         length = self.take("<Q")
         start, self.at = self.at, self.at + length
-        return bytes(self.buffer[start:self.at]).decode("utf-8", errors="replace")
+        return bytes(self.buffer[start : self.at]).decode("utf-8", errors="replace")
 
     def skip_value(self, kind: int) -> None:
         if kind in _FIXED:

@@ -22,9 +22,10 @@ import structlog
 import torch
 
 from deltafin.config import ModelConfig, PlacementConfig
-from deltafin.engine.weights import architecture
-from deltafin.engine.quant import quantize
 from deltafin.engine.kv.cache_layers import unsupported_layers
+from deltafin.engine.quant import quantize
+from deltafin.engine.weights import architecture
+
 # (the light module's: the command line checks a path without importing torch; tests and bench import them here too)
 from deltafin.engine.weights.paths import ModelLoadError, cache_dir_of, default_cache_dir, resolve_model_path  # noqa: F401
 
@@ -118,15 +119,27 @@ def check_expert_pool(model_cfg: ModelConfig, placement: PlacementConfig, *, max
     except ValueError as exc:
         raise ModelLoadError(f"model.path: {exc}") from None
     if multimodal:
-        raise ModelLoadError("placement.experts.pool_mb: the expert pool reads a text-only checkpoint; this one is "
-                             "multimodal (its language model under language_model.*): serve it with pool_mb=0")
+        raise ModelLoadError(
+            "placement.experts.pool_mb: the expert pool reads a text-only checkpoint; this one is "
+            "multimodal (its language model under language_model.*): serve it with pool_mb=0"
+        )
     from deltafin.engine import experts as expert_pool
 
     try:
-        expert_pool.check_pool(path, placement, dtype=_DTYPES[_dtype_name(model_cfg, placement)],
-                               trust_remote_code=model_cfg.trust_remote_code, max_batch=max_batch)
-    except (expert_pool.PoolTooSmall, expert_pool.NotPoolable, expert_pool.CheckpointLayoutError, OSError,
-            ValueError) as exc:  # ValueError: a config transformers cannot read
+        expert_pool.check_pool(
+            path,
+            placement,
+            dtype=_DTYPES[_dtype_name(model_cfg, placement)],
+            trust_remote_code=model_cfg.trust_remote_code,
+            max_batch=max_batch,
+        )
+    except (
+        expert_pool.PoolTooSmall,
+        expert_pool.NotPoolable,
+        expert_pool.CheckpointLayoutError,
+        OSError,
+        ValueError,
+    ) as exc:  # ValueError: a config transformers cannot read
         raise _pool_error(exc) from None
 
 
@@ -161,20 +174,26 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig, *, max_batch:
             kwargs["max_memory"] = dict(placement.max_memory)
         if placement.offload_folder:
             kwargs["offload_folder"] = placement.offload_folder
-    log.info("model_load_start", path=str(folder), dtype=dtype_name, device=placement.device,
-             quantize=placement.quantize)
+    log.info(
+        "model_load_start", path=str(folder), dtype=dtype_name, device=placement.device, quantize=placement.quantize
+    )
     text = _text_model(folder, model_cfg.trust_remote_code)  # refuses what the engine cannot run, before weights
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=model_cfg.trust_remote_code)
     experts = None
     if placement.experts.pool_mb:  # routed experts read on demand into a bounded pool, not loaded
         if text is not None:
-            raise ModelLoadError("placement.experts.pool_mb: the expert pool reads a text-only checkpoint; "
-                                 "this one is multimodal (its language model under language_model.*)")
+            raise ModelLoadError(
+                "placement.experts.pool_mb: the expert pool reads a text-only checkpoint; "
+                "this one is multimodal (its language model under language_model.*)"
+            )
         from deltafin.engine import experts as expert_pool
 
         try:
             model, experts = expert_pool.load_pooled_model(
-                folder, placement, dtype=_DTYPES[dtype_name], trust_remote_code=model_cfg.trust_remote_code,
+                folder,
+                placement,
+                dtype=_DTYPES[dtype_name],
+                trust_remote_code=model_cfg.trust_remote_code,
                 max_batch=max_batch,
                 cache_dir=cache_dir_of(model_cfg),
             )
@@ -187,7 +206,8 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig, *, max_batch:
         kwargs["trust_remote_code"] = False
         with layout.loading():
             model = AutoModelForCausalLM.from_pretrained(
-                folder, config=config, key_mapping=architecture.key_mapping(layout), **kwargs)
+                folder, config=config, key_mapping=architecture.key_mapping(layout), **kwargs
+            )
         log.info("text_model_of_multimodal", model_type=config.model_type, left_out=list(layout.towers))
     if not placement.device_map:
         model.to(placement.device)
@@ -226,8 +246,9 @@ def _gguf_native_refusal(model_cfg: ModelConfig, placement: PlacementConfig) -> 
     return None
 
 
-def _load_gguf_native(gguf: Path, cache_dir: Path, model_cfg: ModelConfig, placement: PlacementConfig,
-                      started: float) -> LoadedModel | None:
+def _load_gguf_native(
+    gguf: Path, cache_dir: Path, model_cfg: ModelConfig, placement: PlacementConfig, started: float
+) -> LoadedModel | None:
     """The model with the GGUF's own blocks (`deltafin.engine.weights.gguf_native`), or None to dequantize instead."""
     from transformers import AutoTokenizer
 
@@ -244,9 +265,15 @@ def _load_gguf_native(gguf: Path, cache_dir: Path, model_cfg: ModelConfig, place
     context_length = model_cfg.context_length or getattr(model.config, "max_position_embeddings", None) or 2048
     seconds = time.perf_counter() - started
     log.info("model_load_done", seconds=round(seconds, 2), context_length=context_length)
-    return LoadedModel(model=model, tokenizer=tokenizer, context_length=int(context_length),
-                       stop_token_ids=_stop_token_ids(model, tokenizer), source=folder, load_seconds=seconds,
-                       compile=placement.compile)
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        context_length=int(context_length),
+        stop_token_ids=_stop_token_ids(model, tokenizer),
+        source=folder,
+        load_seconds=seconds,
+        compile=placement.compile,
+    )
 
 
 def _text_model(folder: Path, trust_remote_code: bool) -> tuple[Any, architecture.Multimodal] | None:

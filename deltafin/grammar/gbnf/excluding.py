@@ -10,8 +10,8 @@ parser downstream would cut the value there.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Sequence
 
 from deltafin.grammar.gbnf.rules import ANY_CHAR, EMPTY, Rules, char_class, chars_class
 

@@ -18,7 +18,9 @@ def integer_range(low: int | None, high: int | None) -> str:
     if high is None or high >= 0:
         branches.append(_non_negative(max(low, 0) if low is not None else 0, high))
     if low is None or low < 0:  # magnitudes of the negative part
-        branches.append('"-" ' + _non_negative(-high if high is not None and high < 0 else 1, -low if low is not None else None))
+        branches.append(
+            '"-" ' + _non_negative(-high if high is not None and high < 0 else 1, -low if low is not None else None)
+        )
     return branches[0] if len(branches) == 1 else "(" + " | ".join(branches) + ")"
 
 
@@ -58,7 +60,7 @@ def _non_negative(low: int, high: int | None) -> str:
         branches = []
         for width in range(len(str(low)), len(str(high)) + 1):
             start = max(low, 10 ** (width - 1) if width > 1 else 0)
-            branches.append(_same_length(str(start), str(min(high, 10 ** width - 1))))
+            branches.append(_same_length(str(start), str(min(high, 10**width - 1))))
     return branches[0] if len(branches) == 1 else "(" + " | ".join(branches) + ")"
 
 

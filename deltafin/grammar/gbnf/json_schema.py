@@ -17,7 +17,8 @@ Anything else that constrains a value is a ValueError: a grammar that silently d
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from deltafin.grammar.gbnf.excluding import JSON_STRING, excluding
 from deltafin.grammar.gbnf.integers import bounds, integer_range
@@ -26,9 +27,24 @@ from deltafin.grammar.gbnf.rules import EMPTY, Rules, char_class, literal
 
 MAX_COUNT = 256
 _STRING_CHAR = f"({char_class(JSON_STRING.forbid, negate=True)} | {JSON_STRING.escape})"
-_UNSUPPORTED = ("not", "if", "then", "else", "patternProperties", "prefixItems", "contains", "dependentSchemas",
-                "dependentRequired", "propertyNames", "unevaluatedProperties", "unevaluatedItems", "additionalItems",
-                "$dynamicRef", "minContains", "maxContains")
+_UNSUPPORTED = (
+    "not",
+    "if",
+    "then",
+    "else",
+    "patternProperties",
+    "prefixItems",
+    "contains",
+    "dependentSchemas",
+    "dependentRequired",
+    "propertyNames",
+    "unevaluatedProperties",
+    "unevaluatedItems",
+    "additionalItems",
+    "$dynamicRef",
+    "minContains",
+    "maxContains",
+)
 _TYPES = ("object", "array", "string", "integer", "number", "boolean", "null")
 
 
@@ -48,8 +64,14 @@ def _repeat(low: int, high: int | None) -> str:
 
 
 class JsonGrammar:
-    def __init__(self, rules: Rules, *, root: Mapping[str, Any] | bool, max_whitespace: int | None,
-                 excludes: tuple[str, ...] = ()) -> None:
+    def __init__(
+        self,
+        rules: Rules,
+        *,
+        root: Mapping[str, Any] | bool,
+        max_whitespace: int | None,
+        excludes: tuple[str, ...] = (),
+    ) -> None:
         """excludes: substrings no free string (a value without pattern, a key) may contain, as written."""
         self.rules = rules
         self.root = root
@@ -61,7 +83,9 @@ class JsonGrammar:
 
     def string(self) -> str:
         if self.rules.markers or self.excludes:  # control-token markers stay out of strings, as in xgrammar
-            return self.rules.add("json-string", f'"\\"" {excluding(self.rules, self.excludes, [chr(34)], JSON_STRING)}')
+            return self.rules.add(
+                "json-string", f'"\\"" {excluding(self.rules, self.excludes, [chr(34)], JSON_STRING)}'
+            )
         return self.rules.add("json-string", f'"\\"" {_STRING_CHAR}* "\\""')
 
     def number(self, *, unsigned: bool = False) -> str:
@@ -73,7 +97,8 @@ class JsonGrammar:
             self.rules.built[("any-json", self.ws)] = value = self.rules.reserve("json-value")
             ws, key = self.ws, self.string()
             obj = self.rules.add(
-                "json-object", f'"{{" {ws} ({key} {ws} ":" {ws} {value} ({ws} "," {ws} {key} {ws} ":" {ws} {value})*)? {ws} "}}"'
+                "json-object",
+                f'"{{" {ws} ({key} {ws} ":" {ws} {value} ({ws} "," {ws} {key} {ws} ":" {ws} {value})*)? {ws} "}}"',
             )
             arr = self.rules.add("json-array", f'"[" {ws} ({value} ({ws} "," {ws} {value})*)? {ws} "]"')
             self.rules.define(value, f'{obj} | {arr} | {key} | {self.number()} | "true" | "false" | "null"')
@@ -85,7 +110,9 @@ class JsonGrammar:
         if schema is True:
             return self.any_value()
         if schema is False or not isinstance(schema, Mapping):
-            raise ValueError(f"schema {schema!r} admits no value" if schema is False else f"schema {schema!r} is not an object")
+            raise ValueError(
+                f"schema {schema!r} admits no value" if schema is False else f"schema {schema!r} is not an object"
+            )
         for key in _UNSUPPORTED:
             if key in schema:
                 raise ValueError(f"JSON Schema keyword {key!r} is not supported in a grammar for llama-server")
@@ -188,9 +215,13 @@ class JsonGrammar:
         required = set(schema.get("required") or ())
         missing = required - set(properties)
         if missing and extra is False:
-            raise ValueError(f"required properties {sorted(missing)} are not declared and additionalProperties is false")
+            raise ValueError(
+                f"required properties {sorted(missing)} are not declared and additionalProperties is false"
+            )
         ws = self.ws
-        pairs = [(literal(json.dumps(k, ensure_ascii=False)), self.value(v), k in required) for k, v in properties.items()]
+        pairs = [
+            (literal(json.dumps(k, ensure_ascii=False)), self.value(v), k in required) for k, v in properties.items()
+        ]
         extra_pair = None if extra is False else (self.string(), self.value(True if extra is True else extra), False)
         body = self._members(pairs, extra_pair)
         return self.rules.add("object", f'"{{" {ws} {body} {ws} "}}"')

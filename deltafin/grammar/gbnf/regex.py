@@ -15,8 +15,14 @@ from deltafin.grammar.gbnf.rules import EMPTY, char_class, literal
 _DIGIT = [("0", "9")]
 _WORD = [("a", "z"), ("A", "Z"), ("0", "9"), ("_", "_")]
 _SPACE = [(c, c) for c in " \t\n\r\f\v"]
-_CLASSES = {"d": (_DIGIT, False), "D": (_DIGIT, True), "w": (_WORD, False), "W": (_WORD, True),
-            "s": (_SPACE, False), "S": (_SPACE, True)}
+_CLASSES = {
+    "d": (_DIGIT, False),
+    "D": (_DIGIT, True),
+    "w": (_WORD, False),
+    "W": (_WORD, True),
+    "s": (_SPACE, False),
+    "S": (_SPACE, True),
+}
 _ESCAPES = {"n": "\n", "t": "\t", "r": "\r", "f": "\f", "v": "\v", "0": "\0"}
 
 
@@ -71,7 +77,7 @@ class _Parser:
             suffix = c
         elif c == "{" and self._counted():
             end = self.text.index("}", self.pos)
-            suffix = self.text[self.pos:end + 1].replace("{,", "{0,")  # `{,n}` is `{0,n}`, as in Python
+            suffix = self.text[self.pos : end + 1].replace("{,", "{0,")  # `{,n}` is `{0,n}`, as in Python
             self.pos = end + 1
         else:
             return atom
@@ -83,7 +89,7 @@ class _Parser:
 
     def _counted(self) -> bool:
         end = self.text.find("}", self.pos)
-        inner = self.text[self.pos + 1:end] if end > 0 else ""
+        inner = self.text[self.pos + 1 : end] if end > 0 else ""
         low, comma, high = inner.partition(",")
         if not low:  # `{,n}` needs its n
             return comma == "," and high.isdigit()
@@ -126,7 +132,9 @@ class _Parser:
             self.fail("trailing backslash")
         if c in _CLASSES:
             ranges, negate = _CLASSES[c]
-            return char_class(ranges + (self.context.forbid if negate else []), negate) if negate else char_class(ranges)
+            return (
+                char_class(ranges + (self.context.forbid if negate else []), negate) if negate else char_class(ranges)
+            )
         if c in "bBAzZ" or c.isdigit() and c != "0":
             self.fail(f"\\{c}")
         return self.char_literal(self.escaped_char(c))
@@ -136,7 +144,7 @@ class _Parser:
             return _ESCAPES[c]
         if c in ("x", "u"):
             size = 2 if c == "x" else 4
-            digits = self.text[self.pos:self.pos + size]
+            digits = self.text[self.pos : self.pos + size]
             if len(digits) != size or any(d not in "0123456789abcdefABCDEF" for d in digits):
                 self.fail(f"\\{c} needs {size} hex digits")
             self.pos += size
@@ -167,7 +175,7 @@ class _Parser:
                     self.fail(f"\\{e} inside a class")
                 self.pos += 1
                 c = self.escaped_char(e)
-            if self.peek() == "-" and self.text[self.pos + 1:self.pos + 2] not in ("]", ""):
+            if self.peek() == "-" and self.text[self.pos + 1 : self.pos + 2] not in ("]", ""):
                 self.pos += 1
                 high = self.peek()
                 self.pos += 1

@@ -10,7 +10,7 @@ token's piece rendered *with* special tokens; `<[ID]>` is what forbids spelling 
 from __future__ import annotations
 
 import re
-from typing import Iterable, Mapping
+from collections.abc import Iterable, Mapping
 
 #: literals escape everything outside printable ASCII, so the grammar text is ASCII whatever the schema holds
 _PLAIN = {chr(c) for c in range(0x20, 0x7F)} - {"\\", '"'}
@@ -20,7 +20,7 @@ _CLASS_PLAIN = {chr(c) for c in range(0x20, 0x7F)} - {"\\", '"', "[", "]", "-", 
 def escape_char(c: str, plain: set[str]) -> str:
     if c in plain:
         return c
-    if c in "\\\"[]-":
+    if c in '\\"[]-':
         return "\\" + c
     code = ord(c)
     if c == "\n":

@@ -8,7 +8,8 @@ of the texts it may not contain); anywhere else it is text free of its `excludes
 from __future__ import annotations
 
 import json
-from typing import Any, Callable, Mapping
+from collections.abc import Callable, Mapping
+from typing import Any
 
 from deltafin.grammar.gbnf.excluding import excluding
 from deltafin.grammar.gbnf.json_schema import JsonGrammar
@@ -39,7 +40,11 @@ def _translate(tag: Mapping[str, Any] | str, special_tokens: Mapping[str, int]) 
             tag = json.loads(tag)
         except json.JSONDecodeError as exc:
             raise ValueError(f"structural tag is not JSON: {exc}") from exc
-    if not isinstance(tag, Mapping) or tag.get("type") != "structural_tag" or not isinstance(tag.get("format"), Mapping):
+    if (
+        not isinstance(tag, Mapping)
+        or tag.get("type") != "structural_tag"
+        or not isinstance(tag.get("format"), Mapping)
+    ):
         raise ValueError('a structural tag is {"type": "structural_tag", "format": {...}}')
     text = json.dumps(tag, ensure_ascii=False)
     # the control tokens this structure writes are the ones a parser splits on: free text must not hold them
@@ -88,7 +93,11 @@ class _Emitter:
         return [_checked_str(value, "begin / end")]
 
     def tag(self, fmt: Format) -> str:
-        begin, end, content = self.boundary(fmt.get("begin", "")), self.boundary(fmt.get("end", "")), _fmt(fmt, "content")
+        begin, end, content = (
+            self.boundary(fmt.get("begin", "")),
+            self.boundary(fmt.get("end", "")),
+            _fmt(fmt, "content"),
+        )
         begin_expr = begin if isinstance(begin, str) else self.rules.text(begin[0])
         if content.get("type") == "any_text" and isinstance(end, list) and any(end):
             return self.rules.add("tag", f"{begin_expr} {excluding(self.rules, self.excludes(content), end)}")
@@ -96,7 +105,9 @@ class _Emitter:
         return self.rules.add("tag", f"{begin_expr} {self.expr(content)} ({end_expr})")
 
     def tags_with_separator(self, fmt: Format) -> str:
-        one = self.rules.add("one-tag", " | ".join(self.tag(_checked_tag(t)) for t in _list(fmt, "tags", nonempty=True)))
+        one = self.rules.add(
+            "one-tag", " | ".join(self.tag(_checked_tag(t)) for t in _list(fmt, "tags", nonempty=True))
+        )
         at_least_one, first_only = bool(fmt.get("at_least_one")), bool(fmt.get("stop_after_first"))
         if first_only:
             return one if at_least_one else f"({one})?"
@@ -115,7 +126,9 @@ class _Emitter:
         if not isinstance(schema, (Mapping, bool)):
             raise ValueError("json_schema format needs a schema object")
         excludes = tuple(_checked_str(e, "excludes") for e in fmt.get("excludes") or ())
-        json_grammar = JsonGrammar(self.rules, root=schema, max_whitespace=fmt.get("max_whitespace_cnt"), excludes=excludes)
+        json_grammar = JsonGrammar(
+            self.rules, root=schema, max_whitespace=fmt.get("max_whitespace_cnt"), excludes=excludes
+        )
         style = fmt.get("style", "json")
         return json_grammar.value(schema) if style == "json" else xml_arguments(self.rules, json_grammar, schema, style)
 

@@ -16,7 +16,8 @@ arguments out themselves (deltafin.markup.xml_args), without the padding.
 from __future__ import annotations
 
 import json
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from deltafin.grammar.gbnf.excluding import excluding
 from deltafin.grammar.gbnf.json_schema import JsonGrammar
@@ -81,7 +82,9 @@ class _Writer:
         if _is_string(schema):
             return self.raw_string(schema)
         if not any(k in schema for k in _CONSTRAINING):
-            structured = f"{ws} ({self.json.value({'type': 'array'})} | {self.json.value({'type': 'object'})}) {ws} {close}"
+            structured = (
+                f"{ws} ({self.json.value({'type': 'array'})} | {self.json.value({'type': 'object'})}) {ws} {close}"
+            )
             return self.rules.add("xml-any", f"{self.raw_string({})} | {structured}")
         return self.rules.add("xml-json", f"{ws} {self.json.value(schema)} {ws} {close}")
 

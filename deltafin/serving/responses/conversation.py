@@ -34,7 +34,7 @@ def decode_reasoning(value: str) -> str | None:
     if not value.startswith(_ENCODED):
         return None
     try:
-        return base64.b64decode(value[len(_ENCODED):], validate=True).decode("utf-8")
+        return base64.b64decode(value[len(_ENCODED) :], validate=True).decode("utf-8")
     except (binascii.Error, UnicodeDecodeError):
         return None
 
@@ -60,8 +60,12 @@ class _Turn:
 
     def message(self) -> ChatMessage:
         content = "\n".join(self.content) if self.content is not None else (None if self.calls else "")
-        return ChatMessage(role="assistant", content=content, tool_calls=self.calls or None,
-                           reasoning_content="\n".join(self.reasoning) if self.reasoning else None)
+        return ChatMessage(
+            role="assistant",
+            content=content,
+            tool_calls=self.calls or None,
+            reasoning_content="\n".join(self.reasoning) if self.reasoning else None,
+        )
 
 
 def chat_messages(instructions: str | None, items: list[Item], *, developer_role: bool) -> list[ChatMessage]:
@@ -99,11 +103,19 @@ def chat_messages(instructions: str | None, items: list[Item], *, developer_role
             turn = turn or _Turn()
             name = flat_name(item.get("namespace"), item["name"])
             call_names[item["call_id"]] = name
-            turn.calls.append(ToolCall(id=item["call_id"], function=FunctionCall(name=name, arguments=item["arguments"])))
+            turn.calls.append(
+                ToolCall(id=item["call_id"], function=FunctionCall(name=name, arguments=item["arguments"]))
+            )
         elif kind == "function_call_output":
             close()
-            messages.append(ChatMessage(role="tool", tool_call_id=item["call_id"], content=text_of(item["output"]),
-                                        name=call_names.get(item["call_id"])))
+            messages.append(
+                ChatMessage(
+                    role="tool",
+                    tool_call_id=item["call_id"],
+                    content=text_of(item["output"]),
+                    name=call_names.get(item["call_id"]),
+                )
+            )
     close()
     return _join_leading_system(messages)
 

@@ -9,7 +9,8 @@ once streaming began ends the stream with response.failed. Every event has its `
 
 from __future__ import annotations
 
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import msgspec
 
@@ -81,8 +82,12 @@ class ResponseEvents:
                 yield event
         for event in self._close(status):
             yield event
-        self.final = self.shape.body(status, self.output, usage=chat_usage_to_response(chat_usage, self._reasoning_tokens()),
-                                     incomplete_reason="max_output_tokens" if incomplete else None)
+        self.final = self.shape.body(
+            status,
+            self.output,
+            usage=chat_usage_to_response(chat_usage, self._reasoning_tokens()),
+            incomplete_reason="max_output_tokens" if incomplete else None,
+        )
         yield self._event("response.incomplete" if incomplete else "response.completed", response=self.final)
 
     def failed(self, error: DeltafinError) -> list[dict[str, Any]]:
@@ -100,25 +105,50 @@ class ResponseEvents:
         self._open = None
         item, index = opened.item, opened.index
         if opened.kind == "function_call":
-            events.append(self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                                      arguments=item["arguments"], name=item["name"]))
+            events.append(
+                self._event(
+                    "response.function_call_arguments.done",
+                    item_id=item["id"],
+                    output_index=index,
+                    arguments=item["arguments"],
+                    name=item["name"],
+                )
+            )
             done = {**item, "status": status}
         else:
             text = "".join(opened.text)
             if opened.kind == "reasoning":
                 part = {"type": "reasoning_text", "text": text}
-                events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                                          content_index=0, text=text))
+                events.append(
+                    self._event(
+                        "response.reasoning_text.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        content_index=0,
+                        text=text,
+                    )
+                )
                 done = self.shape.reasoning_item(text, status=status)
             else:
                 logprobs = output_logprobs(opened.logprobs) if self._logprobs else None
                 done = self.shape.message_item(text, status=status, logprobs=logprobs)
                 part = done["content"][0]
-                events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                          content_index=0, text=text, logprobs=_delta_logprobs(opened.logprobs)))
+                events.append(
+                    self._event(
+                        "response.output_text.done",
+                        item_id=item["id"],
+                        output_index=index,
+                        content_index=0,
+                        text=text,
+                        logprobs=_delta_logprobs(opened.logprobs),
+                    )
+                )
             done["id"] = item["id"]
-            events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                      content_index=0, part=part))
+            events.append(
+                self._event(
+                    "response.content_part.done", item_id=item["id"], output_index=index, content_index=0, part=part
+                )
+            )
         self.output.append(done)
         events.append(self._event("response.output_item.done", output_index=index, item=done))
         return events
@@ -128,10 +158,20 @@ class ResponseEvents:
         self._open = _Open(kind, len(self.output), item)
         events.append(self._event("response.output_item.added", output_index=self._open.index, item=item))
         if kind != "function_call":
-            part = {"type": "reasoning_text", "text": ""} if kind == "reasoning" else \
-                {"type": "output_text", "text": "", "annotations": []}
-            events.append(self._event("response.content_part.added", item_id=item["id"], output_index=self._open.index,
-                                      content_index=0, part=part))
+            part = (
+                {"type": "reasoning_text", "text": ""}
+                if kind == "reasoning"
+                else {"type": "output_text", "text": "", "annotations": []}
+            )
+            events.append(
+                self._event(
+                    "response.content_part.added",
+                    item_id=item["id"],
+                    output_index=self._open.index,
+                    content_index=0,
+                    part=part,
+                )
+            )
         return events
 
     def _reasoning_delta(self, text: str) -> list[dict[str, Any]]:
@@ -143,8 +183,15 @@ class ResponseEvents:
             events += self._start("reasoning", item)
         opened = self._open
         opened.text.append(text)
-        events.append(self._event("response.reasoning_text.delta", item_id=opened.item["id"], output_index=opened.index,
-                                  content_index=0, delta=text))
+        events.append(
+            self._event(
+                "response.reasoning_text.delta",
+                item_id=opened.item["id"],
+                output_index=opened.index,
+                content_index=0,
+                delta=text,
+            )
+        )
         return events
 
     def _text_delta(self, text: str, logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -157,8 +204,16 @@ class ResponseEvents:
         opened.text.append(text)
         opened.logprobs += logprobs
         if text:
-            events.append(self._event("response.output_text.delta", item_id=opened.item["id"], output_index=opened.index,
-                                      content_index=0, delta=text, logprobs=_delta_logprobs(logprobs)))
+            events.append(
+                self._event(
+                    "response.output_text.delta",
+                    item_id=opened.item["id"],
+                    output_index=opened.index,
+                    content_index=0,
+                    delta=text,
+                    logprobs=_delta_logprobs(logprobs),
+                )
+            )
         return events
 
     def _call_delta(self, call: dict[str, Any]) -> list[dict[str, Any]]:
@@ -176,12 +231,23 @@ class ResponseEvents:
             opened.item["arguments"] += fragment
             return events
         opened.item["arguments"] += fragment
-        events.append(self._event("response.function_call_arguments.delta", item_id=opened.item["id"],
-                                  output_index=opened.index, delta=fragment))
+        events.append(
+            self._event(
+                "response.function_call_arguments.delta",
+                item_id=opened.item["id"],
+                output_index=opened.index,
+                delta=fragment,
+            )
+        )
         return events
 
 
 def _delta_logprobs(chat_logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    return [{"token": lp["token"], "logprob": lp["logprob"],
-             "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in lp.get("top_logprobs") or ()]}
-            for lp in chat_logprobs]
+    return [
+        {
+            "token": lp["token"],
+            "logprob": lp["logprob"],
+            "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in lp.get("top_logprobs") or ()],
+        }
+        for lp in chat_logprobs
+    ]

@@ -52,23 +52,35 @@ def _item(raw: Any, where: str) -> Item:
     if kind == "message":
         return _message(raw, where)
     if kind == "function_call":
-        item: Item = {"type": "function_call", "id": _string(raw, "id", where, optional=True) or item_id(kind),
-                      "call_id": _string(raw, "call_id", where), "name": _string(raw, "name", where),
-                      "arguments": _string(raw, "arguments", where), "status": "completed"}
+        item: Item = {
+            "type": "function_call",
+            "id": _string(raw, "id", where, optional=True) or item_id(kind),
+            "call_id": _string(raw, "call_id", where),
+            "name": _string(raw, "name", where),
+            "arguments": _string(raw, "arguments", where),
+            "status": "completed",
+        }
         namespace = _string(raw, "namespace", where, optional=True)
         if namespace is not None:
             item["namespace"] = namespace
         return item
     if kind == "function_call_output":
-        return {"type": kind, "id": _string(raw, "id", where, optional=True) or item_id(kind),
-                "call_id": _string(raw, "call_id", where), "output": _tool_output(raw.get("output"), f"{where}.output"),
-                "status": "completed"}
+        return {
+            "type": kind,
+            "id": _string(raw, "id", where, optional=True) or item_id(kind),
+            "call_id": _string(raw, "call_id", where),
+            "output": _tool_output(raw.get("output"), f"{where}.output"),
+            "status": "completed",
+        }
     if kind == "reasoning":
         return _reasoning(raw, where)
     if kind is None:
         raise _bad("an input item needs a `type` (or a `role`, for a message)", f"{where}.type")
-    raise _bad(f"input items of type {kind!r} are not supported by this server (supported: message, function_call, "
-               "function_call_output, reasoning)", f"{where}.type")
+    raise _bad(
+        f"input items of type {kind!r} are not supported by this server (supported: message, function_call, "
+        "function_call_output, reasoning)",
+        f"{where}.type",
+    )
 
 
 def _message(raw: dict[str, Any], where: str) -> Item:
@@ -82,8 +94,13 @@ def _message(raw: dict[str, Any], where: str) -> Item:
         parts = [_part(role, part, f"{where}.content[{j}]") for j, part in enumerate(content)]
     else:
         raise _bad("content must be a string or a list of content parts", f"{where}.content")
-    item: Item = {"type": "message", "id": raw.get("id") if isinstance(raw.get("id"), str) else item_id("message"),
-                  "role": role, "content": parts, "status": "completed"}
+    item: Item = {
+        "type": "message",
+        "id": raw.get("id") if isinstance(raw.get("id"), str) else item_id("message"),
+        "role": role,
+        "content": parts,
+        "status": "completed",
+    }
     return item
 
 
@@ -115,8 +132,11 @@ def _tool_output(output: Any, where: str) -> str | list[dict[str, Any]]:
 
 
 def _reasoning(raw: dict[str, Any], where: str) -> Item:
-    item: Item = {"type": "reasoning", "id": raw.get("id") if isinstance(raw.get("id"), str) else item_id("reasoning"),
-                  "summary": _texts(raw.get("summary"), "summary_text", f"{where}.summary")}
+    item: Item = {
+        "type": "reasoning",
+        "id": raw.get("id") if isinstance(raw.get("id"), str) else item_id("reasoning"),
+        "summary": _texts(raw.get("summary"), "summary_text", f"{where}.summary"),
+    }
     if raw.get("content") is not None:
         item["content"] = _texts(raw["content"], "reasoning_text", f"{where}.content")
     encrypted = _string(raw, "encrypted_content", where, optional=True)
@@ -133,7 +153,7 @@ def _texts(value: Any, kind: str, where: str) -> list[dict[str, str]]:
     out = []
     for j, part in enumerate(value):
         if not isinstance(part, dict) or not isinstance(part.get("text"), str):
-            raise _bad(f"each entry is {{\"type\": \"{kind}\", \"text\": ...}}", f"{where}[{j}]")
+            raise _bad(f'each entry is {{"type": "{kind}", "text": ...}}', f"{where}[{j}]")
         out.append({"type": kind, "text": part["text"]})
     return out
 

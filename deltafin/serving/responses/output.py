@@ -50,8 +50,13 @@ class ResponseShape:
     created_at: int = field(default_factory=lambda: int(time.time()))
 
     def reasoning_item(self, text: str, *, status: str = "completed") -> Item:
-        item: Item = {"type": "reasoning", "id": item_id("reasoning"), "summary": [],
-                      "content": [{"type": "reasoning_text", "text": text}], "status": status}
+        item: Item = {
+            "type": "reasoning",
+            "id": item_id("reasoning"),
+            "summary": [],
+            "content": [{"type": "reasoning_text", "text": text}],
+            "status": status,
+        }
         if self.request.includes("reasoning.encrypted_content"):
             item["encrypted_content"] = encode_reasoning(text)
         return item
@@ -64,14 +69,27 @@ class ResponseShape:
 
     def call_item(self, call_id: str, prompt_name: str, arguments: str, *, status: str = "completed") -> Item:
         name, namespace = self.tools.reported(prompt_name)
-        item: Item = {"type": "function_call", "id": item_id("function_call"), "call_id": call_id, "name": name,
-                      "arguments": arguments, "status": status}
+        item: Item = {
+            "type": "function_call",
+            "id": item_id("function_call"),
+            "call_id": call_id,
+            "name": name,
+            "arguments": arguments,
+            "status": status,
+        }
         if namespace is not None:
             item["namespace"] = namespace
         return item
 
-    def body(self, status: str, output: list[Item], *, usage: dict[str, Any] | None = None,
-             incomplete_reason: str | None = None, error: dict[str, Any] | None = None) -> dict[str, Any]:
+    def body(
+        self,
+        status: str,
+        output: list[Item],
+        *,
+        usage: dict[str, Any] | None = None,
+        incomplete_reason: str | None = None,
+        error: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
         request = self.request
         reasoning = request.reasoning
         fmt = request.text.format if request.text is not None else None
@@ -100,8 +118,10 @@ class ResponseShape:
             "parallel_tool_calls": request.parallel_tool_calls is not False,
             "previous_response_id": request.previous_response_id,
             "prompt_cache_key": request.prompt_cache_key,
-            "reasoning": {"effort": reasoning.effort if reasoning else None,
-                          "summary": (reasoning.summary or reasoning.generate_summary) if reasoning else None},
+            "reasoning": {
+                "effort": reasoning.effort if reasoning else None,
+                "summary": (reasoning.summary or reasoning.generate_summary) if reasoning else None,
+            },
             "safety_identifier": request.safety_identifier,
             "service_tier": "default",
             "store": request.stores,
@@ -133,13 +153,20 @@ class ResponseShape:
                 logprobs = output_logprobs((choice.get("logprobs") or {}).get("content") or [])
             output.append(self.message_item(content or "", status=status, logprobs=logprobs))
         for call in calls:
-            output.append(self.call_item(call["id"], call["function"]["name"], call["function"]["arguments"], status=status))
-        return self.body(status, output, usage=chat_usage_to_response(completion.get("usage"), reasoning_tokens),
-                         incomplete_reason="max_output_tokens" if incomplete else None)
+            output.append(
+                self.call_item(call["id"], call["function"]["name"], call["function"]["arguments"], status=status)
+            )
+        return self.body(
+            status,
+            output,
+            usage=chat_usage_to_response(completion.get("usage"), reasoning_tokens),
+            incomplete_reason="max_output_tokens" if incomplete else None,
+        )
 
 
 def output_logprobs(chat_logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Chat's logprob entries in the output_text part's shape (the same fields, `bytes` always a list)."""
+
     def entry(lp: dict[str, Any]) -> dict[str, Any]:
         return {"token": lp["token"], "logprob": lp["logprob"], "bytes": lp.get("bytes") or list(lp["token"].encode())}
 

@@ -11,7 +11,8 @@ the prompt fits.
 from __future__ import annotations
 
 import asyncio
-from typing import Any, AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable
+from typing import Any
 
 import structlog
 
@@ -65,8 +66,11 @@ class ResponsesService:
         if tools.dropped:
             dropped = ",".join(tools.dropped)
             stats.headers.append((DROPPED_TOOLS_HEADER, dropped))
-            log.warning("responses_tools_dropped", tools=tools.dropped,
-                        reason="hosted tools run on OpenAI's side; left out of the prompt")
+            log.warning(
+                "responses_tools_dropped",
+                tools=tools.dropped,
+                reason="hosted tools run on OpenAI's side; left out of the prompt",
+            )
         context: list[Item] = []
         if request.previous_response_id is not None:
             record = await self._record(stats.owner, request.previous_response_id, "previous_response_id")
@@ -102,8 +106,9 @@ class ResponsesService:
     def _framer(self, shape: ResponseShape, rule_ctx: RuleContext, owner: str, record: dict[str, Any]) -> Any:
         stores = shape.request.stores
 
-        def frame(chunks: AsyncIterator[dict], map_error: Callable[[DeltafinError], DeltafinError],
-                  close: Callable[[], None]) -> AsyncIterator[bytes]:
+        def frame(
+            chunks: AsyncIterator[dict], map_error: Callable[[DeltafinError], DeltafinError], close: Callable[[], None]
+        ) -> AsyncIterator[bytes]:
             events = ResponseEvents(shape, lambda: rule_ctx.reasoning_tokens)
 
             async def body() -> AsyncIterator[bytes]:
@@ -127,8 +132,14 @@ class ResponsesService:
         return frame
 
     def _chat_request(self, request: ResponsesRequest, tools: ServedTools, items: list[Item]) -> ChatCompletionRequest:
-        return chat_request(request, tools, items, developer_role=self._developer_role,
-                            thinking_kwarg=self.ctx.config.model.thinking_kwarg, model_name=self.ctx.model_name)
+        return chat_request(
+            request,
+            tools,
+            items,
+            developer_role=self._developer_role,
+            thinking_kwarg=self.ctx.config.model.thinking_kwarg,
+            model_name=self.ctx.model_name,
+        )
 
     # --- retrieve, delete, input items
 
@@ -150,14 +161,26 @@ class ResponsesService:
             ids = [item.get("id") for item in items]
             if query.after not in ids:
                 raise InvalidRequestError(f"after: no input item {query.after!r} in this response", param="after")
-            items = items[ids.index(query.after) + 1:]
+            items = items[ids.index(query.after) + 1 :]
         page = items[: query.limit]
-        return {"object": "list", "data": page, "first_id": page[0]["id"] if page else None,
-                "last_id": page[-1]["id"] if page else None, "has_more": len(items) > len(page)}
+        return {
+            "object": "list",
+            "data": page,
+            "first_id": page[0]["id"] if page else None,
+            "last_id": page[-1]["id"] if page else None,
+            "has_more": len(items) > len(page),
+        }
 
 
-def chat_request(request: ResponsesRequest, tools: ServedTools, items: list[Item], *, developer_role: bool,
-                 thinking_kwarg: str | None, model_name: str) -> ChatCompletionRequest:
+def chat_request(
+    request: ResponsesRequest,
+    tools: ServedTools,
+    items: list[Item],
+    *,
+    developer_role: bool,
+    thinking_kwarg: str | None,
+    model_name: str,
+) -> ChatCompletionRequest:
     """The chat request a Responses request (with its whole conversation, `items`) is served as."""
     messages = chat_messages(request.instructions, items, developer_role=developer_role)
     if not messages:
@@ -197,7 +220,9 @@ def _reasoning(request: ResponsesRequest, key: str | None, model_name: str) -> t
         if thinking:
             raise InvalidRequestError(
                 f"The model `{model_name}` does not reason; reasoning.effort {effort!r} cannot be served "
-                "(leave it out, or send 'none')", param="reasoning.effort")
+                "(leave it out, or send 'none')",
+                param="reasoning.effort",
+            )
         return {}, None
     return {key: thinking}, effort if thinking else None
 
@@ -208,8 +233,10 @@ def _response_format(request: ResponsesRequest) -> ResponseFormat | None:
         return None
     if fmt.type != "json_schema":
         return ResponseFormat(type=fmt.type)
-    return ResponseFormat(type="json_schema", json_schema=JsonSchemaFormat(
-        name=fmt.name, description=fmt.description, schema=fmt.schema, strict=fmt.strict))
+    return ResponseFormat(
+        type="json_schema",
+        json_schema=JsonSchemaFormat(name=fmt.name, description=fmt.description, schema=fmt.schema, strict=fmt.strict),
+    )
 
 
 def _is_system(item: Item) -> bool:

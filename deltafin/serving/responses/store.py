@@ -108,8 +108,10 @@ class SqliteStore:
             return False
         with self._lock, self._db:
             self._delete(response_id)
-            self._db.execute("INSERT INTO deltafin_responses (id, owner, size, body) VALUES (?, ?, ?, ?)",
-                             (response_id, owner, len(body), body))
+            self._db.execute(
+                "INSERT INTO deltafin_responses (id, owner, size, body) VALUES (?, ?, ?, ?)",
+                (response_id, owner, len(body), body),
+            )
             self._count += 1
             self._bytes += len(body)
             while self._count > self._max_entries or self._bytes > self._max_bytes:
@@ -121,14 +123,16 @@ class SqliteStore:
 
     def get(self, owner: str, response_id: str) -> dict[str, Any] | None:
         with self._lock:
-            row = self._db.execute("SELECT body FROM deltafin_responses WHERE id = ? AND owner = ?",
-                                   (response_id, owner)).fetchone()
+            row = self._db.execute(
+                "SELECT body FROM deltafin_responses WHERE id = ? AND owner = ?", (response_id, owner)
+            ).fetchone()
         return None if row is None else _decode(row[0])
 
     def delete(self, owner: str, response_id: str) -> bool:
         with self._lock, self._db:
-            row = self._db.execute("SELECT size FROM deltafin_responses WHERE id = ? AND owner = ?",
-                                   (response_id, owner)).fetchone()
+            row = self._db.execute(
+                "SELECT size FROM deltafin_responses WHERE id = ? AND owner = ?", (response_id, owner)
+            ).fetchone()
             if row is None:
                 return False
             self._delete(response_id)
@@ -166,8 +170,10 @@ def _open(path: Path) -> sqlite3.Connection:
         db.execute("PRAGMA synchronous=NORMAL")  # with WAL: durable across a process crash, one sync a checkpoint
         with db:
             db.execute("CREATE TABLE IF NOT EXISTS deltafin_meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
-            db.execute("CREATE TABLE IF NOT EXISTS deltafin_responses (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
-                       "id TEXT UNIQUE NOT NULL, owner TEXT NOT NULL, size INTEGER NOT NULL, body BLOB NOT NULL)")
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS deltafin_responses (seq INTEGER PRIMARY KEY AUTOINCREMENT, "
+                "id TEXT UNIQUE NOT NULL, owner TEXT NOT NULL, size INTEGER NOT NULL, body BLOB NOT NULL)"
+            )
             db.execute("INSERT OR IGNORE INTO deltafin_meta (key, value) VALUES ('schema', ?)", (SCHEMA_VERSION,))
         version = db.execute("SELECT value FROM deltafin_meta WHERE key = 'schema'").fetchone()[0]
         if version != SCHEMA_VERSION:

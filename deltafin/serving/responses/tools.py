@@ -20,10 +20,22 @@ from deltafin.errors import InvalidRequestError
 from deltafin.protocol.chat import FunctionDefinition, ToolDefinition
 
 #: tool types that OpenAI runs on its own side
-HOSTED = frozenset({
-    "web_search", "web_search_preview", "web_search_preview_2025_03_11", "web_search_2025_08_26", "file_search",
-    "code_interpreter", "computer", "computer_use", "computer_use_preview", "image_generation", "mcp", "tool_search",
-})
+HOSTED = frozenset(
+    {
+        "web_search",
+        "web_search_preview",
+        "web_search_preview_2025_03_11",
+        "web_search_2025_08_26",
+        "file_search",
+        "code_interpreter",
+        "computer",
+        "computer_use",
+        "computer_use_preview",
+        "image_generation",
+        "mcp",
+        "tool_search",
+    }
+)
 NAMESPACE_DELIMITER = "__"
 
 
@@ -69,8 +81,10 @@ def served_tools(tools: list[Any] | None, *, unsupported: str) -> ServedTools:
             for j, member in enumerate(inner):
                 member_where = f"{where}.tools[{j}]"
                 if not isinstance(member, dict) or member.get("type") != "function":
-                    raise InvalidRequestError(f"{member_where}.type: only function tools are supported in a namespace",
-                                              param=f"{member_where}.type")
+                    raise InvalidRequestError(
+                        f"{member_where}.type: only function tools are supported in a namespace",
+                        param=f"{member_where}.type",
+                    )
                 definition = _function(member, member_where, namespace, tool.get("description"))
                 served.namespaced[definition.function.name] = (member["name"], namespace)
                 _add(served, seen, definition, member_where)
@@ -78,12 +92,16 @@ def served_tools(tools: list[Any] | None, *, unsupported: str) -> ServedTools:
             if unsupported == "reject":
                 raise InvalidRequestError(
                     f"{where}: the hosted tool {kind!r} runs on OpenAI's side and is not available on this server",
-                    param=f"{where}.type")
+                    param=f"{where}.type",
+                )
             if kind not in served.dropped:
                 served.dropped.append(kind)
         else:
-            raise InvalidRequestError(f"{where}.type: tools of type {kind!r} are not supported by this server "
-                                      "(supported: function, namespace)", param=f"{where}.type")
+            raise InvalidRequestError(
+                f"{where}.type: tools of type {kind!r} are not supported by this server "
+                "(supported: function, namespace)",
+                param=f"{where}.type",
+            )
     return served
 
 
@@ -110,8 +128,11 @@ def _function(tool: dict[str, Any], where: str, namespace: str | None, group_des
         raise InvalidRequestError(f"{where}.strict: a boolean", param=f"{where}.strict")
     if namespace is not None and isinstance(group_description, str) and group_description:
         description = f"{group_description}\n{description}" if description else group_description
-    return ToolDefinition(function=FunctionDefinition(name=flat_name(namespace, name), description=description,
-                                                      parameters=parameters, strict=strict))
+    return ToolDefinition(
+        function=FunctionDefinition(
+            name=flat_name(namespace, name), description=description, parameters=parameters, strict=strict
+        )
+    )
 
 
 def chat_tool_choice(choice: Any, served: ServedTools) -> tuple[Any, list[ToolDefinition]]:
@@ -128,7 +149,10 @@ def chat_tool_choice(choice: Any, served: ServedTools) -> tuple[Any, list[ToolDe
         name = choice.get("name")
         if not isinstance(name, str):
             raise InvalidRequestError("tool_choice.name: the function to call", param="tool_choice.name")
-        return {"type": "function", "function": {"name": _known(served, name, choice.get("namespace"), "tool_choice.name")}}, tools
+        return {
+            "type": "function",
+            "function": {"name": _known(served, name, choice.get("namespace"), "tool_choice.name")},
+        }, tools
     if kind == "allowed_tools":
         mode = choice.get("mode", "auto")
         if mode not in ("auto", "required"):
