@@ -6,10 +6,11 @@ from __future__ import annotations
 
 import logging
 import sys
+from typing import Any
 
 import structlog
 
-_SHARED = [
+_SHARED: list[Any] = [
     structlog.contextvars.merge_contextvars,
     structlog.processors.add_log_level,
     structlog.processors.TimeStamper(fmt="iso", utc=True),

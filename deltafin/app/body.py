@@ -8,6 +8,7 @@ signature.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TypeVar
 
@@ -52,7 +53,7 @@ def json_request_body(request_type: type) -> RequestBody:
     return RequestBody(content={"application/json": OpenAPIMediaType(schema=schema)}, required=True)
 
 
-def publish_body_schemas(app: Litestar, types: list[type]) -> None:
+def publish_body_schemas(app: Litestar, types: Sequence[type]) -> None:
     """Add the request types' schemas to the app's OpenAPI components. Litestar fills `components.schemas`
     with the ones it inferred itself, so they are merged into the (cached) document once it is built."""
     openapi = app.openapi_schema

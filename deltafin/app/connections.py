@@ -89,14 +89,14 @@ def guarded_http(limits: ConnectionsConfig, base: type = _BaseProtocol) -> type:
     max_open = int(limits.max_open)
     max_header_bytes = int(limits.max_header_bytes)
 
-    class GuardedProtocol(base):  # type: ignore[misc,valid-type]
+    class GuardedProtocol(base):
         _header_timer: asyncio.TimerHandle | None = None
         # Bytes received since the current request's head began, while it is unfinished; None between heads.
         _head_received: int | None = None
         _refused = False
         _linger: asyncio.TimerHandle | None = None
 
-        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        def connection_made(self, transport: asyncio.Transport) -> None:
             super().connection_made(transport)
             if len(self.connections) > max_open:
                 self._refuse(

@@ -32,7 +32,12 @@ def on_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> Stopper:
                     fire(ClientClosedRequest("client disconnected"))
                     return
 
-        return asyncio.ensure_future(watch()).cancel
+        task = asyncio.ensure_future(watch())
+
+        def disarm() -> None:
+            task.cancel()
+
+        return disarm
 
     return arm
 

@@ -171,7 +171,7 @@ def build_app(
     document_generation_routes(litestar_app)
     # Outermost first: request id + log line + metrics; refuse new work while draining; the API key,
     # checked before routing so a request without one never has its body read; the body's deadline; Litestar.
-    inner = BodyDeadline(litestar_app, config.server.connections.body_timeout_s)
+    inner: Any = BodyDeadline(litestar_app, config.server.connections.body_timeout_s)
     inner = ApiKeyGate(inner, config.server.api_keys, config.server.open_routes)
     app = RequestContext(DrainGate(inner, drain), app_metrics, engine=engine_name(config))
     app.drain = drain  # the server starts draining it on SIGTERM/SIGINT (deltafin.app.server)
@@ -185,7 +185,7 @@ async def _load_all(served: ServedModels, store: Any, app_metrics: Metrics) -> N
     for model in served:
         try:
             services = await asyncio.to_thread(Services.load, model.config, store)
-            services.ctx.prompt.prepare_loop_thread()  # on this loop's thread, where small prompts render
+            services.ctx.work.prepare_loop_thread()  # on this loop's thread, where small prompts render
             model.services = services
             services.ctx.engine.observe(app_metrics)  # upstream latency and errors
         except Exception as exc:  # shown by /health and 503s; the process stays up to say so

@@ -125,7 +125,7 @@ class GenerationEndpoints:
             stats = RequestStats()
         raw = await read_body(scope, receive, self._max_body_bytes)
         stats.body_bytes = len(raw)  # chooses the prompt-work lane (deltafin.serving.prompt_work)
-        request = decode_request(raw, route.request_type)
+        request: Any = decode_request(raw, route.request_type)
         services = self._services(request.model)  # the model the request names (deltafin.app.served)
         stats.answered_by(services.ctx)
 

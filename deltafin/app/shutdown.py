@@ -104,6 +104,7 @@ class Drain:
         # the generation at its await just as cancelling that task did.
         chunks = body.__aiter__()
         task = asyncio.current_task()
+        assert task is not None  # an async generator body runs in a task
         waiting = False
         interrupted = False
 

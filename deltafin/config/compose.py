@@ -54,7 +54,7 @@ def compose_raw(overrides: Sequence[str] = ()) -> DictConfig:
         # Hydra keeps OmegaConf's error as the cause, or (for an option file's own keys) as the context
         cause = exc if isinstance(exc, OmegaConfBaseException) else exc.__cause__ or exc.__context__
         if isinstance(cause, (ConfigAttributeError, ConfigKeyError)) and getattr(cause, "full_key", None):
-            raise ConfigError(no_such_key(cause.full_key)) from None
+            raise ConfigError(no_such_key(str(cause.full_key))) from None
         if isinstance(cause, OmegaConfBaseException):
             raise ConfigError(_named_in_full(omegaconf_reason(cause), overrides)) from None
         raise ConfigError(f"config: {str(exc).splitlines()[0]}") from None
@@ -62,9 +62,9 @@ def compose_raw(overrides: Sequence[str] = ()) -> DictConfig:
         text = str(warning).splitlines()[0]
         raise ConfigError(f"hydra.searchpath: {text}" if "searchpath" in text else f"config: {text}") from None
     except Exception as exc:  # OmegaConf's own failures while merging an override (raised as plain Python errors)
-        key = re.search(r"full_key: (\S+)", str(exc))
+        named = re.search(r"full_key: (\S+)", str(exc))
         raise ConfigError(
-            f"{key.group(1) if key else 'config'}: cannot take this override ({str(exc).splitlines()[0]})"
+            f"{named.group(1) if named else 'config'}: cannot take this override ({str(exc).splitlines()[0]})"
         ) from None
 
 

@@ -49,7 +49,7 @@ def render() -> str:
     return "\n".join(parts)
 
 
-def _rows(cls: type, prefix: str, comments: dict[tuple[str, str], str]) -> list[str]:
+def _rows(cls: Any, prefix: str, comments: dict[tuple[str, str], str]) -> list[str]:
     rows = []
     hints = typing.get_type_hints(cls)
     for spec in dataclasses.fields(cls):
@@ -74,8 +74,8 @@ def _type(kind: Any) -> str:
 
 
 def _default(spec: dataclasses.Field) -> str:
-    if spec.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
-        value = spec.default_factory()  # type: ignore[misc]
+    if spec.default_factory is not dataclasses.MISSING:
+        value = spec.default_factory()
     else:
         value = spec.default
     if value == MISSING:
@@ -128,9 +128,11 @@ def _field_comments(source: str) -> dict[tuple[str, str], str]:
         for statement in node.body:
             if not (isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)):
                 continue
-            text = next((by_line[n] for n in range(statement.lineno, statement.end_lineno + 1) if n in by_line), None)
+            last = statement.end_lineno or statement.lineno
+            text = next((by_line[n] for n in range(statement.lineno, last + 1) if n in by_line), None)
             if text is None:
-                above, n = [], statement.lineno - 1
+                above: list[str] = []
+                n = statement.lineno - 1
                 while n in by_line and lines[n - 1].lstrip().startswith("#"):
                     above.insert(0, by_line[n])
                     n -= 1

@@ -56,3 +56,7 @@ class Finished:
     stop_reason: str | int | None = None
     memo_hit: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+
+
+#: what a generation stream carries, in order: text deltas (and prompt logprobs), then one Finished per choice
+Event = TextDelta | PromptLogprobs | Finished

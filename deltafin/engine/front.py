@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from deltafin.engine.admission import Admission
-from deltafin.engine.events import Finished, GenerationJob, PromptLogprobs, TextDelta
+from deltafin.engine.events import Event, Finished, GenerationJob
 from deltafin.engine.interface import EngineCapabilities, EngineClient, Readiness
 from deltafin.engine.memo import ResponseMemo
 from deltafin.engine.stream import GenerationStream
@@ -71,6 +71,7 @@ class EngineFront:
             # Every choice is a memo hit: replay on the event loop, never queued behind a generation.
             stream = GenerationStream(loop)
             for choice, replay in enumerate(replays):
+                assert replay is not None
                 for event in replay:
                     stream.emit(_replayed(event, choice))
             stream.end()
@@ -101,9 +102,9 @@ class _MemoRecorder:
         self._memo = memo
         self._jobs = jobs
         self._stream = stream
-        self._events: dict[int, list[object]] = {}
+        self._events: dict[int, list[Event]] = {}
 
-    def __call__(self, event: object) -> None:
+    def __call__(self, event: Event) -> None:
         choice = getattr(event, "choice", None)
         if choice is None or not self._jobs[choice].params.deterministic:
             return
@@ -112,10 +113,8 @@ class _MemoRecorder:
             self._memo.put(self._jobs[choice], self._events.pop(choice))
 
 
-def _replayed(event: object, choice: int) -> object:
+def _replayed(event: Event, choice: int) -> Event:
     """A memo entry replays under the choice index of the request that asked for it."""
     if isinstance(event, Finished):
         return dataclasses.replace(event, choice=choice, cached_tokens=0, memo_hit=True, timings={})
-    if isinstance(event, (TextDelta, PromptLogprobs)):
-        return dataclasses.replace(event, choice=choice)
-    return event
+    return dataclasses.replace(event, choice=choice)

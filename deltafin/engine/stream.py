@@ -14,10 +14,9 @@ from typing import Any
 
 import structlog
 
-from deltafin.engine.events import Finished, PromptLogprobs, TextDelta
+from deltafin.engine.events import Event
 from deltafin.errors import DeltafinError, InternalError
 
-Event = TextDelta | PromptLogprobs | Finished
 _END = object()
 
 
@@ -65,11 +64,11 @@ class GenerationStream:
         # The request's log context (request id ...), for log lines the engine writes on its own threads.
         self.log_context: dict[str, Any] = structlog.contextvars.get_contextvars()
         self._queue: asyncio.Queue[Any] = asyncio.Queue()
-        self._observers: list[Callable[[object], None]] = []
+        self._observers: list[Callable[[Event], None]] = []
         self._finishers: list[Callable[[], None]] = []
         self._ended = False
 
-    def observe(self, observer: Callable[[object], None]) -> None:
+    def observe(self, observer: Callable[[Event], None]) -> None:
         """Call `observer(event)` for every event, on the emitting thread (the memo records this way)."""
         self._observers.append(observer)
 

@@ -19,6 +19,7 @@ engine for room: rows already decoding never wait for a grammar, and the engine 
 from __future__ import annotations
 
 import asyncio
+import functools
 import math
 import threading
 import time
@@ -98,7 +99,7 @@ class Grammars:
                 request = self._pool.submit(worker_module.encode_request(constraint), self._decode)
                 pending = self._inflight[constraint] = _Pending(request)
                 self.compiles += 1
-                request.future.add_done_callback(lambda done, mine=pending: self._settle(constraint, mine, done))
+                request.future.add_done_callback(functools.partial(self._settle, constraint, pending))
             pending.waiters += 1
         joined = time.monotonic()
         request = pending.request

@@ -93,7 +93,7 @@ class ForcedJsonCallParser:
         out = ParsedDelta()
         if not self._started:
             self._started = True
-            out.tool_calls.append(ToolCallDelta(0, self._new_id(0, self._name), self._name, ""))
+            out.tool_calls.append(ToolCallDelta(0, self._new_id(0, self._name or ""), self._name, ""))
         if text:
             out.tool_calls.append(ToolCallDelta(0, arguments=text))
         return out
@@ -106,7 +106,7 @@ class ForcedJsonCallParser:
     def _head(self, out: ParsedDelta, fragment: list[str]) -> None:
         self._flush(out, fragment)
         out.tool_calls.append(
-            ToolCallDelta(self._index, self._new_id(self._index, self._call_name), self._call_name, "")
+            ToolCallDelta(self._index, self._new_id(self._index, self._call_name or ""), self._call_name, "")
         )
         if self._held:
             fragment.extend(self._held)

@@ -81,6 +81,7 @@ class HermesToolParser:
                 before, marker, after = split_at_marker(buffer, (CALL_END,))
                 if marker is None:
                     tail = _TAIL.search(before)
+                    assert tail is not None  # the pattern matches an empty tail
                     self._arguments(before[: tail.start()], out)
                     self._held = before[tail.start() :] + after
                     return out

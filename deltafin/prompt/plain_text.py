@@ -40,7 +40,7 @@ class PlainText:
         matched_anyway = sorted(
             {t.content for t in added.values() if not t.special and t.content in wanted}, key=len, reverse=True
         )
-        self._backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._backend: Any = getattr(tokenizer, "backend_tokenizer", None)
         self._matched_anyway = (
             re.compile("|".join(map(re.escape, matched_anyway)))
             if matched_anyway and self._backend is not None
@@ -57,7 +57,8 @@ class PlainText:
         return self._codec.encode(text, split_special_tokens=True)
 
     def _without_added_vocabulary(self, text: str) -> list[int]:
-        backend = self._backend
+        backend = self._backend  # set: _matched_anyway is only built with a backend
+        assert backend is not None
         if backend.normalizer is not None:
             text = backend.normalizer.normalize_str(text)
         pieces = backend.pre_tokenizer.pre_tokenize_str(text) if backend.pre_tokenizer is not None else [(text, None)]

@@ -183,7 +183,8 @@ def _install() -> None:
     except ImportError:  # pragma: no cover - transformers is a dependency; the time budget still applies
         return
     if getattr(chat_template_utils, "ImmutableSandboxedEnvironment", None) is ImmutableSandboxedEnvironment:
-        chat_template_utils.ImmutableSandboxedEnvironment = BoundedSandboxedEnvironment
+        # a module attribute of transformers' (pinned by tests/prompt/test_sandbox*.py), not a type we define
+        chat_template_utils.ImmutableSandboxedEnvironment = BoundedSandboxedEnvironment  # type: ignore[misc]
         chat_template_utils._compile_jinja_template.cache_clear()
 
 

@@ -108,7 +108,7 @@ class _Marker:
         if isinstance(node, nodes.TemplateData):  # raw template text: always output
             pieces = self._pieces(node.data, node.lineno, nodes.TemplateData)
             self.stored |= stored and bool(pieces)
-            return pieces or [node]
+            return [*pieces] or [node]
         if isinstance(node, nodes.Const) and output and isinstance(node.value, str):
             pieces = self._pieces(node.value, node.lineno, nodes.Const)
             self.stored |= stored and bool(pieces)
@@ -135,6 +135,8 @@ class _Marker:
 
     def _pieces(self, text: str, lineno: int, literal: type) -> list[nodes.Expr]:
         """`text` as literal pieces and markers; [] when it holds no control token."""
+        if self._pattern is None:
+            return []
         parts = self._pattern.split(text)
         if len(parts) == 1:
             return []
@@ -142,7 +144,7 @@ class _Marker:
         for i, part in enumerate(parts):
             if i % 2:
                 marker = nodes.Getitem(nodes.Name(MARKS, "load"), nodes.Const(self._index[part]), "load")
-                out.append(marker.set_lineno(lineno))
+                out.append(marker.set_lineno(lineno))  # type: ignore[arg-type]  # set_lineno returns the node itself
             elif part:
                 out.append(literal(part, lineno=lineno))
         return out

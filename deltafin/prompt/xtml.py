@@ -192,9 +192,10 @@ def _in_call_order(messages: Sequence[ChatMessage]) -> list[tuple[int, ChatMessa
             call_id = messages[i].tool_call_id
             run.append((i, messages[i], calls.get(call_id) if call_id is not None else None))
             i += 1
-        if all(match is not None for _, _, match in run):
-            run.sort(key=lambda item: item[2][0])  # stable: equal positions keep their order
-            out += [(index, result, match[1]) for index, result, match in run]
+        matched = [(index, result, match) for index, result, match in run if match is not None]
+        if len(matched) == len(run):
+            matched.sort(key=lambda item: item[2][0])  # stable: equal positions keep their order
+            out += [(index, result, match[1]) for index, result, match in matched]
         else:
             out += [(index, result, None) for index, result, _ in run]
     return out

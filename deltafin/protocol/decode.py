@@ -8,6 +8,7 @@ with this instead). Fields the server sets for itself are never taken from the c
 from __future__ import annotations
 
 import re
+from collections.abc import Sequence
 from typing import Any, TypeVar
 
 import msgspec
@@ -57,7 +58,7 @@ def _without_internal_fields(request: Any) -> Any:
     return msgspec.structs.replace(request, **cleared) if cleared else request
 
 
-def public_schema_components(types: list[type]) -> dict[str, Any]:
+def public_schema_components(types: Sequence[type]) -> dict[str, Any]:
     """JSON schemas of the request types as OpenAPI components, without the internal fields."""
     _, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
     for schema in components.values():

@@ -19,7 +19,9 @@ def _flatten(message: ChatMessage) -> ChatMessage:
         return message
     if not all(isinstance(part, TextPart) for part in content):
         return message
-    return msgspec.structs.replace(message, content="".join(part.text for part in content))
+    return msgspec.structs.replace(
+        message, content="".join(part.text for part in content if isinstance(part, TextPart))
+    )
 
 
 class FlattenToolText(Rule):

@@ -10,7 +10,7 @@ from __future__ import annotations
 import copy
 from collections.abc import AsyncIterator, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from hydra.errors import InstantiationException
 from hydra.utils import instantiate
@@ -79,7 +79,9 @@ def _mark(changed: list[str], name: str) -> None:
 
 def build_pipeline(rules: Mapping[str, Any] | DictConfig, family: str) -> RulePipeline:
     """Instantiate `compat.rules` node by node; any problem is a ConfigError naming the rule."""
-    nodes = OmegaConf.to_container(rules, resolve=True) if isinstance(rules, DictConfig) else dict(rules)
+    nodes = cast(
+        dict[str, Any], OmegaConf.to_container(rules, resolve=True) if isinstance(rules, DictConfig) else dict(rules)
+    )
     built: list[NamedRule] = []
     for name, node in nodes.items():
         where = f"compat.rules.{name}"

@@ -100,7 +100,7 @@ def request_constraint(
     structure = family.answer_structure(variant, content, prompt_text=prompt_text)
     if structure is not None:
         return constraints.structural_tag(structure), "response_format"
-    if request.response_format.type == "json_object":
+    if request.response_format is not None and request.response_format.type == "json_object":
         return constraints.json_object(), "response_format"
     return constraints.json_schema(content["json_schema"]), "response_format"
 

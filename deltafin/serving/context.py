@@ -131,9 +131,15 @@ class ServingContext:
             self.prompt = prompt_work_for(self.config, self.engine.tokenizer)
 
     @property
+    def work(self) -> PromptWork:
+        """The prompt threads (set from the config once built)."""
+        assert self.prompt is not None
+        return self.prompt
+
+    @property
     def tokenizer(self) -> Any:
         """The calling thread's own tokenizer (prompt threads; see prompt_work)."""
-        return self.prompt.tokenizers.get()
+        return self.work.tokenizers.get()
 
     def deadline(self, stats: RequestStats) -> float:
         """When a request must be admitted to the engine or refused: `queue.timeout_s` of waiting after it
@@ -155,7 +161,7 @@ class ServingContext:
         one when `inline` (deltafin.serving.prompt_work); with `stats`, refused if no thread is free by the
         request's deadline, and the work's own time recorded."""
         if stats is None:
-            return await self.prompt.run(lambda: fn(*args), size=size, inline=inline)
+            return await self.work.run(lambda: fn(*args), size=size, inline=inline)
 
         def timed() -> T:
             began = time.monotonic()
@@ -164,7 +170,7 @@ class ServingContext:
             finally:
                 stats.prompt_work_s += time.monotonic() - began
 
-        return await self.prompt.run(timed, size=size, deadline=self.deadline(stats), inline=inline)
+        return await self.work.run(timed, size=size, deadline=self.deadline(stats), inline=inline)
 
     fingerprint: str = "fp_deltafin"
 

@@ -149,8 +149,8 @@ class PromptWork:
                 outcome.cancel()
             elif isinstance(done.exception(), _Expired):
                 expire()
-            elif done.exception() is not None:
-                outcome.set_exception(done.exception())
+            elif (error := done.exception()) is not None:
+                outcome.set_exception(error)
             else:
                 outcome.set_result(done.result())
 

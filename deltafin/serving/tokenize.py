@@ -42,10 +42,9 @@ class TokenizeService:
             tokenizer = self.ctx.tokenizer
             ids = list(tokenizer(request.prompt, add_special_tokens=request.add_special_tokens).input_ids)
         else:
-            chat_request = self.as_chat_request(request)
-            chat_request = self.ctx.rules.on_request(
-                chat_request, self.chat.rule_context(chat_request, "tokenize"), stats.rules
-            )
+            as_chat = self.as_chat_request(request)
+            chat_request = self.ctx.rules.on_request(as_chat, self.chat.rule_context(as_chat, "tokenize"), stats.rules)
+            assert isinstance(chat_request, ChatCompletionRequest)  # rules keep a request's type
             ids = self.chat.render(chat_request, add_generation_prompt=request.add_generation_prompt).token_ids
         body: dict[str, Any] = {"tokens": ids, "count": len(ids), "max_model_len": self.ctx.engine.context_length}
         if request.return_token_strs:

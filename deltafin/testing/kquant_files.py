@@ -18,7 +18,7 @@ import numpy as np
 QK_K = 256
 
 
-def _half(x: np.ndarray) -> np.ndarray:
+def _half(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """float -> (float16 values as float32, their bytes [..., 2])."""
     h = x.astype(np.float16)
     return h.astype(np.float32), h[..., None].view(np.uint8)

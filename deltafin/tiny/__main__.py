@@ -13,8 +13,8 @@ from deltafin.tiny.writer import write_tiny_model
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m deltafin.tiny", description=__doc__)
-    tiny = sorted(name for name, spec in FAMILIES.items() if spec.tiny_recipe(spec.variant(None)) is not None)
-    parser.add_argument("--family", required=True, choices=tiny)
+    families = sorted(name for name, spec in FAMILIES.items() if spec.tiny_recipe(spec.variant(None)) is not None)
+    parser.add_argument("--family", required=True, choices=families)
     parser.add_argument("--variant", default=None, help="model.variant of the family (e.g. glm47); default: its first")
     parser.add_argument("--out", required=True, type=Path)
     parser.add_argument("--seed", type=int, default=0)
@@ -28,8 +28,8 @@ def main() -> None:
     if args.multimodal and args.family != "kimi_k3":
         parser.error("--multimodal is the layout of Kimi K3 checkpoints: --family kimi_k3 only")
     if args.multimodal:
-        with tempfile.TemporaryDirectory() as text:
-            tiny = write_tiny_model(args.family, Path(text), seed=args.seed, context=args.context)
+        with tempfile.TemporaryDirectory() as scratch:
+            tiny = write_tiny_model(args.family, Path(scratch), seed=args.seed, context=args.context)
             out = write_k3_checkpoint(tiny, args.out)
     else:
         out = write_tiny_model(args.family, args.out, variant=args.variant, seed=args.seed, context=args.context)

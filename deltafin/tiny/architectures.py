@@ -162,7 +162,7 @@ def falcon_h1(vocab: int) -> Any:
         num_hidden_layers=2,
         num_attention_heads=4,
         num_key_value_heads=2,
-        head_dim=16,
+        head_dim=16,  # type: ignore[call-arg]  # a config attribute its __init__ takes through **kwargs
         mamba_d_ssm=64,
         mamba_n_heads=4,
         mamba_d_head=16,

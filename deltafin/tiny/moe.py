@@ -25,6 +25,7 @@ of its dense part. Names and shapes come from transformers' reverse conversion (
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import math
 from collections.abc import Callable, Iterator
@@ -64,7 +65,7 @@ def build(arch: str, vocab: int, shape: MoeShape) -> Any:
     shapes only."""
     import transformers as tf
 
-    common = dict(
+    common: dict[str, Any] = dict(
         vocab_size=vocab,
         hidden_size=shape.hidden,
         num_hidden_layers=shape.layers,
@@ -75,7 +76,7 @@ def build(arch: str, vocab: int, shape: MoeShape) -> Any:
     )
     head_dim = shape.hidden // shape.heads
     if arch == "deepseek_v3":
-        config = tf.DeepseekV3Config(
+        config: Any = tf.DeepseekV3Config(
             **common,
             intermediate_size=4 * shape.intermediate,
             moe_intermediate_size=shape.intermediate,
@@ -132,7 +133,7 @@ def build(arch: str, vocab: int, shape: MoeShape) -> Any:
             intermediate_size=4 * shape.intermediate,
             moe_intermediate_size=shape.intermediate,
             num_key_value_heads=max(1, shape.heads // 2),
-            head_dim=head_dim,
+            head_dim=head_dim,  # type: ignore[call-arg]  # a config attribute its __init__ takes through **kwargs
             num_experts=shape.experts,
         )
         return tf.Qwen3MoeForCausalLM(config)
@@ -203,7 +204,19 @@ def write_moe(
     return out
 
 
-def _redraw_embeddings(model: nn.Module, std: float | None, seed: int) -> None:
+def _whole(tensor: torch.Tensor) -> Iterator[torch.Tensor]:
+    yield tensor.contiguous()
+
+
+def _drawn(
+    shape: tuple[int, ...], pieces: int, generator: torch.Generator, std: float, dtype: torch.dtype
+) -> Iterator[torch.Tensor]:
+    """A tensor of `shape` drawn in `pieces` slices of its first dimension (one expert at a time)."""
+    for _ in range(pieces):
+        yield (torch.randn(shape[1:] if pieces > 1 else shape, generator=generator) * std).to(dtype)
+
+
+def _redraw_embeddings(model: Any, std: float | None, seed: int) -> None:
     if std is not None:
         weight = model.get_input_embeddings().weight
         with torch.no_grad():
@@ -217,7 +230,7 @@ def _experts(model: nn.Module) -> dict[str, nn.Module]:
 
 
 def save_streamed(
-    model: nn.Module,
+    model: Any,  # a transformers PreTrainedModel
     folder: Path,
     *,
     seed: int,
@@ -260,17 +273,11 @@ def save_streamed(
 
     def tensors() -> Iterator[tuple[str, tuple[int, ...], Callable[[], Iterator[torch.Tensor]]]]:
         for name, tensor in names.items():
-            yield name, tuple(tensor.shape), lambda t=tensor: iter([t.contiguous()])
+            yield name, tuple(tensor.shape), functools.partial(_whole, tensor)
         for name, shape in drawn.items():
             # fused [E, rows, cols] tensors are drawn one expert at a time as well
             pieces = shape[0] if fused else 1
-            yield (
-                name,
-                shape,
-                lambda s=shape, n=pieces: (
-                    (torch.randn(s[1:] if n > 1 else s, generator=generator) * std).to(dtype) for _ in range(n)
-                ),
-            )
+            yield name, shape, functools.partial(_drawn, shape, pieces, generator, std, dtype)
 
     _write_shards(folder, list(tensors()), dtype, shard_bytes)
     model.config.architectures = [type(model).__name__]  # as save_pretrained records it (llama.cpp reads it)

@@ -117,11 +117,12 @@ class TestKimiK3Checkpoint:
             name: tuple(t.shape) for name, t in reference_kimi_linear(config["text_config"]).state_dict().items()
         }
         with safe_open(str(k3_folder / "model.safetensors"), "pt") as weights:
+            names = weights.keys()  # safetensors 0.8's handles are not iterable themselves
             ours = {
                 name.removeprefix("language_model."): tuple(weights.get_slice(name).get_shape())
-                for name in weights
+                for name in names
                 if name.startswith("language_model.")
             }
-            others = {name.split(".")[0] for name in weights if not name.startswith("language_model.")}
+            others = {name.split(".")[0] for name in names if not name.startswith("language_model.")}
         assert ours == reference
         assert others == {"vision_tower", "mm_projector"}

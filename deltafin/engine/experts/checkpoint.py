@@ -178,12 +178,14 @@ def _pieces(
     down_shape: tuple[int, int],
 ) -> Iterable[tuple[int, Piece]]:
     rows_total = gate_up_rows if part == "gate_up_proj" else down_shape[0]
+    dtype = entry.dtype
+    assert dtype is not None  # build_index refused the others
     if pattern is None:  # stored fused: slice [e] of [E, rows, cols]
         if len(entry.shape) != 3 or entry.shape[0] != count or entry.shape[1] != rows_total:
             raise CheckpointLayoutError(f"{key}: shape {list(entry.shape)} is not [{count}, {rows_total}, ...]")
         per = entry.nbytes // count
         for expert in range(count):
-            yield expert, Piece(entry.file, entry.offset + expert * per, per, entry.dtype, part, (0, rows_total))
+            yield expert, Piece(entry.file, entry.offset + expert * per, per, dtype, part, (0, rows_total))
         return
     converter = by_pattern[pattern]
     operations = [(type(op).__name__, getattr(op, "dim", None)) for op in converter.operations]
@@ -197,7 +199,7 @@ def _pieces(
     at = converter.source_patterns.index(pattern) * rows  # Concatenate(dim=1) joins the sources in pattern order
     if len(entry.shape) != 2 or at + rows > rows_total:
         raise CheckpointLayoutError(f"{key}: shape {list(entry.shape)} does not fit {part}'s {rows_total} rows")
-    yield int(number.group(1)), Piece(entry.file, entry.offset, entry.nbytes, entry.dtype, part, (at, at + rows))
+    yield int(number.group(1)), Piece(entry.file, entry.offset, entry.nbytes, dtype, part, (at, at + rows))
 
 
 def _complete(layer: str, expert: int, pieces: list[Piece], gate_up_rows: int, down_rows: int) -> tuple[Piece, ...]:

@@ -62,7 +62,8 @@ def router_of(model: nn.Module, experts_name: str) -> Any | None:
     return gate if isinstance(gate, nn.Module) else None
 
 
-def model_class(config: Any, folder: Path, trust_remote_code: bool) -> type:
+def model_class(config: Any, folder: Path, trust_remote_code: bool) -> Any:
+    """The transformers class (a PreTrainedModel subclass) that builds `config`."""
     from transformers import AutoModelForCausalLM
 
     auto_map = getattr(config, "auto_map", None) or {}
@@ -76,7 +77,7 @@ def model_class(config: Any, folder: Path, trust_remote_code: bool) -> type:
         raise NotPoolable(f"{type(config).__name__} has no causal-LM class in transformers") from None
 
 
-def meta_model(folder: Path, *, dtype: torch.dtype, trust_remote_code: bool) -> tuple[Any, type, nn.Module]:
+def meta_model(folder: Path, *, dtype: torch.dtype, trust_remote_code: bool) -> tuple[Any, Any, Any]:
     """(config, class, the model built on the meta device: shapes only, no memory)."""
     from transformers import AutoConfig
 
@@ -87,7 +88,7 @@ def meta_model(folder: Path, *, dtype: torch.dtype, trust_remote_code: bool) -> 
     return config, cls, model
 
 
-def model_shape(model: nn.Module, experts: dict[str, nn.Module]) -> ModelShape:
+def model_shape(model: Any, experts: dict[str, Any]) -> ModelShape:
     if not experts:
         raise NotPoolable("the model has no routed experts")
     first_name, first = next(iter(experts.items()))
@@ -96,13 +97,10 @@ def model_shape(model: nn.Module, experts: dict[str, nn.Module]) -> ModelShape:
     if not top_k:
         raise NotPoolable(f"{first_name}: cannot tell how many experts a token is routed to")
     count, gate_up_rows, hidden = first.gate_up_proj.shape
+    _, down_rows, down_cols = first.down_proj.shape
     return ModelShape(
-        len(experts),
-        int(count),
-        int(top_k),
-        (int(gate_up_rows), int(hidden)),
-        tuple(int(n) for n in first.down_proj.shape[1:]),
-    )  # type: ignore[arg-type]
+        len(experts), int(count), int(top_k), (int(gate_up_rows), int(hidden)), (int(down_rows), int(down_cols))
+    )
 
 
 def load_dense(
@@ -127,9 +125,8 @@ def load_dense(
     handles = {path: safe_open(str(path), framework="pt", device="cpu") for path in index.files}
     try:
         located = {}
-        for _path, handle in handles.items():
-            for key in handle:
-                located[key] = handle
+        for handle in handles.values():
+            located.update(dict.fromkeys(handle.keys(), handle))
         state: dict[str, Any] = {key: located[key].get_slice(key) for key in index.dense_keys}
         for name in index.layers:
             module = meta.get_submodule(name)

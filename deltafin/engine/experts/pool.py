@@ -301,9 +301,10 @@ class ExpertPool:
     def _prefetch_next(self, layer: int, hidden: torch.Tensor) -> None:
         """Queue reads of the experts the next MoE layer's router picks for this layer's input."""
         target = layer + 1
-        if target >= len(self._routers) or self._routers[target] is None:
+        router = self._routers[target] if target < len(self._routers) else None
+        if router is None:
             return
-        chosen = self._routers[target](hidden)[2]  # (logits, weights, indices) -> [T, k]
+        chosen = router(hidden)[2]  # (logits, weights, indices) -> [T, k]
         experts, counts = torch.unique(chosen, return_counts=True)
         for expert in experts[counts.argsort(descending=True, stable=True)].tolist():  # most wanted first
             key = (target, expert)

@@ -31,7 +31,7 @@ _PAGE = 4096
 
 def _bytes_of(tensor: torch.Tensor) -> memoryview:
     """A writable view of a contiguous CPU tensor's bytes (bfloat16 included: numpy has no such dtype)."""
-    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")
+    return memoryview(tensor.view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]  # numpy's stubs lag: arrays are buffers
 
 
 class FloatSlots:
@@ -170,13 +170,13 @@ class Int8Slots:
         slots, counts = torch.unique_consecutive(slot_ids, return_counts=True)
         start = 0
         for slot, count in zip(slots.tolist(), counts.tolist()):
-            gate_up, down = self.modules[slot]  # type: ignore[misc]
+            gate_up, down = self.modules[slot]
             rows = slice(start, start + count)
             out[rows] = down(module._apply_gate(gate_up(x[rows])))
             start += count
         return out
 
 
-def slots_class(quantize: str) -> Callable[..., Any]:
+def slots_class(quantize: str) -> type[FloatSlots] | type[Int8Slots]:
     """int8 slots for `placement.quantize=int8`; the model's dtype otherwise (int4 keeps experts in float)."""
     return Int8Slots if quantize == "int8" else FloatSlots

@@ -45,7 +45,7 @@ class _SideBySide(nn.Module):
         return torch.cat([part(x) for part in self.parts], dim=-1)
 
 
-def _fuse(parts: list[nn.Module]) -> nn.Module:
+def _fuse(parts: list[Any]) -> nn.Module:
     """One projection computing `parts` side by side.
 
     float: the parts' weights become views into the fused weight (no second copy; prefill keeps using them).
@@ -69,7 +69,7 @@ def _fuse(parts: list[nn.Module]) -> nn.Module:
             start = end
         return fused
     if all(type(p) is Int8Linear for p in parts):
-        return Int8Linear.fused(parts)  # type: ignore[arg-type]
+        return Int8Linear.fused(parts)
     return _SideBySide(parts)
 
 

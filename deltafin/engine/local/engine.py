@@ -248,6 +248,7 @@ class LocalEngine(EngineClient):
                 row.finish_empty()
                 sub.row_left()
                 continue
+            assert work.logits is not None  # the prefill is done
             if row.take(int(row.sampler.sample(work.logits)), work.logits):
                 sub.row_left()
             else:

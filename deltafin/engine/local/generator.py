@@ -77,7 +77,7 @@ class PromptPrefill:
             **{self.cache_arg: self.cache},
         )
         logits = out.logits[0]  # [C, V] (prompt logprobs) or [1, V]
-        if want:
+        if self.prompt_logprobs is not None:
             # logits[i] predicts token start+i+1; the window's last row may predict the first new token instead.
             targets = self.ids[start + 1 : start + 1 + len(piece)]
             self.entries.extend(logprob_entries(logits[: len(targets)], targets, self.prompt_logprobs))

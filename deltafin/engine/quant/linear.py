@@ -55,6 +55,10 @@ def _(x: torch.Tensor, weight: torch.Tensor, scales: torch.Tensor, bias: torch.T
 
 
 class Int8Linear(nn.Module):
+    # buffers, declared for the type checker (nn.Module's __getattr__ types them as Tensor | Module)
+    weight: torch.Tensor
+    scales: torch.Tensor
+
     def __init__(self, weight: torch.Tensor, scales: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
@@ -100,6 +104,9 @@ class Int8Linear(nn.Module):
 
 
 class Int4Linear(nn.Module):
+    weight: torch.Tensor
+    scales_zeros: torch.Tensor
+
     def __init__(
         self,
         packed: torch.Tensor,
@@ -141,6 +148,8 @@ class GGMLLinear(nn.Module):
     """A linear layer over a GGUF tensor's blocks: `blocks` uint8 [N, row bytes] (one weight row per line, in
     a 64-byte-aligned torch buffer), ggml type id `ggml_type`, float32 activations in and out."""
 
+    blocks: torch.Tensor
+
     def __init__(
         self, blocks: torch.Tensor, ggml_type: int, in_features: int, bias: torch.Tensor | None = None
     ) -> None:
@@ -154,7 +163,7 @@ class GGMLLinear(nn.Module):
 
     @property
     def row_bytes(self) -> int:
-        return self.blocks.shape[1]
+        return int(self.blocks.shape[1])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = x.shape
@@ -181,7 +190,9 @@ class GGMLLinear(nn.Module):
         """The float32 weight rows `rows` (all when None): for embedding lookups and tests, never kept."""
         ids = torch.arange(self.out_features) if rows is None else rows.reshape(-1).to(torch.int64).contiguous()
         out = torch.empty(ids.shape[0], self.in_features, dtype=torch.float32)
-        ggml().deltafin_ggml_dequantize(
+        library = ggml()
+        assert library is not None  # a GGMLLinear exists only where the library loaded
+        library.deltafin_ggml_dequantize(
             self.blocks.data_ptr(),
             self.ggml_type,
             self.in_features,

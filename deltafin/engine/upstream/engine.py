@@ -9,6 +9,7 @@ closes the upstream request at once (and the adapter's abort endpoint is called 
 from __future__ import annotations
 
 import asyncio
+import functools
 import itertools
 import threading
 import time
@@ -17,12 +18,12 @@ import weakref
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import msgspec
 import structlog
 
-from deltafin.engine.events import GenerationJob, TextDelta
+from deltafin.engine.events import FinishReason, GenerationJob, TextDelta
 from deltafin.engine.interface import EngineCapabilities, EngineClient, Readiness
 from deltafin.engine.stream import GenerationStream
 from deltafin.engine.text.choice_decoder import ChoiceDecoder
@@ -396,7 +397,7 @@ class UpstreamEngine(EngineClient):
         timings = {"total_s": total}
         if first_token_s is not None:
             timings["prefill_s"] = first_token_s  # the upstream's queue + prefill, as seen from here
-        reason = finish.finish_reason if finish is not None else None  # "stop" or "length", checked above
+        reason = cast(FinishReason | None, finish.finish_reason if finish is not None else None)  # checked above
         tail, finished = decoder.finish(
             reason,
             prompt_tokens=prompt_tokens,
@@ -448,7 +449,7 @@ class _Submission:
                 exchange = exc
             task = loop.create_task(engine._choice(job, choice, self._rids[choice], self._stream, self._gate, exchange))
             if isinstance(exchange, Exchange):
-                task.add_done_callback(lambda _, exchange=exchange: exchange.discard())  # cancelled before it ran
+                task.add_done_callback(functools.partial(_discard, exchange))  # cancelled before it ran
             task.add_done_callback(self._ended)
             engine._tasks.add(task)
             task.add_done_callback(engine._tasks.discard)
@@ -560,7 +561,13 @@ def _aligned(chunk: Chunk):
     cursor = 0
     for token_id in chunk.token_ids:
         item = None
-        if cursor < len(logprobs) and (logprobs[cursor] is None or logprobs[cursor].token_id == token_id):
-            item = logprobs[cursor]
+        entry = logprobs[cursor] if cursor < len(logprobs) else None
+        if cursor < len(logprobs) and (entry is None or entry.token_id == token_id):
+            item = entry
             cursor += 1
         yield token_id, item
+
+
+def _discard(exchange: Exchange, _task: asyncio.Task) -> None:
+    """A choice's task ended before it ran its exchange: give the exchange's connection back."""
+    exchange.discard()

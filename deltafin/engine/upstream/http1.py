@@ -122,7 +122,7 @@ class _Watchdog:
             self._handle = self._loop.call_at(due, self._check)
             return
         self.expired = True
-        self._transport.abort()
+        self._transport.abort()  # type: ignore[attr-defined]  # a socket transport (BaseTransport lacks the name)
 
     def touch(self) -> None:
         self.last = self._loop.time()
@@ -235,7 +235,7 @@ class _Connection:
         """Not closed by either side while idle (a server's keep-alive timeout, llama-server's close), and silent:
         an idle connection has nothing to say, so bytes waiting on it are a server's goodbye (a 408 before its
         close: uvicorn's, Deltafin's own header timeout), never the answer to the next request."""
-        return not self.reader.at_eof() and not self.writer.transport.is_closing() and not self.reader._buffer
+        return not self.reader.at_eof() and not self.writer.transport.is_closing() and not self.reader._buffer  # type: ignore[attr-defined]  # pinned: tests/gateway/test_http1.py
 
     def close(self) -> None:
         self.writer.transport.abort()  # no graceful close to wait for: the exchange is over or abandoned

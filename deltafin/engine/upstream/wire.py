@@ -92,7 +92,7 @@ async def sse_batches(response: Response) -> AsyncIterator[list[Any]]:
         return
     splitter = SseSplitter()
     while data := await response.read_some():
-        batch = []
+        batch: list[Any] = []
         for event in splitter.feed(data):
             if event == b"[DONE]" or event.strip() == b"[DONE]":
                 if batch:

@@ -110,8 +110,8 @@ class ViewAsParameter(ConversionOps):
     one of the parameter's shape passes unchanged. Registered only while a K3 checkpoint loads (`k3_views`), so
     saving, which runs the table backwards, never meets it (it has no reverse)."""
 
-    @torch.no_grad
-    def convert(
+    @torch.no_grad()
+    def convert(  # type: ignore[override]  # transformers' own ops add keyword arguments the same way
         self,
         input_dict: dict[str, Any],
         source_patterns: list[str],

@@ -12,6 +12,7 @@ from __future__ import annotations
 import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -26,7 +27,7 @@ _PLAIN = {0: np.float32, 1: np.float16, 24: np.int8, 25: np.int16, 26: np.int32,
 @dataclass(frozen=True)
 class Tensor:
     name: str
-    tensor_type: object  # gguf.GGMLQuantizationType (int-valued, with a .name)
+    tensor_type: Any  # gguf.GGMLQuantizationType (int-valued, with a .name)
     shape: np.ndarray  # GGUF's order: the innermost (row) width first
     data: np.ndarray  # numpy's order; a quantized type as uint8 rows of blocks
 
@@ -83,7 +84,7 @@ def _read(path: Path, mapped: np.memmap) -> GGUFTensors:
     from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
     from gguf.quants import quant_shape_to_byte_shape
 
-    cursor = _Cursor(memoryview(mapped))
+    cursor = _Cursor(memoryview(mapped))  # type: ignore[arg-type]  # numpy arrays are buffers (numpy's stubs lag)
     if bytes(cursor.buffer[:4]) != MAGIC:
         raise ValueError(f"{path} is not a GGUF file")
     cursor.at = 4

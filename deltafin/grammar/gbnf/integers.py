@@ -5,6 +5,8 @@ An unbounded side stops at `MAX_DIGITS` digits, which keeps a weak model from wr
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
+from typing import Any
 
 from deltafin.grammar.gbnf.rules import literal
 
@@ -24,7 +26,7 @@ def integer_range(low: int | None, high: int | None) -> str:
     return branches[0] if len(branches) == 1 else "(" + " | ".join(branches) + ")"
 
 
-def bounds(schema: dict, *, integer: bool) -> tuple[float | None, float | None]:
+def bounds(schema: Mapping[str, Any], *, integer: bool) -> tuple[float | None, float | None]:
     """(low, high) from minimum / maximum / exclusive*, rounded inward for integers (None: unbounded)."""
     low = _bound(schema, "minimum", "exclusiveMinimum", +1)
     high = _bound(schema, "maximum", "exclusiveMaximum", -1)
@@ -34,7 +36,7 @@ def bounds(schema: dict, *, integer: bool) -> tuple[float | None, float | None]:
     return low, high
 
 
-def _bound(schema: dict, inclusive: str, exclusive: str, direction: int) -> float | None:
+def _bound(schema: Mapping[str, Any], inclusive: str, exclusive: str, direction: int) -> float | None:
     values = []
     if _number(schema.get(inclusive)):
         values.append(schema[inclusive])

@@ -181,7 +181,9 @@ class JsonGrammar:
         return '("true" | "false")'
 
     def _integer(self, schema: Mapping[str, Any]) -> str:
-        return self.rules.add("json-integer", integer_range(*bounds(schema, integer=True)))
+        low, high = bounds(schema, integer=True)  # whole numbers (rounded inward) or None
+        whole = [None if bound is None else int(bound) for bound in (low, high)]
+        return self.rules.add("json-integer", integer_range(*whole))
 
     def _number(self, schema: Mapping[str, Any]) -> str:
         low, _ = bounds(schema, integer=False)

@@ -182,6 +182,7 @@ class ResponseEvents:
             item["content"] = []
             events += self._start("reasoning", item)
         opened = self._open
+        assert opened is not None
         opened.text.append(text)
         events.append(
             self._event(
@@ -201,6 +202,7 @@ class ResponseEvents:
             item["content"] = []
             events += self._start("message", item)
         opened = self._open
+        assert opened is not None
         opened.text.append(text)
         opened.logprobs += logprobs
         if text:
@@ -222,6 +224,7 @@ class ResponseEvents:
         if call.get("id") is not None:
             item = self.shape.call_item(call["id"], function.get("name") or "", "", status="in_progress")
             events += self._start("function_call", item)
+            assert self._open is not None
             self._calls[call["index"]] = self._open
         opened = self._calls.get(call["index"])
         fragment = function.get("arguments") or ""

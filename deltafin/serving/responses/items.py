@@ -115,7 +115,7 @@ def _part(role: str, part: Any, where: str) -> dict[str, Any]:
         raise _bad("a content part must be an object", where)
     kind = part.get("type")
     if kind in ("input_text", "output_text", "text"):
-        return _text_part(role, _string(part, "text", where))
+        return _text_part(role, _string(part, "text", where) or "")
     if kind == "refusal":
         return {"type": "refusal", "refusal": _string(part, "refusal", where)}
     if kind in ("input_image", "input_file", "input_audio"):

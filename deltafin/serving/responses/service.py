@@ -95,6 +95,7 @@ class ResponsesService:
                 if err.code != "context_length_exceeded" or shorter is None:
                     raise
                 items = shorter
+        assert isinstance(completion, dict)  # not streamed: the whole chat completion
         body = shape.from_chat(completion, rule_ctx.reasoning_tokens)
         if request.stores:
             await self._keep(stats.owner, body, record)
