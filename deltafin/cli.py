@@ -8,6 +8,7 @@ command-line runner is not used, so that its errors, `--cfg job` included, go th
 from __future__ import annotations
 
 import errno
+import os
 import socket
 import sys
 from collections.abc import Iterator, Sequence
@@ -93,6 +94,7 @@ def checked_config(overrides: Sequence[str] = (), *, check_path: bool = False) -
     config = compose_config(overrides)
     if check_path:
         _check_model_path(config)
+        _check_cache_folder(config)
 
     from deltafin.families import check_model  # after composition: these import the prompt formats (~1 s)
     from deltafin.rules import build_pipeline
@@ -161,6 +163,20 @@ def _check_model_path(config: DeltafinConfig) -> None:
         resolve_model_path(config.model.path)
     except ModelLoadError as exc:
         raise ConfigError(str(exc)) from None
+
+
+def _check_cache_folder(config: DeltafinConfig) -> None:
+    """The prefix cache's disk folder must exist or be creatable, and be writable by this process."""
+    folder = config.server.prefix_cache.disk_dir
+    if folder is None or not config.server.prefix_cache.enabled:
+        return
+    try:
+        os.makedirs(folder, exist_ok=True)
+        if not os.access(folder, os.W_OK | os.X_OK):
+            raise PermissionError("not writable")
+    except OSError as exc:
+        reason = exc.strerror or str(exc)
+        raise ConfigError(f"server.prefix_cache.disk_dir: {folder!r} cannot be used as a folder ({reason})") from None
 
 
 def _check_expert_pool(config: DeltafinConfig) -> None:

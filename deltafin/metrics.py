@@ -74,6 +74,11 @@ class Metrics:
         model that has a pool (none: no expert series at all)."""
         self.registry.register(_ExpertPoolCollector(pools))
 
+    def watch_prefix_caches(self, caches: Callable[[], list[tuple[str, Any]]]) -> None:
+        """The prefix caches' counters by tier (ram, disk), read at scrape time: `caches()` gives (model,
+        TierStats) for each loaded model whose engine has a prefix cache of its own."""
+        self.registry.register(_PrefixCacheCollector(caches))
+
     # The upstream engines' observer interface (deltafin.engine.upstream.engine.UpstreamObserver).
     def upstream_latency(self, engine: str, seconds: float) -> None:
         self.upstream_seconds.labels(engine=engine).observe(seconds)
@@ -175,4 +180,76 @@ class _ExpertPoolCollector:
             family = kind(name, help_text, labels=["model"])
             for model, stats in pools:
                 family.add_metric([model], value(stats))
+            yield family
+
+
+class _PrefixCacheCollector:
+    """deltafin_prefix_cache_* by tier, and the disk tier's I/O, from each model's prefix cache when scraped."""
+
+    #: (name, kind, help, the value of a TierStats per tier)
+    BY_TIER = (
+        (
+            "deltafin_prefix_cache_tier_hits",
+            CounterMetricFamily,
+            "Prompts that reused a prefix, by the tier that held it",
+            "hits",
+        ),
+        (
+            "deltafin_prefix_cache_tier_hit_tokens",
+            CounterMetricFamily,
+            "Prompt tokens reused, by the tier that held them",
+            "hit_tokens",
+        ),
+        (
+            "deltafin_prefix_cache_evictions",
+            CounterMetricFamily,
+            "Entries (ram) and block files (disk) evicted over budget",
+            "evictions",
+        ),
+        (
+            "deltafin_prefix_cache_bytes",
+            GaugeMetricFamily,
+            "Bytes each tier holds (disk: the whole folder)",
+            "bytes_held",
+        ),
+        ("deltafin_prefix_cache_entries", GaugeMetricFamily, "Entries (ram) and block files (disk) held", "entries"),
+    )
+    #: (name, help, field of a TierStats) for the disk tier's counters
+    DISK = (
+        ("deltafin_prefix_cache_disk_read_seconds", "Seconds the disk tier spent reading hits", "disk_read_seconds"),
+        (
+            "deltafin_prefix_cache_disk_write_seconds",
+            "Seconds the disk tier spent writing blocks",
+            "disk_write_seconds",
+        ),
+        ("deltafin_prefix_cache_disk_read_bytes", "Bytes of blocks read back", "disk_bytes_read"),
+        ("deltafin_prefix_cache_disk_written_bytes", "Bytes of blocks written", "disk_bytes_written"),
+        (
+            "deltafin_prefix_cache_disk_writes_dropped",
+            "Block writes dropped because the writer's queue was full",
+            "disk_writes_dropped",
+        ),
+        ("deltafin_prefix_cache_disk_files_removed", "Damaged or foreign block files removed", "disk_files_removed"),
+    )
+
+    def __init__(self, caches: Callable[[], list[tuple[str, Any]]]) -> None:
+        self._caches = caches
+
+    def describe(self) -> list:  # no series known before the model loads; keeps registration side-effect free
+        return []
+
+    def collect(self) -> Iterator[Any]:
+        caches = self._caches()
+        if not caches:
+            return
+        for name, kind, help_text, attribute in self.BY_TIER:
+            family = kind(name, help_text, labels=["model", "tier"])
+            for model, stats in caches:
+                for tier, value in getattr(stats, attribute).items():
+                    family.add_metric([model, tier], value)
+            yield family
+        for name, help_text, attribute in self.DISK:
+            family = CounterMetricFamily(name, help_text, labels=["model"])
+            for model, stats in caches:
+                family.add_metric([model], getattr(stats, attribute))
             yield family

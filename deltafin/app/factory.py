@@ -54,6 +54,12 @@ def _expert_pools(models: ServedModels) -> list[tuple[str, Any]]:
     return [(model, stats) for model, stats in pools if stats is not None]
 
 
+def _prefix_caches(models: ServedModels) -> list[tuple[str, Any]]:
+    """(model, its prefix cache's counters by tier) of each loaded model whose engine has one."""
+    caches = [(services.ctx.model_name, services.ctx.engine.prefix_cache_stats()) for services in models.loaded()]
+    return [(model, stats) for model, stats in caches if stats is not None]
+
+
 @get(
     "/health",
     summary="200 when every served model is loaded (and its upstream answers), else 503",
@@ -133,6 +139,7 @@ def build_app(
     drain = Drain(config.server.shutdown_grace_s)
     app_metrics.watch_engines(lambda: _engine_states(served))
     app_metrics.watch_expert_pools(lambda: _expert_pools(served))
+    app_metrics.watch_prefix_caches(lambda: _prefix_caches(served))
 
     @asynccontextmanager
     async def load_in_background(app: Litestar) -> AsyncIterator[None]:

@@ -114,6 +114,10 @@ class ContentFormat(StrEnum):
     openai = "openai"  # content handed over as OpenAI's list of parts
 
 
+#: whose cached prompt prefixes a request may reuse (`global` is a keyword, hence the functional form)
+CacheScope = StrEnum("CacheScope", {"global": "global", "api_key": "api_key"})
+
+
 class LogLevel(StrEnum):
     debug = "debug"
     info = "info"
@@ -290,10 +294,35 @@ class MemoConfig:
     entries: int = ranged(32, 0, 1 << 20)  # deterministic-response LRU size; 0 disables it
 
 
+def _folder(path: Any) -> str | None:
+    """null, or a folder path (created when missing)"""
+    if path is not None and not str(path).strip():
+        return "a folder path, or null (an empty string is neither)"
+    return None
+
+
 @dataclass
 class PrefixCacheConfig:
-    enabled: bool = True  # reuse the KV cache of an earlier request's shared prefix (multi-turn, agents)
+    """The prefix cache (docs/prefix-cache.md): RAM under a byte budget, then an optional disk tier."""
+
+    enabled: bool = True  # reuse the KV cache of an earlier request's shared prefix (multi-turn, agents); false stores nothing
     min_tokens: int = ranged(16, 1, 1 << 30)  # shorter shared prefixes are recomputed
+    # bytes of RAM the cached attention positions, recurrent states and checkpoints take at most (least recently
+    # used entries leave first, those never reused before those reused); the process may exceed it by the running
+    # rows' own caches and the disk writer's queue (docs/prefix-cache.md)
+    max_bytes: int = ranged(2 << 30, 0, 1 << 50)
+    # a folder for the disk tier (survives restarts; several processes may share it); null = no disk tier
+    disk_dir: Optional[str] = checked(_folder, default=None)
+    disk_max_bytes: int = ranged(16 << 30, 0, 1 << 56)  # bytes of block files the disk folder holds at most (oldest go first)
+    # prompt positions per block file; a prompt is reused from disk in whole blocks
+    disk_block_tokens: int = ranged(256, 1, 1 << 20)
+    # hybrid models (linear-attention layers): copy the recurrent and convolution states every N prompt tokens, so a
+    # prompt that shares only part of an earlier one restarts from the last copy within it; null = only at the end
+    # of each prompt and generation. Copies at block ends (a multiple of disk_block_tokens) reach the disk tier
+    state_every_tokens: Optional[int] = field(default=512, metadata={"check": Range(1, 1 << 30, nullable=True)})
+    # global: prefixes are reused across requests and API keys (the tokens are the request's own prompt, so reuse
+    # changes timing only); api_key: only by requests with the same key (no timing side channel between keys)
+    scope: CacheScope = CacheScope["global"]
 
 
 @dataclass

@@ -18,6 +18,9 @@ class GenerationJob:
     #: prepared before the job is submitted; upstream engines send the constraint itself. Not part of the job's
     #: identity (memo keys): it is the constraint, compiled.
     grammar: Any = field(default=None, compare=False, repr=False)
+    #: whose cached prefixes the job may reuse (server.prefix_cache.scope): "" shares them with every request,
+    #: an API key's digest keeps them to that key's requests (the memo too: part of the job's identity)
+    cache_scope: str = ""
 
 
 @dataclass(frozen=True)

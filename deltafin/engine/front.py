@@ -60,6 +60,9 @@ class EngineFront:
     def expert_stats(self) -> Any:
         return self.engine.expert_stats()
 
+    def prefix_cache_stats(self) -> Any:
+        return self.engine.prefix_cache_stats()
+
     async def aclose(self) -> None:
         await self.engine.aclose()
 

@@ -79,3 +79,8 @@ class EngineClient(ABC):
     def expert_stats(self) -> Any:
         """The expert pool's counters (`deltafin.engine.experts.PoolStats`) for /metrics; None without one."""
         return None
+
+    def prefix_cache_stats(self) -> Any:
+        """The prefix cache's counters by tier (`deltafin.engine.kv.tier_stats.TierStats`) for /metrics; None
+        for an engine without one of its own."""
+        return None

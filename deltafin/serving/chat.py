@@ -198,7 +198,7 @@ class ChatService:
             jobs = await self.constrained(request, prompt, self.jobs(request, prompt), stats)
             stats.prompt_tokens = len(prompt.token_ids)
             choices = [ChoiceAssembly(self.output_parser(request, prompt.text)) for _ in jobs]
-            stream = await self.ctx.engine.start(jobs, deadline=self.ctx.deadline(stats))
+            stream = await self.ctx.engine.start(self.ctx.scoped(jobs, stats), deadline=self.ctx.deadline(stats))
             stats.queue_wait_s = stream.queue_wait
             if request.stream:
                 return ChunkStream(

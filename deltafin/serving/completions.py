@@ -83,7 +83,7 @@ class CompletionService:
             stats.prompt_tokens = sum(len(prompt.ids) for prompt in prompts)  # each prompt once, as vLLM counts
             # the prompt of each choice
             of_choice = [prompt for prompt in prompts for _ in range(request.n)]
-            stream = await self.ctx.engine.start(jobs, deadline=self.ctx.deadline(stats))
+            stream = await self.ctx.engine.start(self.ctx.scoped(jobs, stats), deadline=self.ctx.deadline(stats))
             stats.queue_wait_s = stream.queue_wait
             if request.stream:
                 return ChunkStream(

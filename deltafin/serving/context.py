@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
 from collections.abc import Callable
@@ -9,7 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from deltafin.config import DeltafinConfig, plain_config
-from deltafin.engine import EngineFront, Finished, TextDelta
+from deltafin.engine import EngineFront, Finished, GenerationJob, TextDelta
 from deltafin.errors import ContextLengthError, ModelNotFoundError, quoted_name
 from deltafin.prompt import ChatFormat
 from deltafin.rules import RulePipeline
@@ -145,6 +146,13 @@ class ServingContext:
         """When a request must be admitted to the engine or refused: `queue.timeout_s` of waiting after it
         arrived (its own prompt work, done so far, not counted)."""
         return stats.arrived + self.config.server.queue.timeout_s + stats.prompt_work_s
+
+    def scoped(self, jobs: list[GenerationJob], stats: RequestStats) -> list[GenerationJob]:
+        """The jobs with the prefix-cache scope of the request: its API key's digest under
+        `server.prefix_cache.scope=api_key` (an opaque id: the engine sees no key), else shared by everyone."""
+        if self.config.server.prefix_cache.scope != "api_key" or not stats.owner:
+            return jobs
+        return [dataclasses.replace(job, cache_scope=stats.owner) for job in jobs]
 
     def count_tokens(self, text: str) -> int:
         return len(self.tokenizer(text, add_special_tokens=False).input_ids)

@@ -180,3 +180,161 @@ def exact_length_only(cache: Any) -> bool:
     transformers' own `is_croppable` says True for convolution-only layers, which `crop` still refuses
     unless past recording was on: any state at all counts here."""
     return any(has_states(layer) for layer in getattr(cache, "layers", ()))
+
+
+# --- what the prefix cache does with a cache: cut the attention part, capture and restore states, count bytes ---
+
+
+def attention_length(cache: Any) -> int:
+    """Positions the attention layers hold (0 for a cache nothing ran into yet)."""
+    for layer in getattr(cache, "layers", ()):
+        if has_kv(layer) and layer.is_initialized and layer.keys.dim() == 4:
+            return int(layer.keys.shape[2])
+    return 0
+
+
+def capture_states(cache: Any, *, copy: bool = True) -> list[Any]:
+    """A copy of every layer's recurrent and convolution state (None for layers without), taken where the cache
+    stands now: transformers writes states in place, so the copy is what a later cache can start from.
+    `copy=False` takes the tensors themselves (for a cache no forward pass will run on again)."""
+    out: list[Any] = []
+    for layer in cache.layers:
+        if not has_states(layer):
+            out.append(None)
+            continue
+        tables = {
+            (table, i): getattr(layer, table)[i].clone() if copy else getattr(layer, table)[i]
+            for i, table in _initialized(layer)
+        }
+        out.append((tables, _state_facts(layer)))
+    return out
+
+
+def restore_states(layer: Any, captured: Any) -> None:
+    """Puts a captured state (`capture_states`, one layer's entry) into `layer`, copied: the layer's forward
+    passes write it in place, and the capture must stay as it was for the next cache that starts from it."""
+    tables, facts = captured
+    for (table, i), tensor in tables.items():
+        getattr(layer, table)[i] = tensor.clone()
+    _set_state_facts(layer, facts)
+
+
+def prefix_of(cache: Any, length: int, states: list[Any] | None) -> DynamicCache:
+    """A new cache holding the first `length` attention positions of `cache` (views: nothing is copied, and the
+    forward passes of transformers and of the native step never write into a view they were not handed as
+    their own) and, for state layers, `states` (`capture_states` taken at exactly `length`)."""
+    layers = []
+    for index, layer in enumerate(cache.layers):
+        out = empty_like(layer)
+        if has_kv(layer) and layer.is_initialized:
+            keys, values = layer.keys[:, :, :length], layer.values[:, :, :length]
+            out.lazy_initialization(keys, values)
+            out.keys, out.values = keys, values
+        if has_states(layer):
+            assert states is not None and states[index] is not None, "a state layer needs its state at `length`"
+            restore_states(out, states[index])
+        layers.append(out)
+    return cache_of(layers)
+
+
+def fill(cache: Any, kv: dict[int, tuple[torch.Tensor, torch.Tensor]], length: int, states: list[Any] | None) -> None:
+    """Puts positions read back into an empty cache: `kv` maps an attention layer's index to buffers
+    [1, H, >= length, D] (the layer gets views of their first `length` positions, the room behind them free for
+    the prompt's own positions), and state layers get `states` (captured at exactly `length`)."""
+    for index, layer in enumerate(cache.layers):
+        if index in kv:
+            keys, values = kv[index][0][:, :, :length], kv[index][1][:, :, :length]
+            layer.lazy_initialization(keys, values)
+            layer.keys, layer.values = keys, values
+        if has_states(layer):
+            assert states is not None and states[index] is not None, "a state layer needs its state at `length`"
+            restore_states(layer, states[index])
+
+
+def crop_attention(cache: Any, length: int) -> None:
+    """Cuts every attention layer of `cache` back to `length` positions in place (views); state layers are left
+    alone (the caller replaces their state)."""
+    for layer in cache.layers:
+        if has_kv(layer) and layer.is_initialized and layer.keys.shape[2] > length:
+            layer.keys, layer.values = layer.keys[:, :, :length], layer.values[:, :, :length]
+
+
+def set_states(cache: Any, states: list[Any]) -> None:
+    """Replaces every state layer's state with a copy of `states` (`capture_states`)."""
+    for layer, captured in zip(cache.layers, states):
+        if has_states(layer) and captured is not None:
+            restore_states(layer, captured)
+
+
+def attention_tensors(cache: Any) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """(layer index, keys, values) of every attention layer holding positions: [1, H, S, D] each."""
+    return [
+        (index, layer.keys, layer.values)
+        for index, layer in enumerate(cache.layers)
+        if has_kv(layer) and layer.is_initialized and layer.keys.dim() == 4
+    ]
+
+
+def state_tensors(states: list[Any]) -> list[tuple[int, str, int, torch.Tensor]]:
+    """(layer index, table, state index, tensor) of a capture."""
+    return [
+        (index, table, i, tensor)
+        for index, captured in enumerate(states)
+        if captured is not None
+        for (table, i), tensor in captured[0].items()
+    ]
+
+
+def storage_bytes(tensors: list[torch.Tensor]) -> int:
+    """Bytes of the storages behind `tensors`, each storage counted once (views of one buffer share it)."""
+    seen: dict[int, int] = {}
+    for t in tensors:
+        storage = t.untyped_storage()
+        seen[storage.data_ptr()] = storage.nbytes()
+    return sum(seen.values())
+
+
+def cache_tensors(cache: Any) -> list[torch.Tensor]:
+    """Every tensor a cache holds (attention keys and values, states)."""
+    out: list[torch.Tensor] = []
+    for layer in cache.layers:
+        if has_kv(layer) and layer.is_initialized:
+            out += [layer.keys, layer.values]
+        if has_states(layer):
+            out += [getattr(layer, table)[i] for i, table in _initialized(layer)]
+    return out
+
+
+def logical_bytes(tensors: list[torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def compact(cache: Any) -> None:
+    """Copies the attention tensors that are views of larger buffers (a row of a batch, spare room behind) into
+    buffers of their own size, so a cache kept for later holds only its own positions."""
+    for layer in cache.layers:
+        if has_kv(layer) and layer.is_initialized:
+            layer.keys = layer.keys.clone(memory_format=_DENSE)
+            layer.values = layer.values.clone(memory_format=_DENSE)
+
+
+def state_layer_count(cache: Any) -> int:
+    return sum(1 for layer in getattr(cache, "layers", ()) if has_states(layer))
+
+
+def _state_facts(layer: Any) -> dict[str, Any]:
+    return {
+        "flags": {flags: dict(getattr(layer, flags)) for _table, flags in _STATE_TABLES},
+        "conv_kernel_size": dict(layer.conv_kernel_size),
+        "has_previous_state": dict(layer.has_previous_state),
+        "device": layer.device,
+        "dtype": layer.dtype,
+    }
+
+
+def _set_state_facts(layer: Any, facts: dict[str, Any]) -> None:
+    for _table, flags in _STATE_TABLES:
+        getattr(layer, flags).update(facts["flags"][flags])
+    layer.conv_kernel_size.update(facts["conv_kernel_size"])
+    layer.has_previous_state.update(facts["has_previous_state"])
+    layer.device, layer.dtype = facts["device"], facts["dtype"]

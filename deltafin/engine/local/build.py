@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from deltafin.config import DeltafinConfig
 from deltafin.engine.interface import EngineClient
 
@@ -25,7 +27,33 @@ def build_local_engine(config: DeltafinConfig) -> EngineClient:
         threads=threads,
         max_batch=config.engine.max_batch,
         prefill_chunk=config.engine.prefill_chunk_tokens,
-        prefix_cache_min_tokens=config.server.prefix_cache.min_tokens if config.server.prefix_cache.enabled else None,
+        prefix_cache=prefix_cache_settings(config, loaded),
+    )
+
+
+def prefix_cache_settings(config: DeltafinConfig, loaded: Any) -> Any:
+    """server.prefix_cache as the engine's settings; the disk tier's namespace says what the model is."""
+    from deltafin.engine.kv.disk_tier import DiskSettings
+    from deltafin.engine.kv.prefix_cache import PrefixCacheSettings
+    from deltafin.engine.local.cache_identity import cache_identity
+
+    options = config.server.prefix_cache
+    disk = None
+    if options.enabled and options.disk_dir is not None:
+        namespace, facts = cache_identity(config, loaded)
+        disk = DiskSettings(
+            root=options.disk_dir,
+            max_bytes=options.disk_max_bytes,
+            block_tokens=options.disk_block_tokens,
+            namespace=namespace,
+            facts=tuple(facts.items()),
+        )
+    return PrefixCacheSettings(
+        enabled=options.enabled,
+        min_tokens=options.min_tokens,
+        max_bytes=options.max_bytes,
+        state_every_tokens=options.state_every_tokens,
+        disk=disk,
     )
 
 

@@ -36,7 +36,8 @@ from deltafin.engine.experts import PoolCounters, PoolStats
 from deltafin.engine.experts import charge as charge_experts
 from deltafin.engine.interface import EngineCapabilities, EngineClient
 from deltafin.engine.kv.batch import BatchKV
-from deltafin.engine.kv.prefix_cache import PrefixCache
+from deltafin.engine.kv.prefix_cache import PrefixCache, PrefixCacheSettings, Reuse
+from deltafin.engine.kv.tier_stats import TierStats
 from deltafin.engine.local.generator import PREFILL_CHUNK, PromptPrefill, cache_argument
 from deltafin.engine.local.row import Row, Submission
 from deltafin.engine.local.sampler import Sampler
@@ -50,6 +51,8 @@ log = structlog.get_logger("deltafin.engine")
 bound = structlog.contextvars.bound_contextvars
 
 _STOP = object()
+#: put in the inbox by the prefix cache's disk reader when a prompt's prefix is in: an idle loop looks again
+_WAKE = object()
 #: how many scheduling records (`step_sizes`, `schedule`) are kept for tests and benchmarks
 _RECORDS = 4096
 
@@ -60,8 +63,11 @@ class PromptInPrefill:
 
     sub: Submission
     choices: list[int]
-    work: PromptPrefill
-    cached: int
+    #: what the prefix cache gives the prompt; not `ready` while its prefix is read from disk
+    reuse: Reuse
+    #: the prefill, once the prompt's cache is settled
+    work: PromptPrefill | None = None
+    cached: int = 0
     #: the expert pool's reads for this prompt's chunks so far (placement.experts.pool_mb), else None
     pool_spent: PoolCounters | None = None
     #: perf_counter when the owner thread took the request (its rows' prefill and total times count from here)
@@ -81,7 +87,7 @@ class LocalEngine(EngineClient):
         *,
         prefix_cache_min_tokens: int | None = 16,
         max_batch: int = 8,
-        prefix_cache_entries: int = 4,
+        prefix_cache: PrefixCacheSettings | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
         threads: int | None = None,
     ) -> None:
@@ -101,18 +107,23 @@ class LocalEngine(EngineClient):
         )
         #: prompt positions prefilled per loop iteration (engine.prefill_chunk_tokens), shared by the prompts
         self.prefill_chunk = max(1, prefill_chunk)
-        # min_tokens None turns reuse off: every prompt is prefilled from scratch.
+        self.device = next(self.model.parameters()).device
+        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
+        # min_tokens None turns reuse off: every prompt is prefilled from scratch, and nothing is stored.
+        if prefix_cache is None:
+            prefix_cache = PrefixCacheSettings(
+                enabled=prefix_cache_min_tokens is not None, min_tokens=prefix_cache_min_tokens or 1
+            )
         self.prefix_cache = PrefixCache(
             lambda: DynamicCache(config=self.model.config),
-            min_reuse=prefix_cache_min_tokens if prefix_cache_min_tokens is not None else 1 << 62,
-            entries=prefix_cache_entries,
+            prefix_cache,
+            device=self.device,
+            wake=lambda: self._inbox.put(_WAKE),
         )
-        self.device = next(self.model.parameters()).device
         #: the expert pool (placement.experts.pool_mb), read only for per-request counters and /metrics
         self.experts = loaded.experts
         self.cache_arg = cache_argument(self.model)
         self.decode = decode_step_for(self.model, compile=loaded.compile)
-        self._inbox: queue.SimpleQueue[object] = queue.SimpleQueue()
         self._rows: list[Row] = []
         self._prefilling: collections.deque[PromptInPrefill] = collections.deque()
         self._kv = BatchKV(self.device)
@@ -135,10 +146,15 @@ class LocalEngine(EngineClient):
         await asyncio.to_thread(self._owner.join, 30)
         if self.experts is not None:
             self.experts.close()
+        await asyncio.to_thread(self.prefix_cache.close)
 
     def expert_stats(self) -> PoolStats | None:
         """The expert pool's counters for /metrics (None without a pool)."""
         return self.experts.stats() if self.experts is not None else None
+
+    def prefix_cache_stats(self) -> TierStats:
+        """The prefix cache's counters by tier, for /metrics."""
+        return self.prefix_cache.stats
 
     # The owner thread.
 
@@ -151,7 +167,8 @@ class LocalEngine(EngineClient):
             torch.set_num_threads(self.threads)
         with torch.inference_mode():
             while True:
-                idle = not self._rows and not self._prefilling
+                # Prompts whose prefix is still read from disk are not work: the reader wakes the loop.
+                idle = not self._rows and not any(prompt.reuse.ready for prompt in self._prefilling)
                 arrived = [self._inbox.get()] if idle else []
                 while True:  # everything that arrived during the last step is taken before the next one
                     try:
@@ -162,6 +179,8 @@ class LocalEngine(EngineClient):
                     if item is _STOP:
                         self._shutdown()
                         return
+                    if item is _WAKE:
+                        continue
                     self._admit(item)  # type: ignore[arg-type]
                 self._drop_cancelled()
                 if self._prefilling:
@@ -202,20 +221,42 @@ class LocalEngine(EngineClient):
         job = sub.jobs[choices[0]]
         want_prompt = job.params.prompt_logprobs
         # Prompt logprobs need logits at every prompt position, so nothing may come from the cache.
-        cache, cached = self.prefix_cache.take(() if want_prompt is not None else job.prompt_ids)
-        work = PromptPrefill(
-            self.model, job.prompt_ids, cache, cached, cache_arg=self.cache_arg, prompt_logprobs=want_prompt
-        )
-        self._prefilling.append(PromptInPrefill(sub, choices, work, cached))
+        reuse = self.prefix_cache.take(() if want_prompt is not None else job.prompt_ids, job.cache_scope)
+        self._prefilling.append(PromptInPrefill(sub, choices, reuse))
+
+    def _started(self, prompt: PromptInPrefill) -> bool:
+        """The prompt's prefill exists (made here once its cache is settled); False while its prefix is still
+        read from disk."""
+        if prompt.work is None:
+            if not prompt.reuse.ready:
+                return False
+            cache, prompt.cached = self.prefix_cache.settle(prompt.reuse)
+            job = prompt.sub.jobs[prompt.choices[0]]
+            prompt.work = PromptPrefill(
+                self.model,
+                job.prompt_ids,
+                cache,
+                prompt.cached,
+                cache_arg=self.cache_arg,
+                prompt_logprobs=job.params.prompt_logprobs,
+            )
+        return True
 
     def _prefill_chunk(self) -> None:
         """At most `prefill_chunk` prompt positions, round-robin over the prompts in prefill."""
         budget = self.prefill_chunk
-        while self._prefilling and budget > 0:
+        waiting = 0  # prompts passed over since the last one that ran: their prefixes are read from disk
+        while self._prefilling and budget > 0 and waiting < len(self._prefilling):
             prompt = self._prefilling[0]
-            positions = min(prompt.work.remaining, budget)
             with bound(**prompt.stream.log_context):
                 try:
+                    if not self._started(prompt):
+                        self._prefilling.rotate(-1)
+                        waiting += 1
+                        continue
+                    waiting = 0
+                    assert prompt.work is not None
+                    positions = min(prompt.work.remaining, budget)
                     pool_before = self.experts.counters() if self.experts is not None else None
                     prompt.work.run(positions)
                     if pool_before is not None:  # this chunk's expert reads, charged to the prompt's rows
@@ -234,6 +275,7 @@ class LocalEngine(EngineClient):
     def _join(self, prompt: PromptInPrefill) -> None:
         """The prompt is in its cache: sample each choice's first token; the rows join the batch."""
         sub, work = prompt.sub, prompt.work
+        assert work is not None
         ids = work.ids
         prefill_s = time.perf_counter() - prompt.started
         joining: list[Row] = []
@@ -257,7 +299,7 @@ class LocalEngine(EngineClient):
             self._kv.add(work.cache, len(ids), copies=len(joining))
             self._rows.extend(joining)
         # The prompt's cache is offered again whatever happened (a row that ended at its first token included).
-        self.prefix_cache.give_back(work.cache, list(ids))
+        self.prefix_cache.give_back(work.cache, ids, sub.jobs[prompt.choices[0]].cache_scope)
 
     def _fail_submission(self, sub: Submission, exc: Exception) -> None:
         """Everything of `sub` stops: its rows leave, its prompts in prefill are dropped (caches not offered)."""
@@ -355,7 +397,8 @@ class LocalEngine(EngineClient):
         for i, row in enumerate(self._rows):
             if i in finished or predicate(row):
                 # Keys/values of every fed token are in the cache: offer them to the next request.
-                self.prefix_cache.give_back(self._kv.row_cache(i), row.ids)
+                scope = row.submission.jobs[row.choice].cache_scope
+                self.prefix_cache.give_back(self._kv.row_cache(i), row.ids, scope)
                 row.submission.row_left()
             else:
                 keep.append(i)

@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from deltafin.engine.events import TokenLogprob
+from deltafin.engine.kv.checkpoints import book_of
 from deltafin.engine.local.sampler import logprob_entries
 
 #: prompt positions run per forward pass during prefill; bounds the [chunk, V] logits prompt logprobs need,
@@ -66,7 +67,19 @@ class PromptPrefill:
         return self.position >= len(self.ids)
 
     def run(self, positions: int) -> None:
-        """One forward pass over the next `positions` prompt tokens (fewer at the end of the prompt)."""
+        """The next `positions` prompt tokens (fewer at the end of the prompt): one forward pass, or one per
+        stretch between the checkpoints of the cache's book (`deltafin.engine.kv.checkpoints`), which copies a
+        hybrid model's states wherever the cache stands on one."""
+        end = min(self.position + max(1, positions), len(self.ids))
+        book = book_of(self.cache)
+        while self.position < end:
+            stop = book.next_stop(self.position) if book is not None else None
+            self._window(min(end, stop) - self.position if stop is not None else end - self.position)
+            if book is not None:
+                book.reached(self.cache, self.position)
+
+    def _window(self, positions: int) -> None:
+        """One forward pass over the next `positions` prompt tokens."""
         start = self.position
         piece = self.ids[start : start + max(1, positions)]
         want = self.prompt_logprobs is not None
