@@ -315,7 +315,7 @@ class PrefixCacheConfig:
     disk_dir: Optional[str] = checked(_folder, default=None)
     disk_max_bytes: int = ranged(16 << 30, 0, 1 << 56)  # bytes of block files the disk folder holds at most (oldest go first)
     # prompt positions per block file; a prompt is reused from disk in whole blocks
-    disk_block_tokens: int = ranged(256, 1, 1 << 20)
+    disk_block_tokens: int = ranged(64, 1, 1 << 20)
     # hybrid models (linear-attention layers): copy the recurrent and convolution states every N prompt tokens, so a
     # prompt that shares only part of an earlier one restarts from the last copy within it; null = only at the end
     # of each prompt and generation. Copies at block ends (a multiple of disk_block_tokens) reach the disk tier

@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import subprocess
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import IO
 
@@ -30,9 +31,12 @@ def start_llama_server(
     threads: int = 2,
     log: IO[str] | int = subprocess.DEVNULL,
     ready_s: float = 120,
+    extra: Sequence[str] = (),
+    port: int | None = None,
 ) -> tuple[subprocess.Popen, str]:
-    """`llama-server -m GGUF -np PARALLEL -c CONTEXT` on 127.0.0.1; returns (process, base URL) once healthy."""
-    port = free_port()
+    """`llama-server -m GGUF -np PARALLEL -c CONTEXT [EXTRA...]` on 127.0.0.1 (a free port unless `port` is
+    given); returns (process, base URL) once healthy."""
+    port = port or free_port()
     process = subprocess.Popen(
         [
             str(llama_server_binary()),
@@ -49,6 +53,7 @@ def start_llama_server(
             "-t",
             str(threads),
             "--no-webui",
+            *extra,
         ],
         stdout=log,
         stderr=subprocess.STDOUT if log is not subprocess.DEVNULL else subprocess.DEVNULL,

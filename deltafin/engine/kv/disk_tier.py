@@ -56,7 +56,7 @@ SUFFIX = ".safetensors"
 class DiskSettings:
     root: str
     max_bytes: int
-    block_tokens: int = 256
+    block_tokens: int = 64
     #: what the positions were computed with (deltafin.engine.local.cache_identity): a digest, and the facts
     #: behind it (written beside the blocks, for whoever inspects the folder)
     namespace: str = ""

@@ -2,7 +2,8 @@
 
 `submit(jobs, stream)` hands the request to the owner thread. Each iteration of its loop:
 1. takes what arrived: each distinct prompt of a request (the `n` choices of a request share one prefill)
-   becomes a prompt in prefill, with its own one-row cache (from the prefix cache where it can);
+   becomes a prompt in prefill, with its own one-row cache (from the prefix cache where it can; a prefix the
+   prefix cache reads back from disk is read on its own thread, and the prompt is passed over until it is in);
 2. drops cancelled rows and prompts;
 3. prefills at most `prefill_chunk` prompt positions (chunked prefill): the prompt at the head of the
    prefill queue gets them; one that finishes samples its rows' first tokens and they join the batch (and
