@@ -257,7 +257,9 @@ def main() -> None:
     parser.add_argument("--turns", type=int, default=10)
     parser.add_argument("--restart-after", type=int, default=5, help="restart every server after this many turns")
     parser.add_argument("--system-tokens", type=int, default=5600)
-    parser.add_argument("--no-llama", action="store_true")
+    parser.add_argument("--no-llama", action="store_true", help="leave llama-server out")
+    parser.add_argument("--llama-cold", action="store_true", help="also llama-server without its cache (its own ratio)")
+    parser.add_argument("--no-cold", action="store_true", help="leave Deltafin's cold server out (a quick look)")
     parser.add_argument("--out", type=Path, help="write the figures as JSON here too")
     parser.add_argument("overrides", nargs="*", help="Hydra overrides for both Deltafin servers")
     args = parser.parse_args()
@@ -284,16 +286,20 @@ def main() -> None:
     slots = tempfile.mkdtemp(prefix="llama-slots-")
     common = ["server.memo.entries=0", "server.queue.timeout_s=900", *args.overrides]
     warm = LiveServer([*common, f"server.prefix_cache.disk_dir={disk}"])
-    cold = LiveServer([*common, "server.prefix_cache.enabled=false"])
+    cold = None if args.no_cold else LiveServer([*common, "server.prefix_cache.enabled=false"])
     llama = llama_cold = None
     rows = []
     try:
         warm.wait_ready()
-        cold.wait_ready()
+        if cold is not None:
+            cold.wait_ready()
         if not args.no_llama:
             gguf = resolve_model_path(config.model.path)
             llama = LlamaWarm(gguf, slots)
-            llama_cold = start_llama_server(gguf, parallel=1, context=CONTEXT, threads=2, extra=["--cache-ram", "0"])
+            if args.llama_cold:
+                llama_cold = start_llama_server(
+                    gguf, parallel=1, context=CONTEXT, threads=2, extra=["--cache-ram", "0"]
+                )
         restore_s = None
         for turn in range(args.turns):
             if turn == args.restart_after:
@@ -305,17 +311,20 @@ def main() -> None:
             messages = messages_for(system, turns, turn)
             row = {"turn": turn + 1, "prompt_tokens": len(prompts[turn]), "restart": turn == args.restart_after}
             row["deltafin_s"], row["cached_tokens"] = deltafin_ttft(warm.base_url, messages)
-            row["cold_s"], _ = deltafin_ttft(cold.base_url, messages)
-            if llama is not None and llama_cold is not None:
+            if cold is not None:
+                row["cold_s"], _ = deltafin_ttft(cold.base_url, messages)
+            if llama is not None:
                 row["llama_s"], row["llama_prompt_n"] = llama_ttft(llama.url, prompts[turn], True)
-                row["llama_cold_s"], _ = llama_ttft(llama_cold[1], prompts[turn], False)
                 if row["restart"]:
                     row["llama_restore_s"] = restore_s
+            if llama_cold is not None:
+                row["llama_cold_s"], _ = llama_ttft(llama_cold[1], prompts[turn], False)
             rows.append(row)
             print(json.dumps(row), flush=True)
     finally:
         warm.stop()
-        cold.stop()
+        if cold is not None:
+            cold.stop()
         if llama is not None:
             llama.process.kill()
         if llama_cold is not None:
@@ -326,25 +335,37 @@ def main() -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    llama = "llama_s" in rows[0]
-    head = "| turn | prompt tokens | cached | Deltafin TTFT | cold TTFT | ratio |"
-    if llama:
-        head += " llama-server slot cache TTFT | llama-server cold | its ratio | Deltafin / llama-server |"
-    print(head)
-    print("|" + "---|" * (head.count("|") - 1))
+    columns = [
+        ("turn", lambda r: f"{r['turn']}" + (" (after restart)" if r["restart"] else "")),
+        ("prompt tokens", lambda r: str(r["prompt_tokens"])),
+        ("cached", lambda r: str(r["cached_tokens"])),
+        ("Deltafin TTFT", lambda r: f"{r['deltafin_s'] * 1000:.0f} ms"),
+    ]
+    if "cold_s" in rows[0]:
+        columns += [
+            ("cold prefill TTFT", lambda r: f"{r['cold_s']:.2f} s"),
+            ("Deltafin / cold", lambda r: f"**{r['deltafin_s'] / r['cold_s']:.3f}x**"),
+        ]
+    if "llama_s" in rows[0]:
+        columns += [
+            (
+                "llama-server slot cache TTFT (prompt tokens it ran)",
+                lambda r: (
+                    f"{r['llama_s'] * 1000:.0f} ms ({r['llama_prompt_n']})"
+                    + (f" + {r['llama_restore_s'] * 1000:.0f} ms restore" if r.get("llama_restore_s") else "")
+                ),
+            ),
+            ("Deltafin / llama-server", lambda r: f"{r['deltafin_s'] / r['llama_s']:.2f}x"),
+        ]
+    if "llama_cold_s" in rows[0]:
+        columns += [
+            ("llama-server cold", lambda r: f"{r['llama_cold_s']:.2f} s"),
+            ("llama-server / its cold", lambda r: f"{r['llama_s'] / r['llama_cold_s']:.3f}x"),
+        ]
+    print("| " + " | ".join(name for name, _ in columns) + " |")
+    print("|" + "---|" * len(columns))
     for row in rows:
-        mark = " (after restart)" if row["restart"] else ""
-        line = (
-            f"| {row['turn']}{mark} | {row['prompt_tokens']} | {row['cached_tokens']} | {row['deltafin_s'] * 1000:.0f} ms | "
-            f"{row['cold_s']:.2f} s | **{row['deltafin_s'] / row['cold_s']:.3f}x** |"
-        )
-        if llama:
-            restore = f" + {row['llama_restore_s'] * 1000:.0f} ms restore" if row.get("llama_restore_s") else ""
-            line += (
-                f" {row['llama_s'] * 1000:.0f} ms{restore} ({row['llama_prompt_n']} processed) | {row['llama_cold_s']:.2f} s | "
-                f"{row['llama_s'] / row['llama_cold_s']:.3f}x | {row['deltafin_s'] / row['llama_s']:.2f}x |"
-            )
-        print(line)
+        print("| " + " | ".join(cell(row) for _, cell in columns) + " |")
 
 
 if __name__ == "__main__":

@@ -79,3 +79,26 @@ def test_the_memo_follows_the_scope():
     assert memo.get(GenerationJob((1, 2, 3), params, cache_scope="key-a")) == ("recorded",)
     assert memo.get(GenerationJob((1, 2, 3), params, cache_scope="key-b")) is None
     assert memo.get(GenerationJob((1, 2, 3), params)) is None
+
+
+def test_metrics_carry_every_tier_series():
+    """The collector renders what the disk tier counts (reads, writes, drops, removals) beside the tiers."""
+    from deltafin.engine.kv.tier_stats import TierStats
+    from deltafin.metrics import Metrics
+
+    stats = TierStats(disk_read_seconds=0.25, disk_write_seconds=1.5, disk_writes_dropped=3, disk_files_removed=2)
+    stats.hits["disk"], stats.hit_tokens["disk"], stats.evictions["ram"], stats.bytes_held["disk"] = 4, 256, 7, 9000
+    metrics = Metrics()
+    metrics.watch_prefix_caches(lambda: [("m", stats)])
+    text = metrics.render().decode()
+    for line in (
+        'deltafin_prefix_cache_tier_hits_total{model="m",tier="disk"} 4.0',
+        'deltafin_prefix_cache_tier_hit_tokens_total{model="m",tier="disk"} 256.0',
+        'deltafin_prefix_cache_evictions_total{model="m",tier="ram"} 7.0',
+        'deltafin_prefix_cache_bytes{model="m",tier="disk"} 9000.0',
+        'deltafin_prefix_cache_disk_read_seconds_total{model="m"} 0.25',
+        'deltafin_prefix_cache_disk_write_seconds_total{model="m"} 1.5',
+        'deltafin_prefix_cache_disk_writes_dropped_total{model="m"} 3.0',
+        'deltafin_prefix_cache_disk_files_removed_total{model="m"} 2.0',
+    ):
+        assert line in text

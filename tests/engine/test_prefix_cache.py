@@ -256,6 +256,17 @@ class TestHybridCheckpoints:
         reuse = cache.take([*prompt, 77, 78])
         assert reuse.cached == 10 and state_of(reuse.cache) == 10.0
 
+    def test_only_the_latest_turn_end_between_two_periodic_checkpoints_is_kept(self):
+        """Every turn of a conversation folds the previous one's end in as a checkpoint; between two periodic
+        ones (every 4 here) only the latest stays, so a long conversation's copies stay bounded."""
+        cache = pc(new_cache=empty_hybrid)
+        ids = list(range(1, 10))
+        cache.give_back(hybrid_cache(ids, checkpoints=(4, 8)), ids)
+        for extra in (10, 11):
+            ids = [*ids, 100 + extra]
+            cache.give_back(hybrid_cache(ids, checkpoints=()), ids)
+        assert sorted(cache.entries[0].book.at) == [4, 8, 10]
+
     def test_shared_checkpoints_are_counted_once(self):
         cache = pc(new_cache=empty_hybrid, min_tokens=2)
         ids = list(range(1, 15))

@@ -255,6 +255,30 @@ def test_another_weights_format_or_template_never_reads_the_blocks(models, run, 
     run(again.aclose())
 
 
+def test_damaged_blocks_cost_the_request_nothing_but_their_reuse(models, run, tmp_path):
+    """Every block of a prefix damaged on disk: the read stops at the first, removes it, and the prompt is
+    prefilled from scratch with the cold run's answer (no error reaches the request)."""
+    overrides, loaded = models("native")
+    ids = prompt(loaded, 50, 60)
+    writer = front_for(overrides, loaded, tmp_path)
+    run(collect(writer, ids, 2))
+    assert writer.engine.prefix_cache.flush(30)
+    run(writer.aclose())
+    files = list(tmp_path.rglob("*.safetensors"))
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    front = front_for(overrides, loaded, tmp_path)
+    tokens, end = run(collect(front, [*ids, 9]))
+    stats = front.engine.prefix_cache.stats
+    assert end.cached_tokens == 0 and stats.disk_files_removed == 1 and stats.hits["disk"] == 0
+    cold = cold_front(overrides, loaded)
+    assert tokens == run(collect(cold, [*ids, 9]))[0]
+    for each in (front, cold):
+        run(each.aclose())
+
+
 def test_disabled_stores_nothing_anywhere(models, run, tmp_path):
     overrides, loaded = models("native")
     front = front_for(overrides, loaded, tmp_path, enabled="false")

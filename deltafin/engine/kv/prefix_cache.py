@@ -277,13 +277,15 @@ class PrefixCache:
                     if entry.book is not None:
                         for position, capture in entry.book.at.items():
                             book.at.setdefault(position, capture)
-                    if len(entry) not in book.at:
+                    if len(entry) not in book.at and len(entry) < len(arr):
                         book.at[len(entry)] = Capture.of(entry.cache, copy=False)
                 reused = max(reused, entry.reused)
                 self._remove(entry)
             elif book is not None and entry.book is not None and common >= self._min_reuse:
                 for position, capture in entry.book.upto(common).items():  # shared, never written again
                     book.at.setdefault(position, capture)
+        if book is not None:
+            _thin(book)
         tensors = cache_layers.cache_tensors(cache)
         held, wanted = cache_layers.storage_bytes(tensors), cache_layers.logical_bytes(tensors)
         if held > wanted + max(wanted * _SLACK, 1 << 20):
@@ -350,6 +352,22 @@ class PrefixCache:
         """Stops the disk tier's threads, letting queued writes finish for up to `wait_s`."""
         if self._disk is not None:
             self._disk.close(wait_s)
+
+
+def _thin(book: CheckpointBook) -> None:
+    """Keeps, between two periodic checkpoints, only the latest of the others (the ends of earlier prompts and
+    answers): an agent's conversation adds one per turn, and only the last is likely to be the point a
+    rewritten turn leaves from."""
+    if not book.every:
+        return
+    latest: dict[int, int] = {}
+    for position in book.at:
+        if position % book.every:
+            span = position // book.every
+            latest[span] = max(latest.get(span, 0), position)
+    for position in list(book.at):
+        if position % book.every and latest[position // book.every] != position:
+            del book.at[position]
 
 
 def _kind(layer: Any) -> str:
