@@ -229,6 +229,11 @@ class _PrefixCacheCollector:
             "Block writes dropped because the writer's queue was full",
             "disk_writes_dropped",
         ),
+        (
+            "deltafin_prefix_cache_disk_write_failures",
+            "Block writes that failed (a full disk, a folder gone or not writable)",
+            "disk_write_failures",
+        ),
         ("deltafin_prefix_cache_disk_files_removed", "Damaged or foreign block files removed", "disk_files_removed"),
     )
 

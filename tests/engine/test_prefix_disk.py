@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import multiprocessing
 import os
+import shutil
 import threading
 import time
 from pathlib import Path
@@ -326,6 +327,18 @@ class TestBudgets:
         assert tier.stats.disk_writes_dropped == 5
         release.set()
         assert tier.flush(10) and len(block_files(folder)) == 3
+        tier.close()
+
+    def test_a_failing_disk_costs_only_its_blocks(self, folder):
+        tier = open_tier(folder)
+        assert tier._disk is not None and tier._disk._scanned.wait(10)
+        shutil.rmtree(tier._disk.folder)
+        tier._disk.folder.write_text("not a folder any more")  # every write now fails
+        ids = list(range(100, 124))
+        tier.give_back(attention_cache(ids), ids)
+        assert tier.flush(10)
+        assert tier.stats.disk_write_failures == 3 and tier.stats.entries["disk"] == 0
+        assert taken(tier, [*ids, 1])[1:] == (24, "ram")  # RAM serves on
         tier.close()
 
     def test_an_entry_with_queued_writes_is_not_written_in_place(self, folder, monkeypatch):

@@ -47,6 +47,11 @@ WRITE_QUEUE_BYTES = 512 << 20
 #: the directory's use is brought down to this fraction of `max_bytes` when it is over (so it is not rescanned
 #: at every write near the limit)
 EVICT_TO = 0.9
+#: a block file larger than this is not one (a block of 64 positions of a large model is tens of MB); it is never
+#: read into memory
+MAX_BLOCK_FILE = 4 << 30
+#: seconds between two log lines about failed writes
+FAILURE_LOG_S = 60.0
 #: a temporary file older than this is a write that died with its process
 STALE_TEMP_S = 600.0
 SUFFIX = ".safetensors"
@@ -144,6 +149,7 @@ class DiskTier:
         self._writer = threading.Thread(target=self._write_loop, name="deltafin-kv-writer", daemon=True)
         self._reader = threading.Thread(target=self._read_loop, name="deltafin-kv-reader", daemon=True)
         self._scanned = threading.Event()
+        self._failure_logged = -FAILURE_LOG_S
         self._writer.start()
         self._reader.start()
 
@@ -256,8 +262,17 @@ class DiskTier:
                 return
             try:
                 self._write(job)
-            except Exception:  # a full disk or a vanished folder costs this block, never the engine
-                log.warning("prefix_cache_write_failed", path=job.ref.path, exc_info=True)
+            except Exception as exc:  # a full disk or a vanished folder costs this block, never the engine
+                self.stats.disk_write_failures += 1
+                now = time.monotonic()
+                if now - self._failure_logged > FAILURE_LOG_S:  # a full disk fails every write: one line a minute
+                    self._failure_logged = now
+                    log.warning(
+                        "prefix_cache_write_failed",
+                        path=job.ref.path,
+                        error=str(exc),
+                        failures=self.stats.disk_write_failures,
+                    )
             finally:
                 self._queued.discard(job.ref.path)
                 with self._queue_lock:
@@ -383,7 +398,10 @@ class DiskTier:
             expect = {"namespace": self.settings.namespace, "parent": ref.parent, "tokens": ref.tokens}
             try:
                 with open(ref.path, "rb") as handle:
-                    data = bytearray(os.fstat(handle.fileno()).st_size)
+                    size = os.fstat(handle.fileno()).st_size
+                    if size > MAX_BLOCK_FILE:
+                        raise block_file.BadBlock(f"{size} bytes: larger than any block")
+                    data = bytearray(size)
                     got = handle.readinto(data)
                 if got != len(data):
                     raise block_file.BadBlock("short read")

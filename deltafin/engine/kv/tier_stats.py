@@ -24,5 +24,7 @@ class TierStats:
     disk_bytes_written: int = 0
     #: block writes left out because the writer's queue was full (the engine never waits for it)
     disk_writes_dropped: int = 0
+    #: block writes that failed (a full disk, a folder gone or not writable)
+    disk_write_failures: int = 0
     #: damaged, truncated or foreign block files found on a read and removed
     disk_files_removed: int = 0
