@@ -135,7 +135,8 @@ def test_four_concurrent_requests_equal_their_solo_runs(k3, oracle, prompts):
 
 def test_a_conversation_reuses_the_saved_state_exactly(k3, oracle, prompts):
     """Turn two extends turn one (prompt, answer, more): it starts from the state turn one's row left, and its
-    tokens are a cold run's. A prompt that leaves turn one's prompt before its end reuses nothing."""
+    tokens are a cold run's. A prompt that leaves turn one's prompt before its end cannot use that state: it
+    starts from a checkpoint before the edit at most (the end of an earlier prompt it starts with, if any)."""
     _, _, server = k3
     first = prompts[3] + prompts[0][:3]  # a prompt no other test sent
     answer, usage = complete(server, first, 6)
@@ -145,7 +146,7 @@ def test_a_conversation_reuses_the_saved_state_exactly(k3, oracle, prompts):
     assert tokens == oracle(second, 8)
     edited = first[:-2] + prompts[2][:4]
     tokens, usage = complete(server, edited, 8)
-    assert usage.prompt_tokens_details.cached_tokens == 0 and tokens == oracle(edited, 8)
+    assert usage.prompt_tokens_details.cached_tokens <= len(first) - 2 and tokens == oracle(edited, 8)
 
 
 def test_a_chat_turn_is_transformers_answer_and_the_memo_replays_it(k3, oracle):
