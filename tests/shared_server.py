@@ -21,11 +21,18 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+#: a prefix cache of 256 MiB per model: the suite sends hundreds of distinct prompts, which a production-sized
+#: cache (2 GiB a model) would keep, in every server process on a shared machine
+PREFIX_CACHE = "server.prefix_cache.max_bytes=268435456"
 #: the main model's overrides: the default model, one row at a time, a queue of one that times out in a second
-MAIN = ["engine.max_batch=1", "server.queue.timeout_s=1.0", "server.queue.max_waiting=1"]
+MAIN = ["engine.max_batch=1", "server.queue.timeout_s=1.0", "server.queue.max_waiting=1", PREFIX_CACHE]
 #: added to an entry that does not set them: no aliases of its model file (every entry of a family would claim
-#: them), and one grammar worker process (two per model, times twenty models, is forty processes)
-ENTRY_DEFAULTS = {"model.aliases": "model.aliases=[]", "server.grammar.workers": "server.grammar.workers=1"}
+#: them), one grammar worker process (two per model, times twenty models, is forty processes), a small prefix cache
+ENTRY_DEFAULTS = {
+    "model.aliases": "model.aliases=[]",
+    "server.grammar.workers": "server.grammar.workers=1",
+    "server.prefix_cache.max_bytes": PREFIX_CACHE,
+}
 
 
 @dataclass
