@@ -254,16 +254,18 @@ class TestDamagedFiles:
 
     def test_stale_temporary_files_are_removed_at_start(self, folder):
         written(folder, list(range(100, 116)))
-        stale = folder / ".tmp-1-2-abc"
-        fresh = folder / ".tmp-3-4-def"
-        stale.write_bytes(b"x")
-        fresh.write_bytes(b"y")
+        shard = block_files(folder)[0].parent
+        stale = shard / f".tmp-1-2-{'a' * 40}"
+        fresh = shard / f".tmp-3-4-{'b' * 40}"
+        foreign = folder / ".tmp-5-6-someone-elses"  # not where or how this tier writes: never touched
+        for path in (stale, fresh, foreign):
+            path.write_bytes(b"x")
         old = time.time() - 2 * disk_tier.STALE_TEMP_S
-        os.utime(stale, (old, old))
+        for path in (stale, foreign):
+            os.utime(path, (old, old))
         later = open_tier(folder)
-        assert later.flush(10)
-        later._disk._scanned.wait(10)  # type: ignore[union-attr]
-        assert not stale.exists() and fresh.exists()  # a write of a live process is never touched
+        assert later._disk._scanned.wait(10)  # type: ignore[union-attr]
+        assert not stale.exists() and fresh.exists() and foreign.exists()  # a live process's write stays
         later.close()
 
 

@@ -25,6 +25,7 @@ import hashlib
 import json
 import os
 import queue
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -131,7 +132,7 @@ class DiskTier:
         self.stats = stats
         self.block = settings.block_tokens
         self.root = Path(settings.root)
-        self.folder = self.root / settings.namespace[:16]
+        self.folder = self.root / hashlib.sha256(settings.namespace.encode()).hexdigest()[:16]
         self.layer_kinds = layer_kinds
         self.folder.mkdir(parents=True, exist_ok=True)
         _write_facts(self.folder, settings)
@@ -333,23 +334,24 @@ class DiskTier:
 
     def _scan(self, *, clean: bool = False) -> list[tuple[float, str, int]]:
         """Every block file under the root (every namespace: the budget is the folder's), as (mtime, path, size);
-        resets the byte count from it. `clean`: temporary files of writes that died are removed."""
+        resets the byte count from it. Only this tier's layout is looked at (ROOT/<namespace>/<xx>/<block>), so
+        a folder shared with other files costs a listing of its top level, and nothing else in it is touched.
+        `clean`: temporary files of writes that died are removed."""
         found: list[tuple[float, str, int]] = []
         now = time.time()
-        for dirpath, _dirs, files in os.walk(self.root):
-            for file in files:
-                path = os.path.join(dirpath, file)
-                try:
-                    st = os.stat(path)
-                except OSError:
-                    continue
-                if file.startswith(".tmp-"):
-                    if clean and now - st.st_mtime > STALE_TEMP_S:
-                        with contextlib.suppress(OSError):
-                            os.unlink(path)
-                    continue
-                if file.endswith(SUFFIX) and (".kv." in file or ".kvs." in file):
-                    found.append((st.st_mtime, path, st.st_size))
+        for namespace in _entries(self.root, _NAMESPACE):
+            for shard in _entries(namespace.path, _SHARD):
+                for entry in _entries(shard.path, None):
+                    try:
+                        st = entry.stat()
+                    except OSError:
+                        continue
+                    if _TEMP.fullmatch(entry.name):
+                        if clean and now - st.st_mtime > STALE_TEMP_S:
+                            with contextlib.suppress(OSError):
+                                os.unlink(entry.path)
+                    elif _BLOCK.fullmatch(entry.name):
+                        found.append((st.st_mtime, entry.path, st.st_size))
         self._sizes = {path: size for _, path, size in found}
         self.stats.bytes_held["disk"] = sum(self._sizes.values())
         self.stats.entries["disk"] = len(self._sizes)
@@ -496,6 +498,25 @@ class DiskTier:
             os.unlink(path)
         self._known.discard(path)
         self.stats.disk_files_removed += 1
+
+
+#: the names this tier writes: namespace folders, shard folders, block files, temporary files of a write
+_NAMESPACE = re.compile(r"[0-9a-f]{16}")
+_SHARD = re.compile(r"[0-9a-f]{2}")
+_BLOCK = re.compile(r"[0-9a-f]{40}\.kvs?\.safetensors")
+_TEMP = re.compile(r"\.tmp-\d+-\d+-[0-9a-f]{40}")
+
+
+def _entries(folder: str | Path, pattern: re.Pattern[str] | None) -> list[os.DirEntry[str]]:
+    """The entries of `folder` (folders matching `pattern`; files when it is None); none if it cannot be listed."""
+    try:
+        with os.scandir(folder) as listing:
+            entries = list(listing)
+    except OSError:
+        return []
+    if pattern is None:
+        return [e for e in entries if e.is_file(follow_symlinks=False)]
+    return [e for e in entries if pattern.fullmatch(e.name) and e.is_dir(follow_symlinks=False)]
 
 
 def _facts_json(facts: dict[str, Any]) -> dict[str, Any]:
