@@ -7,6 +7,7 @@ import json
 import re
 from typing import Any
 
+from deltafin.grammar.whitespace import bounded
 from deltafin.protocol.sampling import MAX_WHITESPACE, Constraint
 
 
@@ -33,16 +34,17 @@ def grammar_of(constraint: Constraint) -> Any:
     """The tokenizer-independent xgrammar Grammar; ValueError when xgrammar cannot express the constraint."""
     import xgrammar as xgr  # imported here: the protocol side of this module must not need it
 
+    if constraint.kind not in ("json_object", "json_schema", "structural_tag"):
+        raise ValueError(f"unknown constraint kind {constraint.kind!r}")
     try:
-        if constraint.kind == "json_object":
-            return xgr.Grammar.from_json_schema('{"type": "object"}', max_whitespace_cnt=MAX_WHITESPACE)
-        if constraint.kind == "json_schema":
-            return xgr.Grammar.from_json_schema(constraint.value, max_whitespace_cnt=MAX_WHITESPACE)
         if constraint.kind == "structural_tag":
-            return xgr.Grammar.from_structural_tag(constraint.value)
+            grammar = xgr.Grammar.from_structural_tag(constraint.value)
+        else:
+            schema = constraint.value if constraint.kind == "json_schema" else '{"type": "object"}'
+            grammar = xgr.Grammar.from_json_schema(schema, max_whitespace_cnt=MAX_WHITESPACE)
+        return bounded(grammar)  # JSON whitespace as llama.cpp bounds it (deltafin.grammar.whitespace)
     except Exception as exc:  # xgrammar raises RuntimeError / its own errors with a readable message
         raise ValueError(readable(exc)) from exc
-    raise ValueError(f"unknown constraint kind {constraint.kind!r}")
 
 
 #: the prefix of xgrammar's C++ messages: `[16:21:47] /project/cpp/json_schema_converter.cc:5082: `

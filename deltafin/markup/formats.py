@@ -50,6 +50,22 @@ def arguments(schema: dict[str, Any] | bool, style: str = "json", excludes: tupl
     return out
 
 
+def call_arguments(schema: dict[str, Any] | bool, markers: tuple[str, ...]) -> Format:
+    """A forced call's JSON arguments, whose strings may not hold the markup's `markers`: the parser ends the call
+    at them (a tiny Kimi K2 wrote `<|tool_call_end|>` inside a city name, and the call was cut there). xgrammar
+    drops a string's minLength / maxLength where it filters the string, so a schema that bounds a length keeps its
+    bound instead (llama-server's grammar keeps markers out of every string as tokens either way)."""
+    return arguments(schema, excludes=() if _bounds_a_length(schema) else markers)
+
+
+def _bounds_a_length(schema: Any) -> bool:
+    if isinstance(schema, dict):
+        return "minLength" in schema or "maxLength" in schema or any(_bounds_a_length(v) for v in schema.values())
+    if isinstance(schema, list):
+        return any(_bounds_a_length(v) for v in schema)
+    return False
+
+
 def calls(tags: list[Format], separator: str, *, single: bool) -> Format:
     """One or more of `tags` (exactly one when `single`: a named tool_choice or parallel_tool_calls=false)."""
     return {

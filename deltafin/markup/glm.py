@@ -190,7 +190,11 @@ class Glm(ThinkMarkup):
         return GlmToolParser(newline_after_name=self.newline_after_name, types=schema_types(tools), new_id=new_id)
 
     def _value(self, schema: Mapping[str, Any]) -> Format:
-        return raw_text(schema, self.markers) if schema.get("type") in ("string", None) else json_value(schema)
+        return (
+            raw_text(schema, self.markers)
+            if schema.get("type") in ("string", None)
+            else json_value(schema, self.markers)
+        )
 
     def _argument(self, key: str, schema: Mapping[str, Any]) -> Format:
         nl = self._newline

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from deltafin.markup.base import Call, register
-from deltafin.markup.formats import Format, arguments, tag
+from deltafin.markup.formats import Format, call_arguments, tag
 from deltafin.markup.formats import calls as one_or_more
 from deltafin.markup.parsing import (
     IdFactory,
@@ -144,7 +144,7 @@ class Hermes(ThinkMarkup):
         tags = [
             tag(
                 f'{CALL_BEGIN}\n{{"name": {json.dumps(f.name)}, "arguments": ',
-                arguments(dict(f.schema)),
+                call_arguments(dict(f.schema), self.markers),
                 f"}}\n{CALL_END}",
             )
             for f in forced.functions

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from deltafin.markup.base import Call, register
-from deltafin.markup.formats import Format, arguments, const, regex, sequence, tag
+from deltafin.markup.formats import Format, call_arguments, const, regex, sequence, tag
 from deltafin.markup.formats import calls as one_or_more
 from deltafin.markup.parsing import (
     IdFactory,
@@ -213,7 +213,7 @@ class KimiK2(ThinkMarkup):
         tags = [
             tag(
                 f"{CALL_BEGIN}functions.{f.name}:",
-                sequence(regex(r"[0-9]{1,4}"), const(ARGS_BEGIN), arguments(dict(f.schema))),
+                sequence(regex(r"[0-9]{1,4}"), const(ARGS_BEGIN), call_arguments(dict(f.schema), self.markers)),
                 CALL_END,
             )
             for f in forced.functions

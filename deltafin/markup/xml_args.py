@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from deltafin.markup.formats import Format, arguments, const, one_of, optional, regex, sequence, star
+from deltafin.markup.formats import Format, call_arguments, const, one_of, optional, regex, sequence, star
 
 #: (key, property schema) -> the format of one argument
 ArgumentFormat = Callable[[str, Mapping[str, Any]], Format]
@@ -30,8 +30,9 @@ def raw_text(schema: Mapping[str, Any], excludes: tuple[str, ...]) -> Format:
     return {"type": "any_text", "excludes": list(excludes)}
 
 
-def json_value(schema: Mapping[str, Any]) -> Format:
-    return arguments(dict(schema))
+def json_value(schema: Mapping[str, Any], excludes: tuple[str, ...]) -> Format:
+    """A value that is not a string, as JSON under its schema, its strings without the markup's markers."""
+    return call_arguments(dict(schema), excludes)
 
 
 def per_property(schema: Mapping[str, Any], argument: ArgumentFormat, any_argument: Format) -> Format:

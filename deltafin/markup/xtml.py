@@ -226,11 +226,11 @@ def _value(schema: Mapping[str, Any]) -> Format:
     if kind == "string":
         return tag(f'string"{SEP}', raw_text(schema, _MARKERS), _ARG_END)
     if kind in _JSON_TYPES:
-        return tag(f'{TYPE_NAMES[kind]}"{SEP}', json_value(schema), _ARG_END)
+        return tag(f'{TYPE_NAMES[kind]}"{SEP}', json_value(schema, _MARKERS), _ARG_END)
     # No single declared type: raw text as a string, or a JSON value under the schema with its type named.
     return one_of(
         tag(f'string"{SEP}', raw_text({}, _MARKERS), _ARG_END),
-        sequence(regex("|".join(_TYPE_NAMES)), tag(f'"{SEP}', json_value(schema), _ARG_END)),
+        sequence(regex("|".join(_TYPE_NAMES)), tag(f'"{SEP}', json_value(schema, _MARKERS), _ARG_END)),
     )
 
 

@@ -4,9 +4,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-#: Longest run of whitespace a JSON constraint allows between tokens (part of what a JSON constraint means,
-#: whoever builds it: deltafin.grammar's compiles, deltafin.markup's structural tags). Unbounded whitespace is
-#: the classic way a small model loops forever inside a constrained object; 20 still fits pretty-printed nesting.
+#: JSON whitespace between two tokens of a constrained value, as llama.cpp's JSON grammar bounds it
+#: (common/json-schema-to-grammar.cpp, SPACE_RULE): nothing, one space, or one or two newlines followed by at most
+#: MAX_INDENT spaces or tabs. Unbounded whitespace is the classic way a small model loops inside a constrained
+#: object (a tiny Kimi K2 wrote ten `\r\n` between a key and its value); the bound still fits pretty-printed
+#: nesting. Part of what a JSON constraint means, whoever builds it: deltafin.grammar's compiles (xgrammar and
+#: llama-server's GBNF) write exactly this rule.
+MAX_INDENT = 20
+MAX_NEWLINES = 2
+#: xgrammar's own option, the longest run of any whitespace (`max_whitespace_cnt`), for the structural tags and
+#: schemas an upstream vLLM / SGLang compiles itself: the nearest bound its options can say
 MAX_WHITESPACE = 20
 
 

@@ -1,15 +1,17 @@
 """String acceptance for the GBNF tests, with xgrammar as the recognizer: its EBNF reads the GBNF this emitter
-writes (token references aside), and its structural-tag / JSON-schema grammars are the reference semantics."""
+writes (token references aside), and its structural-tag / JSON-schema grammars, as the local engine compiles
+them (deltafin.grammar.constraints.grammar_of: JSON whitespace bounded as llama.cpp bounds it), are the
+reference semantics."""
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Mapping
 from typing import Any
 
 import xgrammar as xgr
 
+from deltafin.grammar.constraints import grammar_of, json_schema, structural_tag
 from deltafin.grammar.gbnf.rules import literal
 
 _COMPILER = xgr.GrammarCompiler(xgr.TokenizerInfo([]), cache_enabled=False)
@@ -33,8 +35,8 @@ def gbnf_recognizer(gbnf: str, special_tokens: Mapping[str, int] | None = None) 
 
 
 def tag_recognizer(tag: dict[str, Any]) -> Recognizer:
-    return Recognizer(xgr.Grammar.from_structural_tag(json.dumps(tag)))
+    return Recognizer(grammar_of(structural_tag(tag)))
 
 
-def schema_recognizer(schema: Any, max_whitespace: int = 20) -> Recognizer:
-    return Recognizer(xgr.Grammar.from_json_schema(json.dumps(schema), max_whitespace_cnt=max_whitespace))
+def schema_recognizer(schema: Any) -> Recognizer:
+    return Recognizer(grammar_of(json_schema(schema)))

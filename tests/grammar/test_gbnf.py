@@ -19,8 +19,8 @@ def accepts(fmt: dict, specials: dict | None = None):
     return gbnf_recognizer(structural_tag_to_gbnf(f.structural_tag(fmt), specials))
 
 
-def json_accepts(schema, max_whitespace=20):
-    return accepts(f.arguments(schema) | {"max_whitespace_cnt": max_whitespace})
+def json_accepts(schema):
+    return accepts(f.arguments(schema))
 
 
 class TestRulesText:
@@ -242,9 +242,15 @@ class TestJsonSchema:
         ]:
             assert mine(text) == ref(text), text
 
-    def test_whitespace_runs_are_bounded(self):
-        ok = json_accepts(WEATHER, max_whitespace=3)
-        assert ok('{   "city":   "x"   }') and not ok('{    "city": "x"}')
+    def test_whitespace_is_bounded_as_llama_cpp_bounds_it(self):
+        """Between two tokens: nothing, one space, or one or two newlines and at most 20 spaces or tabs."""
+        ok = json_accepts(WEATHER)
+        assert ok('{"city":"x"}') and ok('{ "city": "x" }') and ok('{\n  "city":\n\n\t\t"x"\n}')
+        assert ok('{"city":\n' + " " * 20 + '"x"}')
+        assert not ok('{"city":\n' + " " * 21 + '"x"}')
+        assert not ok('{"city":\n\n\n"x"}')
+        assert not ok('{"city":  "x"}')
+        assert not ok('{"city":\r\n"x"}')
 
     def test_integer_and_number_digits_are_bounded(self):
         ok = json_accepts({"type": "integer"})

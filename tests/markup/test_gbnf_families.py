@@ -150,8 +150,9 @@ def test_gbnf_accepts_what_xgrammar_accepts(family, reasoning, tools, choice, pa
     ("family", "value"), [("kimi_k2", "a<|tool_call_end|>b"), ("qwen3", "a</tool_call>b"), ("kimi_k3", "a<|close|>b")]
 )
 def test_control_token_markers_stay_out_of_json_strings(family, value):
-    """A control token matches its text in llama.cpp's character rules; xgrammar never lets one into text.
-    With the markers known as tokens the grammar keeps them out of strings (keys and values), as xgrammar would."""
+    """A forced call's JSON strings (keys and values) may not hold the markup's markers, which its parser ends
+    the call at: not as text (the structural tag excludes them, in xgrammar and in GBNF alike), and not as the
+    control token (llama.cpp's character rules would match a token by its text)."""
     any_args = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
     tag = SYNTAXES[family].calls(forced_calls([any_args], "required"), "disabled")
     if family == "kimi_k3":  # strings inside a JSON-typed argument
@@ -166,6 +167,8 @@ def test_control_token_markers_stay_out_of_json_strings(family, value):
     else:
         text = wire(family, [call(family, "get_time", {"zone": value}, 0)])
     specials = special_tokens(family)
-    assert gbnf_recognizer(structural_tag_to_gbnf(tag))(text)
+    assert not tag_recognizer(tag)(text)
+    assert not gbnf_recognizer(structural_tag_to_gbnf(tag))(text)
     assert not gbnf_recognizer(structural_tag_to_gbnf(tag, specials), specials)(text)
+    assert tag_recognizer(tag)(text.replace(value, "a b"))
     assert gbnf_recognizer(structural_tag_to_gbnf(tag, specials), specials)(text.replace(value, "a b"))

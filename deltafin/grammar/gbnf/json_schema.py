@@ -2,8 +2,9 @@
 
 Laid out as xgrammar lays it out, so that what xgrammar accepts for a tool's arguments this accepts too:
 properties in declared order, required ones present, optional ones skippable, no undeclared keys unless
-`additionalProperties` allows them (an object schema without `properties` takes any object), whitespace runs
-bounded by `max_whitespace`.
+`additionalProperties` allows them (an object schema without `properties` takes any object), whitespace between
+tokens as llama.cpp's own JSON grammar bounds it (`SPACE`: nothing, one space, or one or two newlines and at
+most 20 spaces or tabs; deltafin.grammar.whitespace gives xgrammar's grammars the same rule).
 Enforced: type (and type lists, `nullable`), properties / required / additionalProperties, items / minItems /
 maxItems, enum, const, anyOf / oneOf, a one-element allOf, $ref into $defs / definitions (recursion
 included), string minLength / maxLength / pattern, integer minimum / maximum (and the exclusive forms),
@@ -24,6 +25,7 @@ from deltafin.grammar.gbnf.excluding import JSON_STRING, excluding
 from deltafin.grammar.gbnf.integers import bounds, integer_range
 from deltafin.grammar.gbnf.regex import regex_expr
 from deltafin.grammar.gbnf.rules import EMPTY, Rules, char_class, literal
+from deltafin.protocol.sampling import MAX_INDENT, MAX_NEWLINES
 
 MAX_COUNT = 256
 _STRING_CHAR = f"({char_class(JSON_STRING.forbid, negate=True)} | {JSON_STRING.escape})"
@@ -59,6 +61,10 @@ def _bounds(schema: Mapping[str, Any], low_key: str, high_key: str) -> tuple[int
     return low, high
 
 
+#: llama.cpp's SPACE_RULE (common/json-schema-to-grammar.cpp), the whitespace between two JSON tokens
+SPACE = f'("" | " " | "\\n"{{1,{MAX_NEWLINES}}} [ \\t]{{0,{MAX_INDENT}}})'
+
+
 def _repeat(low: int, high: int | None) -> str:
     return f"{{{low},}}" if high is None else f"{{{low},{high}}}"
 
@@ -69,14 +75,13 @@ class JsonGrammar:
         rules: Rules,
         *,
         root: Mapping[str, Any] | bool,
-        max_whitespace: int | None,
         excludes: tuple[str, ...] = (),
     ) -> None:
         """excludes: substrings no free string (a value without pattern, a key) may contain, as written."""
         self.rules = rules
         self.root = root
         self.excludes = excludes
-        self.ws = rules.add("ws", "[ \\n\\r\\t]" + ("*" if max_whitespace is None else f"{{0,{max_whitespace}}}"))
+        self.ws = rules.add("ws", SPACE)
         self._refs: dict[str, str] = {}
 
     # -- any JSON value --------------------------------------------------------------------------------------

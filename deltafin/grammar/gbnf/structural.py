@@ -126,9 +126,8 @@ class _Emitter:
         if not isinstance(schema, (Mapping, bool)):
             raise ValueError("json_schema format needs a schema object")
         excludes = tuple(_checked_str(e, "excludes") for e in fmt.get("excludes") or ())
-        json_grammar = JsonGrammar(
-            self.rules, root=schema, max_whitespace=fmt.get("max_whitespace_cnt"), excludes=excludes
-        )
+        # max_whitespace_cnt is xgrammar's nearest bound; GBNF writes llama.cpp's own rule (JsonGrammar.ws)
+        json_grammar = JsonGrammar(self.rules, root=schema, excludes=excludes)
         style = fmt.get("style", "json")
         return json_grammar.value(schema) if style == "json" else xml_arguments(self.rules, json_grammar, schema, style)
 
