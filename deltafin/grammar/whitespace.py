@@ -22,8 +22,8 @@ SPACE = f'("" | " " | ("\\n"{{1, {MAX_NEWLINES}}} [ \\t]{{0, {MAX_INDENT}}}))'
 
 #: how xgrammar 0.2.9 prints a JSON whitespace rule and its uses (`whitespace_3 ::= (([ \n\r\t]))`, used as
 #: `whitespace_3{0, 20}`)
-_DEFINITION = re.compile(r"^(whitespace(?:_\d+)?) ::= \(\(\[ \\n\\r\\t\]\)\)$", re.MULTILINE)
-_USE = re.compile(r"\b(whitespace(?:_\d+)?)\{0, \d+\}")
+_DEFINITION = re.compile(r"^(whitespace(?:_\d+)*) ::= \(\(\[ \\n\\r\\t\]\)\)$", re.MULTILINE)
+_USE = re.compile(r"\b(whitespace(?:_\d+)*)\{0, \d+\}")
 
 
 def rewritten(ebnf: str) -> str:
