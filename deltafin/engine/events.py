@@ -59,6 +59,9 @@ class Finished:
     stop_reason: str | int | None = None
     memo_hit: bool = False
     timings: dict[str, float] = field(default_factory=dict)
+    #: reasoning tokens, counted by the engine where the choice had a thinking budget (else None: serving counts
+    #: them from the parsed reasoning)
+    reasoning_tokens: int | None = None
 
 
 #: what a generation stream carries, in order: text deltas (and prompt logprobs), then one Finished per choice

@@ -19,7 +19,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from deltafin.markup.base import MARKUPS, Markup, XmlArgumentStyle
+from deltafin.markup.base import MARKUPS, Markup, ReasoningMarkers, XmlArgumentStyle
 from deltafin.markup.parsing import IdFactory, OutputParser, ParsedDelta, PlainOutputParser, ToolCallDelta
 
 __all__ = [
@@ -29,6 +29,7 @@ __all__ = [
     "OutputParser",
     "ParsedDelta",
     "PlainOutputParser",
+    "ReasoningMarkers",
     "ToolCallDelta",
     "XmlArgumentStyle",
     "get_markup",

@@ -50,6 +50,21 @@ class XmlArgumentStyle:
     type_names: Mapping[str, str] | None = None
 
 
+@dataclass(frozen=True)
+class ReasoningMarkers:
+    """How a markup's reasoning opens and ends, as a thinking budget needs them (deltafin.serving.thinking_budget):
+    where reasoning stops counting, and what ends it when the budget is spent."""
+
+    #: what opens reasoning where the model may open it itself (an "auto" prompt); None: only a prompt opens it
+    start: str | None
+    #: what ends reasoning as the markup's parser reads it: the end marker, and anything else that ends it there
+    #: (a tool call opened inside reasoning)
+    ends: tuple[str, ...]
+    #: what a spent budget makes the model write: the end marker, then what the model always writes between it
+    #: and its answer (K3's response channel opener)
+    forced: str
+
+
 class Markup:
     #: registry name (deltafin.markup.MARKUPS)
     name: str
@@ -79,6 +94,10 @@ class Markup:
         """The reasoning mode the rendered prompt leaves the model in: "enabled" (output starts inside
         reasoning), "disabled" (no reasoning) or "auto" (the model may open it itself)."""
         return "disabled"
+
+    def reasoning_markers(self) -> ReasoningMarkers | None:
+        """How reasoning opens and ends in this markup; None: the markup has no reasoning."""
+        return None
 
     def calls(self, forced: ForcedCalls, reasoning: str) -> dict[str, Any]:
         """The structural tag forcing `forced` in this markup, after the reasoning `reasoning` leaves open."""

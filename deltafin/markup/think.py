@@ -13,7 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from deltafin.markup.base import Markup
+from deltafin.markup.base import Markup, ReasoningMarkers
 from deltafin.markup.chain import BlankContentBesideCalls, ChainedParser
 from deltafin.markup.formats import Format, regex, sequence, structural_tag, think_prefix
 from deltafin.markup.parsing import IdFactory, OutputParser, ParsedDelta, released_at_finish, split_at_marker
@@ -136,6 +136,10 @@ class ThinkMarkup(Markup):
 
     def reasoning(self, prompt_text: str) -> str:
         return think_reasoning(prompt_text)
+
+    def reasoning_markers(self) -> ReasoningMarkers:
+        # A call opened inside reasoning ends it, for the parser and so for a budget.
+        return ReasoningMarkers(start=START, ends=(END, *self.call_openers), forced=END)
 
     def answer(self, content: Format, reasoning: str) -> dict[str, Any]:
         return think_answer(content, reasoning, self.answer_excludes)

@@ -36,7 +36,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from deltafin.markup.base import Call, Markup, XmlArgumentStyle, register
+from deltafin.markup.base import Call, Markup, ReasoningMarkers, XmlArgumentStyle, register
 from deltafin.markup.chain import BlankContentBesideCalls
 from deltafin.markup.formats import Format, const, one_of, regex, sequence, structural_tag, tag, think_prefix
 from deltafin.markup.formats import calls as one_or_more
@@ -281,6 +281,11 @@ class Xtml(Markup):
         """The prompt opens think (thinking on, any effort attribute) or response; K3 never opens think itself."""
         tail = prompt_text.rstrip()
         return "disabled" if tail.endswith(f"{OPEN}response{SEP}") else "enabled"
+
+    def reasoning_markers(self) -> ReasoningMarkers:
+        """Only a prompt opens think; K3 writes the response channel after it, before any answer or call."""
+        end = f"{CLOSE}think{SEP}"
+        return ReasoningMarkers(start=None, ends=(end,), forced=f"{end}{OPEN}response{SEP}")
 
     def _opened(self, reasoning: str, after_thinking: str) -> Format | None:
         """Reasoning (if the prompt opened think) up to the response channel, `after_thinking` following it."""

@@ -55,6 +55,9 @@ class ReasoningConfig(Struct, kw_only=True):
     effort: str | None = None
     summary: str | None = None
     generate_summary: str | None = None  # the API's older name for `summary`
+    # The thinking budget where OpenRouter's unified `reasoning` object puts it (OpenAI's has none); the same as
+    # the top-level `thinking_token_budget`.
+    max_tokens: Annotated[int, Meta(ge=0)] | None = None
 
 
 class ResponsesRequest(Struct, kw_only=True):
@@ -67,6 +70,8 @@ class ResponsesRequest(Struct, kw_only=True):
     text: TextConfig | None = None
     reasoning: ReasoningConfig | None = None
     max_output_tokens: PositiveInt | None = None
+    # vLLM's name for the most reasoning tokens (as on chat and completions); `reasoning.max_tokens` says the same
+    thinking_token_budget: Annotated[int, Meta(ge=0)] | None = None
     temperature: Temperature | None = None
     top_p: UnitOpenLeft | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
@@ -133,6 +138,12 @@ class ResponsesRequest(Struct, kw_only=True):
                     )
         reasoning = self.reasoning
         if reasoning is not None:
+            given = (reasoning.max_tokens, self.thinking_token_budget)
+            if None not in given and given[0] != given[1]:
+                raise InvalidRequestError(
+                    "reasoning.max_tokens and thinking_token_budget are the same budget; send one of them",
+                    param="reasoning.max_tokens",
+                )
             if reasoning.effort is not None and reasoning.effort not in EFFORTS:
                 raise InvalidRequestError(
                     f"reasoning.effort must be one of {', '.join(EFFORTS)}", param="reasoning.effort"
@@ -164,6 +175,14 @@ class ResponsesRequest(Struct, kw_only=True):
             raise InvalidRequestError(
                 "service_tier must be auto, default, flex, priority or scale", param="service_tier"
             )
+
+    @property
+    def budget(self) -> tuple[int | None, str]:
+        """The thinking budget and the field that gave it."""
+        if self.thinking_token_budget is not None:
+            return self.thinking_token_budget, "thinking_token_budget"
+        given = self.reasoning.max_tokens if self.reasoning is not None else None
+        return given, "reasoning.max_tokens" if given is not None else "thinking_token_budget"
 
     @property
     def stores(self) -> bool:

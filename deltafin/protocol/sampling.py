@@ -31,6 +31,31 @@ class Constraint:
 
 
 @dataclass(frozen=True)
+class ReasoningBudget:
+    """At most `tokens` reasoning tokens in one choice (a request's `thinking_token_budget`), with what the engine
+    needs of the family's reasoning markup to hold it there (deltafin.serving.thinking_budget builds it).
+
+    Reasoning tokens are the tokens between the opening and the end of reasoning, neither counted. At the budget
+    the engine makes the model write `forced` (the family's end of reasoning), and the model goes on to answer.
+    Engines: the local one forces the tokens itself; an upstream gets its own budget where it has one, and
+    Deltafin stops and resumes a generation that runs past it (deltafin.engine.text.reasoning_budget)."""
+
+    tokens: int
+    #: what ends reasoning, as text (the end marker, and anything else the parser ends reasoning at)
+    ends: tuple[str, ...]
+    #: the ids forced at the budget: the family's end of reasoning (`forced_text`), tokenized as the model writes it
+    forced: tuple[int, ...]
+    forced_text: str
+    #: how the prompt opened reasoning (its output starts inside it); None: it did not
+    opened: str | None = None
+    #: what opens reasoning when the model opens it itself (the prompt left that to it); None: it cannot
+    start: str | None = None
+    #: the constraint the generation continues under once reasoning ended, for an engine that resumes a
+    #: generation in a new request (the request's constraint, after the forced end); None: unconstrained
+    resume: Constraint | None = None
+
+
+@dataclass(frozen=True)
 class SamplingParams:
     """Everything that decides which tokens come out; hashable so identical requests can be memoized."""
 
@@ -53,6 +78,8 @@ class SamplingParams:
     ignore_eos: bool = False
     # Constrained decoding (response_format, enforced tool_choice); None = free generation.
     constraint: Constraint | None = None
+    # A cap on the reasoning tokens (thinking_token_budget); None = reasoning runs as long as the model likes.
+    reasoning_budget: ReasoningBudget | None = None
     extra: tuple[tuple[str, object], ...] = field(default=())
 
     @property

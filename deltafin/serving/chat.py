@@ -21,6 +21,7 @@ from deltafin.serving.context import RequestStats, ServingContext, new_id
 from deltafin.serving.logprobs import chat_logprobs
 from deltafin.serving.ruled import Frame, serve_with_rules
 from deltafin.serving.sse import ChunkStream, FollowedChunk, StreamingResponse, encode_sse
+from deltafin.serving.thinking_budget import chat_budget, check_budget, with_reasoning_tokens
 
 
 @dataclass
@@ -191,11 +192,13 @@ class ChatService:
         async def produce(request: ChatCompletionRequest) -> dict[str, Any] | ChunkStream:
             self.ctx.check_model(request.model)
             check_tools(request, self.ctx.config.model, self.ctx.model_name)
+            check_budget(request.thinking_token_budget, self.ctx.config.model, self.ctx.model_name)
             # A request's own template is code of unknown cost: never run on the event loop.
             prompt = await self.ctx.off_loop(
                 self.render, request, size=stats.body_bytes, stats=stats, inline=not brings_template(request)
             )
             jobs = await self.constrained(request, prompt, self.jobs(request, prompt), stats)
+            jobs = chat_budget(request, prompt.text, jobs, self.ctx)
             stats.prompt_tokens = len(prompt.token_ids)
             choices = [ChoiceAssembly(self.output_parser(request, prompt.text)) for _ in jobs]
             stream = await self.ctx.engine.start(self.ctx.scoped(jobs, stats), deadline=self.ctx.deadline(stats))
@@ -215,9 +218,19 @@ class ChatService:
         choice.finished = event
         stats.record(event)
         reasoning = "".join(choice.reasoning)
-        if reasoning:  # reasoning tokens are part of completion_tokens; rules may report them separately
+        # reasoning tokens are part of completion_tokens; rules may report them separately. A choice with a
+        # thinking budget has them counted by the engine, token by token.
+        if event.reasoning_tokens is not None:
+            rule_ctx.reasoning_tokens += event.reasoning_tokens
+        elif reasoning:
             rule_ctx.reasoning_tokens += self.ctx.count_tokens(reasoning)
         return parsed
+
+    def _usage(self, request: ChatCompletionRequest, stats: RequestStats, rule_ctx: RuleContext) -> dict[str, Any]:
+        usage = self.ctx.usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
+        if request.thinking_token_budget is None:
+            return usage
+        return with_reasoning_tokens(usage, rule_ctx.reasoning_tokens)
 
     async def _collect(
         self,
@@ -251,7 +264,7 @@ class ChatService:
         return {
             **self._envelope("chat.completion"),
             "choices": body_choices,
-            "usage": self.ctx.usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens),
+            "usage": self._usage(request, stats, rule_ctx),
         }
 
     def _envelope(self, kind: str) -> dict[str, Any]:
@@ -321,5 +334,4 @@ class ChatService:
             for item in out:
                 yield item
         if include_usage:
-            usage = self.ctx.usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
-            yield {**base, "choices": [], "usage": usage}
+            yield {**base, "choices": [], "usage": self._usage(request, stats, rule_ctx)}

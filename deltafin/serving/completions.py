@@ -15,6 +15,7 @@ from deltafin.serving.context import RequestStats, ServingContext, new_id
 from deltafin.serving.logprobs import completion_logprobs
 from deltafin.serving.ruled import serve_with_rules
 from deltafin.serving.sse import ChunkStream, StreamingResponse
+from deltafin.serving.thinking_budget import budgeted, check_budget, reasoning_budget, with_reasoning_tokens
 
 
 class CompletionService:
@@ -25,7 +26,19 @@ class CompletionService:
         """n jobs per prompt, prompt-major (choice index = prompt index * n + i), as vLLM numbers them."""
         limits = self.ctx.config.server
         request.check(max_n=limits.max_n, max_stop=limits.max_stop_sequences, max_top_logprobs=limits.max_top_logprobs)
-        return [job for prompt in prompts for job in self._prompt_jobs(request, prompt.ids)]
+        return [
+            job for prompt in prompts for job in self._budgeted(request, prompt, self._prompt_jobs(request, prompt.ids))
+        ]
+
+    def _budgeted(self, request: CompletionRequest, prompt: _Prompt, jobs: list[GenerationJob]) -> list[GenerationJob]:
+        """The thinking budget, where the prompt leaves the model inside reasoning (or free to open it)."""
+        if request.thinking_token_budget is None:
+            return jobs
+        model = self.ctx.config.model
+        budget = reasoning_budget(
+            request.thinking_token_budget, model=model, prompt_text=prompt.text, tokenizer=self.ctx.tokenizer
+        )
+        return budgeted(jobs, budget)
 
     def _prompt_jobs(self, request: CompletionRequest, prompt_ids: list[int]) -> list[GenerationJob]:
         limits = self.ctx.config.server
@@ -76,6 +89,7 @@ class CompletionService:
 
         async def produce(request: CompletionRequest) -> dict[str, Any] | ChunkStream:
             self.ctx.check_model(request.model)
+            check_budget(request.thinking_token_budget, self.ctx.config.model, self.ctx.model_name)
             prompts = [
                 await self._prompt(request, prompt, stats) for prompt in request.prompts(self.ctx.engine.vocab_size)
             ]
@@ -101,8 +115,9 @@ class CompletionService:
             ids = await self.ctx.off_loop(lambda: list(self.ctx.tokenizer(prompt).input_ids), size=size, stats=stats)
             return _Prompt(ids, prompt)
         ids = prompt
-        # Token ids in: the echoed text is their decoding, special tokens included.
-        if not request.echo:
+        # Token ids in: the echoed text is their decoding, special tokens included (a thinking budget reads
+        # where the prompt leaves the model off it too).
+        if not request.echo and request.thinking_token_budget is None:
             return _Prompt(ids, "")
         text = await self.ctx.off_loop(
             lambda: self.ctx.tokenizer.decode(ids, skip_special_tokens=False), size=size, stats=stats
@@ -162,8 +177,13 @@ class CompletionService:
             if request.return_token_ids:
                 choice.update(prompt_token_ids=prompt.ids, token_ids=ids[index])
             choices.append(choice)
+        return {**self._base(), "choices": choices, "usage": self._usage(request, stats, finished)}
+
+    def _usage(self, request: CompletionRequest, stats: RequestStats, finished: list[Finished | None]) -> dict:
         usage = self.ctx.usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
-        return {**self._base(), "choices": choices, "usage": usage}
+        if request.thinking_token_budget is None:
+            return usage
+        return with_reasoning_tokens(usage, sum(end.reasoning_tokens or 0 for end in finished if end is not None))
 
     async def _chunks(
         self, request: CompletionRequest, prompts: list[_Prompt], stream: GenerationStream, stats: RequestStats
@@ -189,6 +209,7 @@ class CompletionService:
             return body
 
         pending: dict[int, list[TokenLogprob]] = {}
+        ended: list[Finished | None] = []
         async for event in stream:
             index = event.choice
             if index not in offsets:
@@ -216,10 +237,10 @@ class CompletionService:
                 yield chunk(index, event.text, logprobs=lp)
             else:
                 stats.record(event)
+                ended.append(event)
                 yield chunk(index, "", finish=event.reason)
         if include_usage:
-            usage = self.ctx.usage(stats.prompt_tokens, stats.completion_tokens, stats.cached_tokens)
-            yield {**base, "choices": [], "usage": usage}
+            yield {**base, "choices": [], "usage": self._usage(request, stats, ended)}
 
 
 @dataclass(frozen=True)

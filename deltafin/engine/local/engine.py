@@ -45,6 +45,7 @@ from deltafin.engine.local.sampler import Sampler
 from deltafin.engine.local.steps import decode_step_for
 from deltafin.engine.stream import GenerationStream
 from deltafin.engine.text.choice_decoder import ChoiceDecoder
+from deltafin.engine.text.reasoning_budget import reasoning_tracker
 from deltafin.engine.weights.loader import LoadedModel
 from deltafin.errors import InvalidRequestError
 
@@ -314,10 +315,11 @@ class LocalEngine(EngineClient):
         params = job.params
         # The grammar came compiled (checked in _admit); each row gets a matcher of its own.
         constraint = job.grammar.matcher() if params.constraint is not None else None
+        reasoning = reasoning_tracker(params, self._thread_tokenizer)
         return Row(
             submission=sub,
             choice=choice,
-            sampler=Sampler(params, self.vocab_size, self.device, job.prompt_ids, constraint),
+            sampler=Sampler(params, self.vocab_size, self.device, job.prompt_ids, constraint, reasoning),
             decoder=ChoiceDecoder(self._thread_tokenizer, params, self.stop_token_ids, choice),
             max_new=min(params.max_tokens, self.context_length - len(job.prompt_ids)),
             prompt_len=len(job.prompt_ids),

@@ -84,8 +84,13 @@ class Row:
 
     def _finish(self, reason: FinishReason | None) -> bool:
         self.timings["total_s"] = time.perf_counter() - self.started
+        reasoning = self.sampler.reasoning
         tail, end = self.decoder.finish(
-            reason, prompt_tokens=self.prompt_len, cached_tokens=self.cached, timings=self.timings
+            reason,
+            prompt_tokens=self.prompt_len,
+            cached_tokens=self.cached,
+            timings=self.timings,
+            reasoning_tokens=reasoning.tokens if reasoning is not None else None,
         )
         if tail is not None:
             self.stream.emit(tail)

@@ -13,6 +13,7 @@ import torch
 
 from deltafin.engine.events import TokenLogprob
 from deltafin.engine.local.row_constraint import RowConstraint
+from deltafin.engine.text.reasoning_budget import ReasoningTracker
 from deltafin.protocol.sampling import SamplingParams
 
 _FLOAT_MAX = torch.finfo(torch.float32).max
@@ -41,9 +42,12 @@ class Sampler:
         device: torch.device,
         prompt_ids: Sequence[int],
         constraint: RowConstraint | None = None,
+        reasoning: ReasoningTracker | None = None,
     ):
         self.params = params
         self.constraint = constraint
+        #: the row's reasoning against its thinking budget: at the budget, the end of reasoning is forced
+        self.reasoning = reasoning
         self._generator: torch.Generator | None = None
         if params.seed is not None and not params.greedy:
             # seed + choice index can leave the int64 range, which torch refuses: fold it back in.
@@ -80,10 +84,22 @@ class Sampler:
             self._seen[token_id] = True
         if self.constraint is not None:
             self.constraint.accept(token_id)
+        if self.reasoning is not None:
+            self.reasoning.observe(token_id)
 
     @property
     def terminated(self) -> bool:
         return self.constraint is not None and self.constraint.is_terminated()
+
+    def _allowed(self, token_id: int, logits: torch.Tensor) -> bool:
+        """Whether the row's grammar lets `token_id` come next (every reasoning grammar ends with the family's
+        end of reasoning, so a forced end is allowed; were it not, the grammar would win). One host sync, on
+        the few steps that force a token."""
+        if self.constraint is None:
+            return True
+        probe = torch.zeros_like(logits, dtype=torch.float32)
+        self.constraint.fill_mask(probe)
+        return bool(torch.isfinite(probe[token_id]))
 
     def logprob(self, logits: torch.Tensor, token_id: int, top_k: int | None = None) -> TokenLogprob:
         """Log-probability of `token_id` under the model's own distribution (before sampling knobs),
@@ -93,6 +109,9 @@ class Sampler:
 
     def sample(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [V] for the last position; returns the drawn token as a 0-d int64 tensor (no host sync)."""
+        forced = self.reasoning.next_forced() if self.reasoning is not None else None
+        if forced is not None and self._allowed(forced, logits):
+            return torch.tensor(forced, device=logits.device)
         if self._plain_greedy and logits.dtype == torch.float32:
             return torch.argmax(logits)  # model logits are finite: nothing for the guard below to fix
         p = self.params

@@ -57,11 +57,13 @@ class ChoiceDecoder:
         cached_tokens: int = 0,
         stop_reason: str | int | None = None,
         timings: dict[str, float] | None = None,
+        reasoning_tokens: int | None = None,
     ) -> tuple[TextDelta | None, Finished]:
         """End the choice: the held-back text (if any) and the `Finished` event.
 
         `reason` is what the producer says ended generation (upstream `finish_reason`); it is used only when
-        Deltafin did not end the choice itself (stop id or stop string seen in the ids)."""
+        Deltafin did not end the choice itself (stop id or stop string seen in the ids). `reasoning_tokens`: the
+        choice's reasoning tokens as its thinking budget counted them (deltafin.engine.text.reasoning_budget)."""
         tail = None
         if not self.done:
             held = self._stops.flush()
@@ -71,6 +73,13 @@ class ChoiceDecoder:
                 self.reason = reason
                 self.stop_reason = stop_reason
         finished = Finished(
-            self.choice, self.reason, prompt_tokens, self.count, cached_tokens, self.stop_reason, timings=timings or {}
+            self.choice,
+            self.reason,
+            prompt_tokens,
+            self.count,
+            cached_tokens,
+            self.stop_reason,
+            timings=timings or {},
+            reasoning_tokens=reasoning_tokens,
         )
         return tail, finished

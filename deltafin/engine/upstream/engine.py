@@ -27,6 +27,7 @@ from deltafin.engine.events import FinishReason, GenerationJob, TextDelta
 from deltafin.engine.interface import EngineCapabilities, EngineClient, Readiness
 from deltafin.engine.stream import GenerationStream
 from deltafin.engine.text.choice_decoder import ChoiceDecoder
+from deltafin.engine.upstream.budget import BudgetWatch
 from deltafin.engine.upstream.health import UpstreamHealth
 from deltafin.engine.upstream.http1 import (
     ConnectFailed,
@@ -248,16 +249,17 @@ class UpstreamEngine(EngineClient):
         self,
         job: GenerationJob,
         choice: int,
-        rid: str,
+        rids: list[str],
         stream: GenerationStream,
         gate: _Gate,
         exchange: Exchange | BaseException,
     ) -> None:
+        """`rids`: the submission's upstream request ids, one a choice (the current one, for an abort)."""
         started = time.perf_counter()
         try:
             if isinstance(exchange, BaseException):  # building the request failed on the request's task
                 raise exchange
-            await self._stream_choice(job, choice, rid, stream, gate, started, exchange)
+            await self._stream_choice(job, choice, rids, stream, gate, started, exchange)
         except DeltafinError as exc:
             self._count_error(exc.code or type(exc).__name__)
             raise
@@ -283,14 +285,17 @@ class UpstreamEngine(EngineClient):
         self,
         job: GenerationJob,
         choice: int,
-        rid: str,
+        rids: list[str],
         stream: GenerationStream,
         gate: _Gate,
         started: float,
         exchange: Exchange,
     ) -> None:
         prompt_len = len(job.prompt_ids)
-        fell_back = resent = False
+        run = _ChoiceRun(
+            ChoiceDecoder(self.tokenizer, job.params, self._stop_ids(job), choice), BudgetWatch(job, self.tokenizer)
+        )
+        fallbacks, resent = 0, False
         while True:
             try:
                 async with exchange as response:
@@ -300,9 +305,10 @@ class UpstreamEngine(EngineClient):
                         self.health.available()
                     if response.status != 200:
                         raw = await response.read_all()
-                        if not fell_back and self.adapter.fallback(response.status, exchange.path, raw):
-                            fell_back = True
-                            exchange = self._send(job, choice, rid, stream)  # the adapter switched endpoints
+                        # an endpoint switch, then a field the upstream refuses (vLLM's thinking budget): each once
+                        if fallbacks < 2 and self.adapter.fallback(response.status, exchange.path, raw):
+                            fallbacks += 1
+                            exchange = self._send(job, choice, rids[choice], stream)  # the adapter switched
                             continue
                         raise error_for_status(
                             self.target,
@@ -312,8 +318,13 @@ class UpstreamEngine(EngineClient):
                             context_length=self.context_length,
                             prompt_tokens=prompt_len,
                         )
-                    await self._read(response, job, choice, stream, gate, started, self._stop_ids(job))
+                    resumed = await self._read(response, job, stream, gate, started, self._stop_ids(job), run)
+                if resumed is None:
                     return
+                # The thinking budget stopped the choice: it goes on in a new request, the end of reasoning forced.
+                job, rids[choice] = resumed, f"{rids[choice].split('~')[0]}~{run.resumes}"
+                exchange = self._send(job, choice, rids[choice], stream)
+                fallbacks, resent = 0, False
             except _Unanswered as exc:
                 if resent:
                     raise exc.cause from None
@@ -325,24 +336,25 @@ class UpstreamEngine(EngineClient):
                 log.warning(
                     "upstream_resend", engine=self.name, upstream=self.target.url, choice=choice, error=str(exc.cause)
                 )
-                exchange = self._send(job, choice, rid, stream)
+                exchange = self._send(job, choice, rids[choice], stream)
 
     async def _read(
         self,
         response: Response,
         job: GenerationJob,
-        choice: int,
         stream: GenerationStream,
         gate: _Gate,
         started: float,
         stop_ids: frozenset[int],
-    ) -> None:
-        decoder = ChoiceDecoder(self.tokenizer, job.params, stop_ids, choice)
+        run: _ChoiceRun,
+    ) -> GenerationJob | None:
+        """One upstream request of a choice, read to its end (the choice's Finished sent: None), or to where the
+        thinking budget stops it (the job that resumes it)."""
+        decoder, first = run.decoder, run.resumes == 0
         state = self.adapter.new_state(job)
         finish: Chunk | None = None
-        prompt_tokens, cached = len(job.prompt_ids), 0
-        first_token_s: float | None = None
-        stopped = False
+        prompt_tokens, cached = (len(job.prompt_ids), 0) if first else (run.prompt_tokens, run.cached)
+        stopped = overran = False
         received = False  # once anything of the stream came, a failure is never sent again
         try:
             async for batch in sse_batches(response):
@@ -358,17 +370,23 @@ class UpstreamEngine(EngineClient):
                             context_length=self.context_length,
                             prompt_tokens=len(job.prompt_ids),
                         )
-                    gate.arrived()
-                    if chunk.prompt_tokens is not None:
-                        prompt_tokens = chunk.prompt_tokens
-                    if chunk.cached_tokens is not None:
-                        cached = chunk.cached_tokens
-                    if chunk.token_ids and first_token_s is None:
-                        first_token_s = time.perf_counter() - started
+                    if first:  # the request's own prompt and cache; a resumed one's are the choice's own work
+                        gate.arrived()
+                        if chunk.prompt_tokens is not None:
+                            prompt_tokens = chunk.prompt_tokens
+                        if chunk.cached_tokens is not None:
+                            cached = chunk.cached_tokens
+                    if chunk.token_ids and run.first_token_s is None:
+                        run.first_token_s = time.perf_counter() - started
                     for token_id, logprob in _aligned(chunk):
+                        if not run.watch.keeps(token_id):
+                            overran = True  # a reasoning token past the budget: not taken
+                            break
                         delta = decoder.push(token_id, logprob)
                         if delta is not None:
                             deltas.append(delta)
+                    if overran:
+                        break
                     if chunk.finish_reason is not None:
                         if chunk.finish_reason not in ("stop", "length"):  # vLLM's "abort" (preempted, shut down ...)
                             _emit(stream, deltas)
@@ -379,6 +397,13 @@ class UpstreamEngine(EngineClient):
                     elif decoder.done:
                         stopped = True  # Deltafin stopped (a stop string, a stop id the upstream does not know)
                         break
+                if overran:
+                    forced, resumed = run.watch.force_end(decoder)
+                    _emit(stream, [*deltas, *forced])
+                    run.prompt_tokens, run.cached, run.resumes = prompt_tokens, cached, run.resumes + 1
+                    if resumed is not None:
+                        return resumed  # leaving the `async with` closes this upstream request
+                    break  # the forced end used the last of max_tokens
                 _emit(stream, deltas)  # events that arrived together leave together: one wake-up of the client side
                 if stopped:
                     break  # leaving the `async with` closes the upstream request
@@ -388,26 +413,29 @@ class UpstreamEngine(EngineClient):
             if received:
                 raise
             raise _Unanswered(exc) from None
-        if finish is None and not decoder.done:
+        if finish is None and not decoder.done and not overran:
             cut = Garbled(f"The upstream {self.target} ended the stream before the generation finished.")
             raise cut if received else _Unanswered(cut)
         total = time.perf_counter() - started
         if self.observer is not None:
             self.observer.upstream_latency(self.name, total)
         timings = {"total_s": total}
-        if first_token_s is not None:
-            timings["prefill_s"] = first_token_s  # the upstream's queue + prefill, as seen from here
-        reason = cast(FinishReason | None, finish.finish_reason if finish is not None else None)  # checked above
+        if run.first_token_s is not None:
+            timings["prefill_s"] = run.first_token_s  # the upstream's queue + prefill, as seen from here
+        # "stop" or "length" (checked above); a choice whose forced end used up max_tokens ends at its length
+        reason = cast(FinishReason | None, finish.finish_reason if finish is not None else "length" if overran else None)
         tail, finished = decoder.finish(
             reason,
             prompt_tokens=prompt_tokens,
             cached_tokens=cached,
             stop_reason=finish.stop_reason if finish is not None else None,
             timings=timings,
+            reasoning_tokens=run.watch.reasoning_tokens,
         )
         if tail is not None:
             stream.emit(tail)
         stream.emit(finished)
+        return None
 
     def _count_error(self, kind: str) -> None:
         log.warning("upstream_error", engine=self.name, kind=kind, upstream=self.target.url)
@@ -447,7 +475,7 @@ class _Submission:
                 exchange: Exchange | BaseException = engine._send(job, choice, self._rids[choice], self._stream)
             except Exception as exc:  # raised by the choice's task, so it counts and reports as before
                 exchange = exc
-            task = loop.create_task(engine._choice(job, choice, self._rids[choice], self._stream, self._gate, exchange))
+            task = loop.create_task(engine._choice(job, choice, self._rids, self._stream, self._gate, exchange))
             if isinstance(exchange, Exchange):
                 task.add_done_callback(functools.partial(_discard, exchange))  # cancelled before it ran
             task.add_done_callback(self._ended)
@@ -529,6 +557,19 @@ class _Gate:
     def cancel(self) -> None:
         if not self._future.done():
             self._future.set_result(None)
+
+
+@dataclass(eq=False)
+class _ChoiceRun:
+    """What one choice keeps across its upstream requests (more than one where its thinking budget resumed it)."""
+
+    decoder: ChoiceDecoder
+    watch: BudgetWatch
+    resumes: int = 0
+    #: the first request's prompt and cached tokens: the choice's usage
+    prompt_tokens: int = 0
+    cached: int = 0
+    first_token_s: float | None = None
 
 
 class _Unanswered(Exception):

@@ -6,7 +6,8 @@ model's added tokens written as token ids (see deltafin.grammar.gbnf.rules).
 
 Its sampling defaults are not neutral (DRY, top-k 40, top-p 0.95, min-p 0.05, a repeat penalty window of 64), so every
 knob is sent, and the sampler chain is named so nothing else runs. It has no `stop_token_ids`: Deltafin's
-decoder stops on the family's stop ids itself and closes the request, which llama-server aborts.
+decoder stops on the family's stop ids itself and closes the request, which llama-server aborts. A thinking budget
+goes as llama-server's own (`reasoning_budget_tokens` and the family's tags).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from deltafin.engine.upstream.engine import Adapter, UpstreamSettings
 from deltafin.engine.upstream.wire import Chunk, Garbled, error_event, token_logprob
 from deltafin.errors import InvalidRequestError
 from deltafin.grammar.gbnf import structural_tag_to_gbnf
+from deltafin.protocol.sampling import ReasoningBudget
 
 #: the samplers Deltafin's parameters describe, in llama.cpp's order; penalties first as in the local engine
 SAMPLERS = ["penalties", "top_k", "top_p", "min_p", "temperature"]
@@ -69,6 +71,8 @@ class LlamaServerAdapter(Adapter):
         }
         if params.logprobs and params.top_logprobs == 0:
             body["n_probs"] = 1  # llama-server reports the chosen token's logprob only alongside alternatives
+        if params.reasoning_budget is not None:
+            body.update(_reasoning_budget(params.reasoning_budget))
         if params.constraint is not None:
             kind, value = params.constraint.kind, params.constraint.value
             if kind == "json_object":
@@ -108,6 +112,22 @@ class LlamaServerAdapter(Adapter):
             timings = payload.get("timings") or {}
             chunk.cached_tokens = timings.get("cache_n")
         return chunk
+
+
+def _reasoning_budget(budget: ReasoningBudget) -> dict[str, Any]:
+    """llama-server's own reasoning budget (common/reasoning-budget.cpp): counting starts at the start tag (the
+    prompt's opener, fed to it as the generation prompt, or the tag the model may open reasoning with), the end
+    tags end it, and the first of them is forced at the budget. The forced end is only set where
+    `reasoning_budget_message` is given, so an empty one is sent."""
+    fields: dict[str, Any] = {
+        "reasoning_budget_tokens": budget.tokens,
+        "reasoning_budget_start_tag": budget.opened or budget.start or "",
+        "reasoning_budget_end_tags": [budget.forced_text, *budget.ends],
+        "reasoning_budget_message": "",
+    }
+    if budget.opened is not None:
+        fields["generation_prompt"] = budget.opened  # the grammar (sent as a user grammar) is never fed it
+    return fields
 
 
 def added_tokens(tokenizer: Any, stop_ids: frozenset[int] = frozenset()) -> dict[str, int]:

@@ -5,7 +5,8 @@ Primary: `POST /inference/v1/generate` (token ids in, token ids out; a stock `vl
 (404, 405), or set with `engine.api=completions`: `POST /v1/completions` with `prompt: list[int]` and
 `return_token_ids: true`.
 Either way no stop strings are sent (Deltafin matches them on the returned ids), special tokens are not skipped,
-and logprobs come as "token_id:N" (`return_tokens_as_token_ids`) so they map back to ids exactly.
+and logprobs come as "token_id:N" (`return_tokens_as_token_ids`) so they map back to ids exactly. A thinking
+budget goes as vLLM's `thinking_token_budget`, until a server without a reasoning parser refuses it.
 """
 
 from __future__ import annotations
@@ -27,6 +28,9 @@ COMPLETIONS = "/v1/completions"
 #: what the token-id endpoint answers where it cannot be used: disabled (403, a stock `vllm serve`: "Scale-out
 #: endpoints are disabled. Restart vllm serve with --enable-scale-out"), absent (404), or another method (405)
 UNUSABLE = frozenset({403, 404, 405})
+#: what vLLM's 400 says of a thinking budget on a server without a reasoning parser ("thinking_token_budget is set
+#: but reasoning_config is not configured. Please set --reasoning-config ...")
+BUDGET_REFUSED = b"thinking_token_budget is set but"
 
 
 class VllmAdapter(Adapter):
@@ -37,8 +41,23 @@ class VllmAdapter(Adapter):
         # "auto" starts with the token-id endpoint and settles on completions if the server lacks it.
         self.path = COMPLETIONS if api == "completions" else GENERATE
         self._may_fall_back = api == "auto"
+        #: a thinking budget goes as vLLM's own `thinking_token_budget` until the server refuses it (started
+        #: without --reasoning-parser / --reasoning-config); Deltafin's own watch holds it from then on
+        self.native_budget = True
 
     def fallback(self, status: int, path: str, body: bytes) -> bool:
+        if status == 400 and BUDGET_REFUSED in body:
+            if self.native_budget:
+                self.native_budget = False
+                log.warning(
+                    "upstream_budget_fallback",
+                    engine=self.engine,
+                    upstream=self.settings.url,
+                    answer=body[:300].decode("utf-8", "replace"),
+                    hint="start vLLM with --reasoning-parser (or --reasoning-config) for its own thinking budget; "
+                    "Deltafin stops and resumes generations at the budget meanwhile",
+                )
+            return True
         if not self._may_fall_back or path != GENERATE or status not in UNUSABLE:
             return False
         # Requests sent before the switch come back here too: each is retried once on completions, the switch
@@ -70,6 +89,8 @@ class VllmAdapter(Adapter):
         }
         if params.constraint is not None:
             knobs["structured_outputs"] = _structured(params.constraint.kind, params.constraint.value)
+        if params.reasoning_budget is not None and self.native_budget:
+            knobs["thinking_token_budget"] = params.reasoning_budget.tokens
         if self.path == GENERATE:
             body: dict[str, Any] = {
                 "token_ids": list(job.prompt_ids),

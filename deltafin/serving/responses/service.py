@@ -30,6 +30,7 @@ from deltafin.serving.responses.output import ResponseShape
 from deltafin.serving.responses.store import ResponseStore
 from deltafin.serving.responses.tools import ServedTools, chat_tool_choice, served_tools
 from deltafin.serving.sse import StreamingResponse
+from deltafin.serving.thinking_budget import check_budget
 
 log = structlog.get_logger("deltafin.responses")
 
@@ -62,6 +63,8 @@ class ResponsesService:
     async def create(self, request: ResponsesRequest, stats: RequestStats) -> dict[str, Any] | StreamingResponse:
         request.check()
         self.ctx.check_model(request.model)
+        budget, budget_field = request.budget
+        check_budget(budget, self.ctx.config.model, self.ctx.model_name, param=budget_field)
         tools = served_tools(request.tools, unsupported=self.ctx.config.server.responses.unsupported_tools)
         if tools.dropped:
             dropped = ",".join(tools.dropped)
@@ -206,6 +209,7 @@ def chat_request(
         top_logprobs=request.top_logprobs if logprobs else None,
         chat_template_kwargs=kwargs or None,
         reasoning_effort=effort,
+        thinking_token_budget=request.budget[0],
     )
 
 
