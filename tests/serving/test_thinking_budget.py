@@ -167,3 +167,37 @@ def test_thinking_off_leaves_nothing_to_cap(served):
         "/v1/chat/completions", {**body(served, 2), "chat_template_kwargs": {kwarg: False}, "logit_bias": None}
     )
     assert answer["usage"]["completion_tokens_details"]["reasoning_tokens"] == 0
+
+
+class TestModelsThatDoNotReason:
+    """SmolLM2 (the default model) has no reasoning: a budget is a 400 naming the field, as vLLM answers a budget
+    on a model served without a reasoning parser, on every API, before anything is generated."""
+
+    @pytest.fixture(scope="class")
+    def smollm2(self, config, services):
+        with TestClient(build_app(config, services)) as client:
+            yield client
+
+    @pytest.mark.parametrize(
+        ("path", "request_body", "param"),
+        [
+            ("/v1/chat/completions", {"messages": QUESTION, "thinking_token_budget": 8}, "thinking_token_budget"),
+            ("/v1/completions", {"prompt": "Hi", "thinking_token_budget": 8}, "thinking_token_budget"),
+            ("/v1/responses", {"input": "Hi", "thinking_token_budget": 8}, "thinking_token_budget"),
+            ("/v1/responses", {"input": "Hi", "reasoning": {"max_tokens": 8}}, "reasoning.max_tokens"),
+        ],
+    )
+    def test_a_budget_is_refused_by_name(self, smollm2, path, request_body, param):
+        response = smollm2.post(path, json=request_body)
+        assert response.status_code == 400, response.text
+        error = response.json()["error"]
+        assert error["param"] == param and "does not reason" in error["message"]
+
+    @pytest.mark.parametrize("value", [-1, 1.5, "8", True, [], 2**70])
+    def test_values_that_are_not_a_budget_are_400(self, smollm2, value):
+        response = smollm2.post("/v1/chat/completions", json={"messages": QUESTION, "thinking_token_budget": value})
+        assert response.status_code == 400 and "thinking_token_budget" in response.text
+
+    def test_no_budget_is_no_change(self, smollm2):
+        response = smollm2.post("/v1/chat/completions", json={"messages": QUESTION, "max_tokens": 2})
+        assert response.status_code == 200 and "completion_tokens_details" not in response.json()["usage"]
