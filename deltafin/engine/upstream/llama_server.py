@@ -72,7 +72,7 @@ class LlamaServerAdapter(Adapter):
         if params.logprobs and params.top_logprobs == 0:
             body["n_probs"] = 1  # llama-server reports the chosen token's logprob only alongside alternatives
         if params.reasoning_budget is not None:
-            body.update(_reasoning_budget(params.reasoning_budget))
+            body.update(_reasoning_budget(params.reasoning_budget, params.max_tokens))
         if params.constraint is not None:
             kind, value = params.constraint.kind, params.constraint.value
             if kind == "json_object":
@@ -114,13 +114,14 @@ class LlamaServerAdapter(Adapter):
         return chunk
 
 
-def _reasoning_budget(budget: ReasoningBudget) -> dict[str, Any]:
+def _reasoning_budget(budget: ReasoningBudget, max_tokens: int) -> dict[str, Any]:
     """llama-server's own reasoning budget (common/reasoning-budget.cpp): counting starts at the start tag (the
     prompt's opener, fed to it as the generation prompt, or the tag the model may open reasoning with), the end
     tags end it, and the first of them is forced at the budget. The forced end is only set where
     `reasoning_budget_message` is given, so an empty one is sent."""
     fields: dict[str, Any] = {
-        "reasoning_budget_tokens": budget.tokens,
+        # past max_tokens a budget changes nothing; clamped, it stays within llama-server's int32 field
+        "reasoning_budget_tokens": min(budget.tokens, max_tokens),
         "reasoning_budget_start_tag": budget.opened or budget.start or "",
         "reasoning_budget_end_tags": [budget.forced_text, *budget.ends],
         "reasoning_budget_message": "",

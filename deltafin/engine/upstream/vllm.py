@@ -90,7 +90,8 @@ class VllmAdapter(Adapter):
         if params.constraint is not None:
             knobs["structured_outputs"] = _structured(params.constraint.kind, params.constraint.value)
         if params.reasoning_budget is not None and self.native_budget:
-            knobs["thinking_token_budget"] = params.reasoning_budget.tokens
+            # past max_tokens a budget changes nothing; clamped, it stays a number any server takes
+            knobs["thinking_token_budget"] = min(params.reasoning_budget.tokens, params.max_tokens)
         if self.path == GENERATE:
             body: dict[str, Any] = {
                 "token_ids": list(job.prompt_ids),
