@@ -140,13 +140,14 @@ def client(served: Served) -> openai.OpenAI:
     return openai.OpenAI(base_url=f"{served.server.base_url}/v1", api_key="x", max_retries=0, timeout=120)
 
 
-def greedy_ids(served: Served, prompt: list[int], max_tokens: int) -> list[int]:
+def greedy_ids(served: Served, prompt: list[int], max_tokens: int, **extra) -> list[int]:
     body = {
         "model": served.model,
         "prompt": prompt,
         "max_tokens": max_tokens,
         "temperature": 0,
         "return_token_ids": True,
+        **extra,
     }
     response = httpx.post(f"{served.server.base_url}/v1/completions", json=body, timeout=120)
     assert response.status_code == 200, response.text
@@ -245,6 +246,33 @@ def test_enforced_tool_call_through_llama_servers_grammar(servers):
     (call,) = forced.message.tool_calls
     assert call.function.name == "local_time" and -12 <= json.loads(call.function.arguments)["offset"] <= 14
     assert MARKERS[servers.name] <= {entry.token for entry in forced.logprobs.content}
+
+
+@pytest.mark.parametrize("budget", [0, 1])
+def test_a_thinking_budget_is_llama_servers_own_at_the_local_engines_count(servers, budget):
+    """The gateway sends the budget as llama-server's own (`reasoning_budget_tokens`, the family's tags): llama.cpp
+    forces the end of reasoning where the local engine forces it, after `budget` reasoning tokens (the taught
+    reasoning is longer), so the ids agree up to the forced end (after it the taught model is off its script,
+    where ggml and torch may part on near-ties). Before a forced call the call follows the end."""
+    gateway, local = servers.gateway, servers.local
+    prompt = prompt_ids(local, QUESTION, TOOLS)
+    end = httpx.post(f"{servers.llama_url}/tokenize", json={"content": "</think>", "parse_special": True}).json()
+    upstream = greedy_ids(gateway, prompt, 12, thinking_token_budget=budget)
+    own = greedy_ids(local, prompt, 12, thinking_token_budget=budget)
+    assert upstream[: budget + 1] == own[: budget + 1] and upstream[budget] == end["tokens"][0]
+    forced = client(gateway).chat.completions.create(
+        model=gateway.model,
+        messages=QUESTION,
+        tools=TOOLS,
+        temperature=0,
+        max_tokens=200,
+        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        extra_body={"thinking_token_budget": budget},
+    )
+    assert forced.usage.completion_tokens_details.reasoning_tokens == budget
+    assert forced.choices[0].finish_reason == "tool_calls"
+    (call,) = forced.choices[0].message.tool_calls
+    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
 
 
 def test_tiny_kimi_k2_runs_in_llama_cpp_as_in_torch(tmp_path):

@@ -152,7 +152,9 @@ class TestVllm:
         [(path, body)] = fake.requests
         assert path == "/inference/v1/generate" and body["sampling_params"]["thinking_token_budget"] == 3
 
-    def test_a_vllm_without_a_reasoning_parser_is_asked_again_without_it(self, k2):
+    @pytest.mark.parametrize("in_stream", [False, True], ids=["status", "in-stream"])
+    def test_a_vllm_without_a_reasoning_parser_is_asked_again_without_it(self, k2, in_stream):
+        """vLLM refuses with a 400, or (its generate endpoint) with an error event inside a 200 stream."""
         refusal = {
             "error": {
                 "message": "thinking_token_budget is set but reasoning_config is not configured. "
@@ -163,7 +165,7 @@ class TestVllm:
 
         def respond(body, path):
             if "thinking_token_budget" in body["sampling_params"]:
-                return 400, refusal
+                return ScriptedBody([refusal]) if in_stream else (400, refusal)
             if len(body["token_ids"]) == len(PROMPT):
                 return ScriptedBody(vllm_events(ids(k2, "z") * 10, "length"))
             return ScriptedBody(vllm_events(ids(k2, " ok"), "stop"))

@@ -318,7 +318,16 @@ class UpstreamEngine(EngineClient):
                             context_length=self.context_length,
                             prompt_tokens=prompt_len,
                         )
-                    resumed = await self._read(response, job, stream, gate, started, self._stop_ids(job), run)
+                    try:
+                        resumed = await self._read(
+                            response, job, stream, gate, started, self._stop_ids(job), run, exchange.path
+                        )
+                    except _Refused:
+                        if fallbacks >= 2:
+                            raise UpstreamError(f"The upstream {self.target} refused the request twice.") from None
+                        fallbacks += 1
+                        exchange = self._send(job, choice, rids[choice], stream)
+                        continue
                 if resumed is None:
                     return
                 # The thinking budget stopped the choice: it goes on in a new request, the end of reasoning forced.
@@ -347,6 +356,7 @@ class UpstreamEngine(EngineClient):
         started: float,
         stop_ids: frozenset[int],
         run: _ChoiceRun,
+        response_path: str,
     ) -> GenerationJob | None:
         """One upstream request of a choice, read to its end (the choice's Finished sent: None), or to where the
         thinking budget stops it (the job that resumes it)."""
@@ -354,7 +364,7 @@ class UpstreamEngine(EngineClient):
         state = self.adapter.new_state(job)
         finish: Chunk | None = None
         prompt_tokens, cached = (len(job.prompt_ids), 0) if first else (run.prompt_tokens, run.cached)
-        stopped = overran = False
+        stopped = overran = taken = False
         received = False  # once anything of the stream came, a failure is never sent again
         try:
             async for batch in sse_batches(response):
@@ -363,6 +373,8 @@ class UpstreamEngine(EngineClient):
                 for payload in batch:
                     chunk = self.adapter.parse(payload, state)
                     if chunk.error is not None:
+                        if not taken and self.adapter.fallback(400, response_path, chunk.error.encode()):
+                            raise _Refused  # refused before any token (vLLM's generate endpoint does so in a 200)
                         _emit(stream, deltas)
                         raise error_in_stream(
                             self.target,
@@ -382,6 +394,7 @@ class UpstreamEngine(EngineClient):
                         if not run.watch.keeps(token_id):
                             overran = True  # a reasoning token past the budget: not taken
                             break
+                        taken = True
                         delta = decoder.push(token_id, logprob)
                         if delta is not None:
                             deltas.append(delta)
@@ -570,6 +583,11 @@ class _ChoiceRun:
     prompt_tokens: int = 0
     cached: int = 0
     first_token_s: float | None = None
+
+
+class _Refused(Exception):
+    """The upstream refused the request inside its stream, before any token, and the adapter has changed what
+    it sends: the request goes again."""
 
 
 class _Unanswered(Exception):
