@@ -436,7 +436,9 @@ class UpstreamEngine(EngineClient):
         if run.first_token_s is not None:
             timings["prefill_s"] = run.first_token_s  # the upstream's queue + prefill, as seen from here
         # "stop" or "length" (checked above); a choice whose forced end used up max_tokens ends at its length
-        reason = cast(FinishReason | None, finish.finish_reason if finish is not None else "length" if overran else None)
+        reason = cast(
+            FinishReason | None, finish.finish_reason if finish is not None else "length" if overran else None
+        )
         tail, finished = decoder.finish(
             reason,
             prompt_tokens=prompt_tokens,
