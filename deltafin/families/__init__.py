@@ -9,14 +9,16 @@ from collections.abc import Sequence
 from typing import Any, TypeVar
 
 from deltafin.config import ConfigError
-from deltafin.families.base import ModelFamily, TinyRecipe
-from deltafin.markup.parsing import IdFactory, OutputParser, kimi_call_ids, random_call_id
+from deltafin.families.base import BoundFamily, ModelFamily, TinyRecipe
+from deltafin.markup.parsing import IdFactory, OutputParser
 
 __all__ = [
     "FAMILIES",
+    "BoundFamily",
     "KNOWN_FAMILIES",
     "ModelFamily",
     "TinyRecipe",
+    "bind_family",
     "build_output_parser",
     "check_family",
     "check_model",
@@ -42,6 +44,12 @@ def get_family(name: str) -> ModelFamily:
         return FAMILIES[name]
     except KeyError:
         raise ValueError(f"model.family: {name!r} is not a known family ({', '.join(sorted(FAMILIES))})") from None
+
+
+def bind_family(family: str, variant: str | None = None) -> BoundFamily:
+    """`model.family` bound to `model.variant` (None: the family's default variant), once per served model."""
+    spec = get_family(family)
+    return BoundFamily(spec, spec.variant(variant))
 
 
 def check_family(family: str, variant: str | None) -> None:
@@ -83,12 +91,12 @@ def build_output_parser(
     """A fresh parser for one choice. `prompt_text` tells where output starts (inside reasoning or not);
     tool calls are parsed only when `calls_allowed` (default: when tools are declared); `history_calls`
     (tool calls in earlier assistant messages) numbers Kimi-style ids."""
-    spec = get_family(family)
-    if new_id is None:
-        new_id = kimi_call_ids(history_calls) if spec.kimi_ids else random_call_id
-    allowed = bool(tool_schemas) if calls_allowed is None else calls_allowed
-    return spec.output_parser(
-        spec.variant(variant), prompt_text=prompt_text, tools=tool_schemas or (), calls_allowed=allowed, new_id=new_id
+    return bind_family(family, variant).output_parser(
+        prompt_text=prompt_text,
+        tool_schemas=tool_schemas,
+        calls_allowed=calls_allowed,
+        history_calls=history_calls,
+        new_id=new_id,
     )
 
 

@@ -9,10 +9,11 @@ recipe of a tiny model for tests. Families that differ only in small ways (GLM-4
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from deltafin.markup import IdFactory, Markup, OutputParser, PlainOutputParser
+from deltafin.markup.parsing import kimi_call_ids, random_call_id
 from deltafin.markup.selection import forced_calls
 
 
@@ -99,3 +100,52 @@ class ModelFamily:
             return None
         reasoning = markup.reasoning(prompt_text)
         return None if reasoning == "disabled" else markup.answer(content, reasoning)
+
+
+@dataclass(frozen=True)
+class BoundFamily:
+    """A family bound to its variant once, when a model loads: what serving asks of the served model's family
+    (its markup, parser, grammars) without looking up the family or resolving the variant per request."""
+
+    family: ModelFamily
+    variant: str | None
+    markup: Markup | None = field(init=False)
+    #: the model chooses tool calls itself (else `tools` need a forced tool_choice)
+    parses_tool_calls: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "markup", self.family.markup(self.variant))
+        object.__setattr__(self, "parses_tool_calls", self.family.parses_tool_calls(self.variant))
+
+    @property
+    def name(self) -> str:
+        return self.family.name
+
+    def output_parser(
+        self,
+        *,
+        prompt_text: str = "",
+        tool_schemas: Sequence[Any] | None = None,
+        calls_allowed: bool | None = None,
+        history_calls: int = 0,
+        new_id: IdFactory | None = None,
+    ) -> OutputParser:
+        """A fresh parser for one choice. `prompt_text` tells where output starts (inside reasoning or not);
+        tool calls are parsed only when `calls_allowed` (default: when tools are declared); `history_calls`
+        (tool calls in earlier assistant messages) numbers Kimi-style ids."""
+        if new_id is None:
+            new_id = kimi_call_ids(history_calls) if self.family.kimi_ids else random_call_id
+        allowed = bool(tool_schemas) if calls_allowed is None else calls_allowed
+        return self.family.output_parser(
+            self.variant, prompt_text=prompt_text, tools=tool_schemas or (), calls_allowed=allowed, new_id=new_id
+        )
+
+    def tool_call_structure(
+        self, tools: Sequence[Any], tool_choice: Any, *, prompt_text: str, parallel_tool_calls: bool | None = None
+    ) -> dict[str, Any] | None:
+        return self.family.tool_call_structure(
+            self.variant, tools, tool_choice, prompt_text=prompt_text, parallel_tool_calls=parallel_tool_calls
+        )
+
+    def answer_structure(self, content: dict[str, Any], *, prompt_text: str) -> dict[str, Any] | None:
+        return self.family.answer_structure(self.variant, content, prompt_text=prompt_text)
