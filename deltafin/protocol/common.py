@@ -49,10 +49,6 @@ class SamplingFields(Struct, kw_only=True):
     # The most reasoning tokens a choice may write (vLLM's name; Anthropic's thinking.budget_tokens maps onto it):
     # at the budget the family's end of reasoning is forced and the model answers (deltafin.serving.thinking_budget).
     thinking_token_budget: Annotated[int, Meta(ge=0)] | None = None
-    # Internal, set only by the server's rules (chat_default_max_tokens, max_tokens_cap): bounded by the room
-    # the prompt leaves instead of failing the context check. decode_request drops a client's value for it
-    # and /schema leaves it out (deltafin.protocol.decode.INTERNAL_FIELDS).
-    max_tokens_default: PositiveInt | None = None
 
     @property
     def include_usage(self) -> bool:

@@ -2,7 +2,7 @@
 
 Strict means what the README promises and OpenAI does: `"max_tokens": "2"`, `"stream": "true"` and
 `"n": 1.0` are type errors, not silently coerced (Litestar's own body conversion is lax, so routes decode
-with this instead). Fields the server sets for itself are never taken from the client.
+with this instead).
 """
 
 from __future__ import annotations
@@ -16,10 +16,6 @@ import msgspec
 from deltafin.errors import InvalidRequestError
 
 T = TypeVar("T")
-
-#: Fields of the request types that only the server's rules set (see deltafin/rules/); a client's value
-#: for them is dropped, and they are left out of the published schema.
-INTERNAL_FIELDS = ("max_tokens_default",)
 
 _PATH = re.compile(r" - at `\$\.?([^`]*)`$")
 _MISSING = re.compile(r"^Object missing required field `([^`]+)`")
@@ -36,7 +32,7 @@ def decode_request(raw: bytes, request_type: type[T]) -> T:
         raise _validation_error(str(exc)) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequestError(f"The request body is not valid JSON: {exc}") from None
-    return _without_internal_fields(request)
+    return request
 
 
 def _validation_error(text: str) -> InvalidRequestError:
@@ -52,17 +48,7 @@ def _validation_error(text: str) -> InvalidRequestError:
     return InvalidRequestError(f"Invalid value for `{path}`: {message}", param=path)
 
 
-def _without_internal_fields(request: Any) -> Any:
-    fields = getattr(request, "__struct_fields__", ())
-    cleared = {name: None for name in INTERNAL_FIELDS if name in fields and getattr(request, name) is not None}
-    return msgspec.structs.replace(request, **cleared) if cleared else request
-
-
 def public_schema_components(types: Sequence[type]) -> dict[str, Any]:
-    """JSON schemas of the request types as OpenAPI components, without the internal fields."""
+    """JSON schemas of the request types as OpenAPI components."""
     _, components = msgspec.json.schema_components(types, ref_template="#/components/schemas/{name}")
-    for schema in components.values():
-        properties = schema.get("properties", {})
-        for name in INTERNAL_FIELDS:
-            properties.pop(name, None)
     return components

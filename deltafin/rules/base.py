@@ -1,10 +1,11 @@
-"""The rule protocol: up to four optional hooks, configured only through the constructor.
+"""The rule protocol: up to five optional hooks, configured only through the constructor.
 
 Conventions every rule follows (and the pipeline relies on):
 - Pure: no I/O, no globals, no engine. A hook sees the typed request or plain response dicts and a
   `RuleContext` (model family, endpoint, context length, counts the serving layer filled in).
 - A hook that does not act returns its input object itself; one that acts returns a new object
-  (`msgspec.structs.replace`, a new dict). Identity is how the pipeline knows which rules changed a request.
+  (`msgspec.structs.replace`, a new dict; another value for `default_max_tokens`). Identity is how the
+  pipeline knows which rules changed a request.
 - A hook rejects a request by raising a `DeltafinError`.
 """
 
@@ -42,6 +43,12 @@ class Rule:
 
     def request(self, request: Request, ctx: RuleContext) -> Request:
         return request
+
+    def default_max_tokens(self, default: int | None, request: Request, ctx: RuleContext) -> int | None:
+        """The completion budget of a request that names no max tokens, given the one before this rule: the
+        endpoint's own (None: run to EOS, bounded by the context) or an earlier rule's. Serving bounds it by the
+        room the prompt leaves; it is never a reason to refuse a request."""
+        return default
 
     def response(self, body: dict, ctx: RuleContext) -> dict:
         return body

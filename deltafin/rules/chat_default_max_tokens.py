@@ -1,14 +1,12 @@
 """chat_default_max_tokens: a chat request that names no max tokens gets `value` as its default.
 
-Acts on: /v1/chat/completions (and /tokenize with messages) with neither `max_tokens` nor
-`max_completion_tokens`. Leaves alone: requests that give either (an explicit value always wins),
-completions. The default is a default, not a request: a prompt that leaves less room than `value` gets
+Acts on: chat requests (and what is served as one: /v1/responses without `max_output_tokens`) with neither
+`max_tokens` nor `max_completion_tokens`. Leaves alone: requests that give either (an explicit value always
+wins; serving asks this hook only for requests that name none), completions. The default is a default, not a request: a prompt that leaves less room than `value` gets
 what room is left instead of a context-length error.
 """
 
 from __future__ import annotations
-
-import msgspec
 
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.rules.base import Request, Rule, RuleContext
@@ -20,7 +18,7 @@ class ChatDefaultMaxTokens(Rule):
             raise ValueError(f"value must be at least 1, got {value}")
         self.value = value
 
-    def request(self, request: Request, ctx: RuleContext) -> Request:
-        if not isinstance(request, ChatCompletionRequest) or request.requested_max_tokens() is not None:
-            return request
-        return msgspec.structs.replace(request, max_tokens_default=self.value)
+    def default_max_tokens(self, default: int | None, request: Request, ctx: RuleContext) -> int | None:
+        if not isinstance(request, ChatCompletionRequest):
+            return default
+        return self.value

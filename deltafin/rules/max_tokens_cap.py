@@ -26,10 +26,11 @@ class MaxTokensCap(Rule):
             if request.max_completion_tokens <= self.value:
                 return request
             return msgspec.structs.replace(request, max_completion_tokens=self.value)
-        if request.max_tokens is not None:
-            if request.max_tokens <= self.value:
-                return request
-            return msgspec.structs.replace(request, max_tokens=self.value)
-        if request.max_tokens_default is not None and request.max_tokens_default <= self.value:
+        if request.max_tokens is None or request.max_tokens <= self.value:
             return request
-        return msgspec.structs.replace(request, max_tokens_default=self.value)
+        return msgspec.structs.replace(request, max_tokens=self.value)
+
+    def default_max_tokens(self, default: int | None, request: Request, ctx: RuleContext) -> int | None:
+        if self.value == 0 or (default is not None and default <= self.value):
+            return default
+        return self.value

@@ -47,6 +47,17 @@ class RulePipeline:
         request = copy.deepcopy(request)  # once: rules then never touch the client's own object
         return self._fold("request", self.rules, request, ctx, changed)
 
+    def default_max_tokens(
+        self, request: Request, ctx: RuleContext, changed: list[str], default: int | None = None
+    ) -> int | None:
+        """The max tokens of a request that names none, from the endpoint's `default`, in config order."""
+        for named in self.rules:
+            value = named.rule.default_max_tokens(default, request, ctx)
+            if value != default:
+                _mark(changed, named.name)
+                default = value
+        return default
+
     def on_response(self, body: dict, ctx: RuleContext, changed: list[str]) -> dict:
         return self._fold("response", reversed(self.rules), body, ctx, changed)
 

@@ -8,7 +8,6 @@ from typing import Any
 
 from deltafin.engine import Finished, GenerationJob, GenerationStream, TextDelta, TokenLogprob
 from deltafin.errors import InvalidRequestError
-from deltafin.families import build_output_parser
 from deltafin.markup import OutputParser, ParsedDelta
 from deltafin.markup.forced_json import ForcedJsonCallParser, arguments_only
 from deltafin.markup.parsing import random_call_id
@@ -16,9 +15,10 @@ from deltafin.prompt import PromptOptions, RenderedPrompt
 from deltafin.prompt.sandbox import TemplateBudget, template_budget
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.rules import RuleContext
-from deltafin.serving.constraints import check_tools, forced_without_parser, prepared_constraint
+from deltafin.serving.constraints import ToolUse, prepared_constraint, tool_use
 from deltafin.serving.context import RequestStats, ServingContext, new_id
 from deltafin.serving.logprobs import chat_logprobs
+from deltafin.serving.plan import Budget, RequestPlan, plan_chat
 from deltafin.serving.ruled import Frame, serve_with_rules
 from deltafin.serving.sse import ChunkStream, FollowedChunk, StreamingResponse, encode_sse
 from deltafin.serving.thinking_budget import chat_budget, check_budget, with_reasoning_tokens
@@ -121,26 +121,32 @@ class ChatService:
                 request.messages, request.tools, kwargs, add_generation_prompt=add_generation_prompt, options=options
             )
 
-    def jobs(self, request: ChatCompletionRequest, prompt: RenderedPrompt) -> list[GenerationJob]:
-        limits = self.ctx.config.server
-        request.check(max_n=limits.max_n, max_stop=limits.max_stop_sequences, max_top_logprobs=limits.max_top_logprobs)
+    def budget(
+        self, request: ChatCompletionRequest, rule_ctx: RuleContext, stats: RequestStats, *, fit: bool = False
+    ) -> Budget:
+        """How the request's completion budget is chosen: its own max tokens, else the rules' default (none:
+        run to EOS, bounded by the context); `fit`: its own is an upper bound (see deltafin.serving.plan)."""
         requested = request.requested_max_tokens()
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "messages"
-        if not prompt.token_ids:
-            raise InvalidRequestError("the chat template rendered an empty prompt", param="messages")
-        room = self.ctx.check_context(len(prompt.token_ids), requested, param)
-        if requested is not None:
-            max_tokens = requested
-        elif request.max_tokens_default is not None:
-            max_tokens = min(request.max_tokens_default, room)
-        else:
-            max_tokens = room  # omitted: run to EOS, bounded only by the context
-        ids = tuple(prompt.token_ids)
+        default = None if requested is not None else self.ctx.rules.default_max_tokens(request, rule_ctx, stats.rules)
+        return Budget(requested, default, fit=fit, param=param)
+
+    def plan(
+        self, request: ChatCompletionRequest, prompt: RenderedPrompt, tools: ToolUse, budget: Budget
+    ) -> RequestPlan:
+        limits = self.ctx.config.server
+        request.check(max_n=limits.max_n, max_stop=limits.max_stop_sequences, max_top_logprobs=limits.max_top_logprobs)
+        return plan_chat(
+            request, self.ctx.family, tools, prompt, context_length=self.ctx.engine.context_length, budget=budget
+        )
+
+    def jobs(self, request: ChatCompletionRequest, plan: RequestPlan) -> list[GenerationJob]:
+        ids = tuple(plan.prompt.token_ids)
         return [
             GenerationJob(
                 ids,
                 request.sampling_params(
-                    max_tokens=max_tokens,
+                    max_tokens=plan.max_tokens,
                     vocab_size=self.ctx.engine.vocab_size,
                     logprobs=request.logprobs,
                     top_logprobs=request.top_logprobs or 0,
@@ -151,29 +157,24 @@ class ChatService:
         ]
 
     async def constrained(
-        self, request: ChatCompletionRequest, prompt: RenderedPrompt, jobs: list[GenerationJob], stats: RequestStats
+        self, plan: RequestPlan, jobs: list[GenerationJob], stats: RequestStats
     ) -> list[GenerationJob]:
-        """The jobs with the request's constraint (response_format, enforced tool_choice), if any, and its
-        grammar compiled (waited for here, in the request's own lane: see deltafin.grammar.service)."""
-        prepared = await prepared_constraint(request, self.ctx, prompt.text, stats)
-        if prepared is None:
+        """The jobs with the plan's constraint (response_format, enforced tool_choice), if any, and its grammar
+        compiled (waited for here, in the request's own lane: see deltafin.grammar.service)."""
+        if plan.constraint is None:
             return jobs
-        constraint, grammar = prepared
+        grammar = await prepared_constraint(plan.constraint, self.ctx, stats)
+        constraint = plan.constraint[0]
         return [replace(job, params=replace(job.params, constraint=constraint), grammar=grammar) for job in jobs]
 
-    def output_parser(self, request: ChatCompletionRequest, prompt_text: str) -> OutputParser:
+    def output_parser(self, request: ChatCompletionRequest, prompt_text: str, tools: ToolUse) -> OutputParser:
         """Tool calls are parsed only when the request declares tools and allows calls."""
-        model = self.ctx.config.model
-        calls_allowed = bool(request.tools) and request.tool_choice != "none"
-        forced = forced_without_parser(request, model) if calls_allowed else None
-        if forced is not None:  # a family without a tool-call syntax: the call was forced as plain JSON
-            return ForcedJsonCallParser(random_call_id, name=arguments_only(forced))
-        return build_output_parser(
-            model.family,
-            model.variant,
+        if tools.forced_json is not None:  # a family without a tool-call syntax: the call was forced as plain JSON
+            return ForcedJsonCallParser(random_call_id, name=arguments_only(tools.forced_json))
+        return self.ctx.family.output_parser(
             prompt_text=prompt_text,
             tool_schemas=request.tools,
-            calls_allowed=calls_allowed,
+            calls_allowed=tools.calls_allowed,
             history_calls=sum(len(m.tool_calls or ()) for m in request.messages),
         )
 
@@ -184,23 +185,26 @@ class ChatService:
         *,
         frame: Frame = encode_sse,
         rule_ctx: RuleContext | None = None,
+        fit_max_tokens: bool = False,
     ) -> dict[str, Any] | StreamingResponse:
-        """`frame` turns the streamed chunks into the SSE body (/v1/responses sends its own events); `rule_ctx`
-        is read back by callers that need what serving counted (reasoning tokens)."""
+        """`frame` turns the streamed chunks into the SSE body (/v1/responses, /v1/messages send their own
+        events); `rule_ctx` is read back by callers that need what serving counted (reasoning tokens);
+        `fit_max_tokens`: the request's max tokens is cut to the room its prompt leaves instead of refused."""
         rule_ctx = rule_ctx or self.rule_context(request)
 
         async def produce(request: ChatCompletionRequest) -> dict[str, Any] | ChunkStream:
             self.ctx.check_model(request.model)
-            check_tools(request, self.ctx.config.model, self.ctx.model_name)
+            tools = tool_use(request, self.ctx.family, self.ctx.model_name)
             check_budget(request.thinking_token_budget, self.ctx.config.model, self.ctx.model_name)
             # A request's own template is code of unknown cost: never run on the event loop.
             prompt = await self.ctx.off_loop(
                 self.render, request, size=stats.body_bytes, stats=stats, inline=not brings_template(request)
             )
-            jobs = await self.constrained(request, prompt, self.jobs(request, prompt), stats)
-            jobs = chat_budget(request, prompt.text, jobs, self.ctx)
             stats.prompt_tokens = len(prompt.token_ids)
-            choices = [ChoiceAssembly(self.output_parser(request, prompt.text)) for _ in jobs]
+            plan = self.plan(request, prompt, tools, self.budget(request, rule_ctx, stats, fit=fit_max_tokens))
+            jobs = await self.constrained(plan, self.jobs(request, plan), stats)
+            jobs = chat_budget(request, prompt.text, jobs, self.ctx, tools)
+            choices = [ChoiceAssembly(self.output_parser(request, prompt.text, tools)) for _ in jobs]
             stream = await self.ctx.engine.start(self.ctx.scoped(jobs, stats), deadline=self.ctx.deadline(stats))
             stats.queue_wait_s = stream.queue_wait
             if request.stream:

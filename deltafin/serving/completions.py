@@ -13,6 +13,7 @@ from deltafin.protocol.completions import CompletionRequest
 from deltafin.rules import RuleContext
 from deltafin.serving.context import RequestStats, ServingContext, new_id
 from deltafin.serving.logprobs import completion_logprobs
+from deltafin.serving.plan import Budget, token_budget
 from deltafin.serving.ruled import serve_with_rules
 from deltafin.serving.sse import ChunkStream, StreamingResponse
 from deltafin.serving.thinking_budget import budgeted, check_budget, reasoning_budget, with_reasoning_tokens
@@ -22,12 +23,23 @@ class CompletionService:
     def __init__(self, ctx: ServingContext) -> None:
         self.ctx = ctx
 
-    def jobs(self, request: CompletionRequest, prompts: list[_Prompt]) -> list[GenerationJob]:
+    def budget(self, request: CompletionRequest, rule_ctx: RuleContext, stats: RequestStats) -> Budget:
+        """An explicit max_tokens is honoured; else the seed's default for raw completions
+        (`server.completion_default_max_tokens`, 256) as the rules leave it; either bounded by the room left."""
+        default = None
+        if request.max_tokens is None:
+            endpoint_default = self.ctx.config.server.completion_default_max_tokens
+            default = self.ctx.rules.default_max_tokens(request, rule_ctx, stats.rules, endpoint_default)
+        return Budget(request.max_tokens, default, param="prompt")
+
+    def jobs(self, request: CompletionRequest, prompts: list[_Prompt], budget: Budget) -> list[GenerationJob]:
         """n jobs per prompt, prompt-major (choice index = prompt index * n + i), as vLLM numbers them."""
         limits = self.ctx.config.server
         request.check(max_n=limits.max_n, max_stop=limits.max_stop_sequences, max_top_logprobs=limits.max_top_logprobs)
         return [
-            job for prompt in prompts for job in self._budgeted(request, prompt, self._prompt_jobs(request, prompt.ids))
+            job
+            for prompt in prompts
+            for job in self._budgeted(request, prompt, self._prompt_jobs(request, prompt.ids, budget))
         ]
 
     def _budgeted(self, request: CompletionRequest, prompt: _Prompt, jobs: list[GenerationJob]) -> list[GenerationJob]:
@@ -40,17 +52,10 @@ class CompletionService:
         )
         return budgeted(jobs, budget)
 
-    def _prompt_jobs(self, request: CompletionRequest, prompt_ids: list[int]) -> list[GenerationJob]:
-        limits = self.ctx.config.server
+    def _prompt_jobs(self, request: CompletionRequest, prompt_ids: list[int], budget: Budget) -> list[GenerationJob]:
         if not prompt_ids:  # the protocol refuses "", this is for a tokenizer that yields nothing for a text
             raise InvalidRequestError("the prompt is empty", param="prompt")
-        room = self.ctx.check_context(len(prompt_ids), request.max_tokens, "prompt")
-        if request.max_tokens is not None:
-            max_tokens = request.max_tokens  # an explicit value is always honoured
-        else:
-            # The seed's default for raw completions (256), or a rule's, bounded by the room left.
-            default = request.max_tokens_default or limits.completion_default_max_tokens
-            max_tokens = min(default, room)
+        max_tokens = token_budget(self.ctx.engine.context_length, len(prompt_ids), budget)
         ids = tuple(prompt_ids)
         # echo + logprobs reports the prompt's tokens too, as OpenAI does.
         prompt_logprobs = request.logprobs if request.echo else None
@@ -93,7 +98,7 @@ class CompletionService:
             prompts = [
                 await self._prompt(request, prompt, stats) for prompt in request.prompts(self.ctx.engine.vocab_size)
             ]
-            jobs = self.jobs(request, prompts)
+            jobs = self.jobs(request, prompts, self.budget(request, rule_ctx, stats))
             stats.prompt_tokens = sum(len(prompt.ids) for prompt in prompts)  # each prompt once, as vLLM counts
             # the prompt of each choice
             of_choice = [prompt for prompt in prompts for _ in range(request.n)]

@@ -18,11 +18,11 @@ glm_tool_choice_required) turns enforcement off for that request.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from deltafin.config import ModelConfig
 from deltafin.errors import InvalidRequestError
-from deltafin.families import get_family
+from deltafin.families import BoundFamily
 from deltafin.grammar import constraints
 from deltafin.grammar.limits import TooComplex
 from deltafin.markup.forced_json import forced_call_schema
@@ -34,34 +34,36 @@ if TYPE_CHECKING:
     from deltafin.serving.context import RequestStats, ServingContext
 
 
-def check_tools(request: ChatCompletionRequest, model: ModelConfig, served_name: str) -> None:
+@dataclass(frozen=True)
+class ToolUse:
+    """What a chat request's `tools` and `tool_choice` decide for the served family."""
+
+    #: the output is read for tool calls (tools declared, and tool_choice is not "none")
+    calls_allowed: bool
+    #: the calls forced on a family without a tool-call syntax, generated and read back as plain JSON
+    forced_json: ForcedCalls | None = None
+
+
+def tool_use(request: ChatCompletionRequest, family: BoundFamily, served_name: str) -> ToolUse:
+    """The request's tool use on `family`, or the 400 that says why it cannot be served."""
     if not request.tools and request.tool_choice not in (None, "auto", "none"):
         # A call cannot be forced from nothing; silently generating text would break the client's contract.
         raise InvalidRequestError("tool_choice requires tools to choose from", param="tool_choice")
-    family = get_family(model.family)
-    if (
-        request.tools
-        and request.tool_choice != "none"
-        and not family.parses_tool_calls(family.variant(model.variant))
-        and forced_without_parser(request, model) is None
-    ):
+    calls_allowed = bool(request.tools) and request.tool_choice != "none"
+    if not calls_allowed or family.parses_tool_calls:
+        return ToolUse(calls_allowed)
+    try:
+        forced = forced_calls(request.tools, request.tool_choice, parallel_tool_calls=request.parallel_tool_calls)
+    except ValueError as exc:
+        raise InvalidRequestError(str(exc), param="tool_choice") from None
+    if forced is None:
         raise InvalidRequestError(
-            f"The model `{served_name}` (family {model.family}) has no tool-call parser, so it cannot choose to call "
+            f"The model `{served_name}` (family {family.name}) has no tool-call parser, so it cannot choose to call "
             'tools. Send tool_choice "required" or a named function (the call is then forced as JSON), tool_choice '
             '"none", or no tools.',
             param="tools",
         )
-
-
-def forced_without_parser(request: ChatCompletionRequest, model: ModelConfig) -> ForcedCalls | None:
-    """The calls a request forces on a model whose family has no tool-call syntax (None: nothing forced there)."""
-    family = get_family(model.family)
-    if not request.tools or family.parses_tool_calls(family.variant(model.variant)):
-        return None
-    try:
-        return forced_calls(request.tools, request.tool_choice, parallel_tool_calls=request.parallel_tool_calls)
-    except ValueError as exc:
-        raise InvalidRequestError(str(exc), param="tool_choice") from None
+    return ToolUse(calls_allowed, forced)
 
 
 def _content_format(request: ChatCompletionRequest) -> dict[str, Any] | None:
@@ -73,19 +75,18 @@ def _content_format(request: ChatCompletionRequest) -> dict[str, Any] | None:
 
 
 def request_constraint(
-    request: ChatCompletionRequest, model: ModelConfig, prompt_text: str
+    request: ChatCompletionRequest, family: BoundFamily, prompt_text: str, tools: ToolUse | None = None
 ) -> tuple[Constraint, str] | None:
-    """The constraint and the request field it comes from (for error messages), or None."""
-    family = get_family(model.family)
-    variant = family.variant(model.variant)
-    forced = forced_without_parser(request, model)
-    if forced is not None:
-        return constraints.json_schema(forced_call_schema(forced)), "tool_choice"
-    if request.tools and request.tool_choice != "none":
+    """The constraint and the request field it comes from (for error messages), or None. `tools`: the request's
+    `tool_use` when it was decided already."""
+    if tools is None:
+        tools = tool_use(request, family, family.name)
+    if tools.forced_json is not None:
+        return constraints.json_schema(forced_call_schema(tools.forced_json)), "tool_choice"
+    if tools.calls_allowed:
         try:
             structure = family.tool_call_structure(
-                variant,
-                request.tools,
+                request.tools or (),
                 request.tool_choice,
                 prompt_text=prompt_text,
                 parallel_tool_calls=request.parallel_tool_calls,
@@ -97,7 +98,7 @@ def request_constraint(
     content = _content_format(request)
     if content is None:
         return None
-    structure = family.answer_structure(variant, content, prompt_text=prompt_text)
+    structure = family.answer_structure(content, prompt_text=prompt_text)
     if structure is not None:
         return constraints.structural_tag(structure), "response_format"
     if request.response_format is not None and request.response_format.type == "json_object":
@@ -105,15 +106,10 @@ def request_constraint(
     return constraints.json_schema(content["json_schema"]), "response_format"
 
 
-async def prepared_constraint(
-    request: ChatCompletionRequest, ctx: ServingContext, prompt_text: str, stats: RequestStats
-) -> tuple[Constraint, Any] | None:
-    """request_constraint, checked and compiled: (the constraint, its grammar ready for the engine, or None
-    for an engine that compiles for itself), or None for a free generation. Raises the 400s (and the 429 of a
-    request that got no grammar worker by its admission deadline)."""
-    found = request_constraint(request, ctx.config.model, prompt_text)
-    if found is None:
-        return None
+async def prepared_constraint(found: tuple[Constraint, str], ctx: ServingContext, stats: RequestStats) -> Any:
+    """A request's constraint (request_constraint) checked and compiled: its grammar ready for the engine, or
+    None for an engine that compiles for itself. Raises the 400s (and the 429 of a request that got no grammar
+    worker by its admission deadline)."""
     constraint, field = found
     if not ctx.engine.capabilities.grammar or ctx.grammars is None:
         raise InvalidRequestError(
@@ -127,4 +123,4 @@ async def prepared_constraint(
     except ValueError as exc:
         raise InvalidRequestError(f"{param} cannot be enforced: {exc}", param=param) from None
     stats.prompt_work_s += compile_s  # the request's own work, like its render: not counted against its wait
-    return constraint, grammar
+    return grammar

@@ -11,7 +11,8 @@ from typing import Any, TypeVar
 
 from deltafin.config import DeltafinConfig, plain_config
 from deltafin.engine import EngineFront, Finished, GenerationJob, TextDelta
-from deltafin.errors import ContextLengthError, ModelNotFoundError, quoted_name
+from deltafin.errors import ModelNotFoundError, quoted_name
+from deltafin.families import BoundFamily, bind_family
 from deltafin.prompt import ChatFormat
 from deltafin.rules import RulePipeline
 from deltafin.serving.prompt_work import PromptWork
@@ -120,10 +121,13 @@ class ServingContext:
     #: importing serving does not import xgrammar, and torch with it); None: the engine cannot constrain, and a
     #: constrained request is a 400
     grammars: Any = None
+    #: the served model's family, bound to its variant here, once (what serving asks of it: parsers, grammars)
+    family: BoundFamily = field(init=False)
 
     def __post_init__(self) -> None:
         # Read per request (model name, limits, templates): plain attributes, not omegaconf nodes (~18 us a read).
         self.config = plain_config(self.config)
+        self.family = bind_family(self.config.model.family, self.config.model.variant)
         # Each thread gets its own tokenizer (`self.tokenizer`): encoding flips `split_special_tokens` state on the
         # Rust object, so a shared one could let a prompt's content be encoded with control tokens live. The
         # prompt threads and the event loop each use their own copy (the loop's renders small prompts and counts
@@ -198,28 +202,6 @@ class ServingContext:
             f"The model `{quoted_name(requested)}` does not exist. This server serves `{self.model_name}`.",
             param="model",
         )
-
-    def check_context(self, prompt_tokens: int, max_tokens: int | None, param: str) -> int:
-        """The completion budget left after the prompt; the wording matches what client-side detectors expect."""
-        limit = self.engine.context_length
-        if prompt_tokens >= limit:
-            raise ContextLengthError(
-                f"This model's maximum context length is {limit} tokens. However, your request has "
-                f"{prompt_tokens} input tokens. Please reduce the length of the input.",
-                context_length=limit,
-                prompt_tokens=prompt_tokens,
-                param=param,
-            )
-        if max_tokens is not None and prompt_tokens + max_tokens > limit:
-            raise ContextLengthError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{prompt_tokens + max_tokens} tokens ({prompt_tokens} in the input, {max_tokens} in the "
-                f"completion). Please reduce the length of the input or completion.",
-                context_length=limit,
-                prompt_tokens=prompt_tokens,
-                param=param,
-            )
-        return limit - prompt_tokens
 
     def token_text(self, token_id: int) -> str:
         text = self._token_texts.get(token_id)

@@ -13,6 +13,7 @@ from deltafin.engine import Finished
 from deltafin.protocol.chat import ChatCompletionRequest, ChatMessage
 from deltafin.protocol.parse import ParseRequest
 from deltafin.serving.chat import ChatService, ChoiceAssembly
+from deltafin.serving.constraints import ToolUse
 
 
 class ParseService:
@@ -30,7 +31,8 @@ class ParseService:
             messages=[ChatMessage(role="user", content="x")], tools=request.tools, chat_template_kwargs=kwargs
         )
         prompt = self.chat.render(probe)
-        choice = ChoiceAssembly(self.chat.output_parser(probe, prompt.text))
+        # Calls are read whenever tools are given (the text is the model's own output: nothing is forced here).
+        choice = ChoiceAssembly(self.chat.output_parser(probe, prompt.text, ToolUse(calls_allowed=bool(request.tools))))
         choice.add(choice.parser.feed(request.text))
         choice.add(choice.parser.finish(request.finish_reason))
         choice.finished = Finished(0, request.finish_reason, 0, 0)

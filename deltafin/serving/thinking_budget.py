@@ -26,7 +26,7 @@ from deltafin.families import get_family
 from deltafin.markup import Markup
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.sampling import Constraint, ReasoningBudget
-from deltafin.serving.constraints import request_constraint
+from deltafin.serving.constraints import ToolUse, request_constraint
 from deltafin.token_codec import TokenCodec
 
 if TYPE_CHECKING:
@@ -96,16 +96,17 @@ def budgeted(jobs: list[GenerationJob], budget: ReasoningBudget | None) -> list[
 
 
 def chat_budget(
-    request: ChatCompletionRequest, prompt_text: str, jobs: list[GenerationJob], ctx: ServingContext
+    request: ChatCompletionRequest, prompt_text: str, jobs: list[GenerationJob], ctx: ServingContext, tools: ToolUse
 ) -> list[GenerationJob]:
     """A chat request's jobs with its thinking budget. A constrained request's budget carries the constraint it
-    resumes under after the forced end (the request's own, read off the prompt with reasoning closed)."""
+    resumes under after the forced end (the request's own, read off the prompt with reasoning closed; `tools`:
+    the request's tool use, as its plan decided it)."""
     if request.thinking_token_budget is None:
         return jobs
     model = ctx.config.model
     resume = None
     if any(job.params.constraint is not None for job in jobs):
-        found = request_constraint(request, model, after_reasoning(prompt_text, model))
+        found = request_constraint(request, ctx.family, after_reasoning(prompt_text, model), tools)
         resume = found[0] if found is not None else None
     budget = reasoning_budget(
         request.thinking_token_budget, model=model, prompt_text=prompt_text, tokenizer=ctx.tokenizer, resume=resume

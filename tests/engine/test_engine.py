@@ -6,6 +6,7 @@ import time
 import pytest
 
 from deltafin.engine import Finished, GenerationJob, TextDelta
+from deltafin.errors import InvalidRequestError
 from deltafin.protocol.sampling import SamplingParams
 
 
@@ -47,6 +48,13 @@ class TestEngine:
     def test_max_tokens_ends_with_length(self, engine, generate, run):
         text, end = generate(max_tokens=5, temperature=0.0, ignore_eos=True)
         assert end.reason == "length" and end.completion_tokens == 5 and text
+
+    def test_a_job_past_the_context_is_refused_not_cut(self, engine, run):
+        """Serving sizes each job to the context (deltafin.serving.plan); the engine never cuts one silently."""
+        ids = prompt_ids(engine)
+        job = GenerationJob(ids, SamplingParams(max_tokens=engine.context_length - len(ids) + 1, temperature=0.0))
+        with pytest.raises(InvalidRequestError, match="do not fit"):
+            run(collect(engine, [job]))
 
     def test_greedy_is_repeatable_without_the_memo(self, engine, generate, run):
         engine.memo._items.clear()

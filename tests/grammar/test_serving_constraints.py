@@ -9,6 +9,7 @@ import pytest
 import xgrammar as xgr
 
 from deltafin.errors import InvalidRequestError
+from deltafin.families import bind_family
 from deltafin.grammar.constraints import grammar_of
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.rules import RuleContext
@@ -29,6 +30,10 @@ K3_THINKING = '<|open|>message role="assistant"<|sep|><|open|>think<|sep|>'
 K3_NO_THINKING = '<|open|>message role="assistant"<|sep|><|open|>response<|sep|>'
 
 
+def bound(model):
+    return bind_family(model.family, model.variant)
+
+
 def chat(**fields) -> ChatCompletionRequest:
     return msgspec.convert({"messages": [{"role": "user", "content": "hi"}], **fields}, ChatCompletionRequest)
 
@@ -44,7 +49,7 @@ class TestResponseFormat:
     def test_json_schema_keeps_the_schema_property_order(self, config):
         constraint, field = request_constraint(
             chat(response_format={"type": "json_schema", "json_schema": {"name": "x", "schema": SCHEMA}}),
-            config.model,
+            bound(config.model),
             "",
         )
         assert (constraint.kind, field) == ("json_schema", "response_format")
@@ -52,13 +57,14 @@ class TestResponseFormat:
 
     def test_json_object_and_text(self, config):
         assert (
-            request_constraint(chat(response_format={"type": "json_object"}), config.model, "")[0].kind == "json_object"
+            request_constraint(chat(response_format={"type": "json_object"}), bound(config.model), "")[0].kind
+            == "json_object"
         )
-        assert request_constraint(chat(response_format={"type": "text"}), config.model, "") is None
-        assert request_constraint(chat(), config.model, "") is None
+        assert request_constraint(chat(response_format={"type": "text"}), bound(config.model), "") is None
+        assert request_constraint(chat(), bound(config.model), "") is None
 
     def test_on_a_reasoning_model_the_json_comes_after_the_reasoning(self):
-        model = tiny_config("kimi_k3", "unused").model
+        model = bound(tiny_config("kimi_k3", "unused").model)
         constraint, _ = request_constraint(chat(response_format={"type": "json_object"}), model, K3_THINKING)
         assert constraint.kind == "structural_tag"
         assert accepts(
@@ -68,7 +74,7 @@ class TestResponseFormat:
         assert not accepts(constraint, '{"a": 1}')
 
     def test_with_reasoning_off_the_answer_is_json_from_the_first_token(self):
-        model = tiny_config("kimi_k3", "unused").model
+        model = bound(tiny_config("kimi_k3", "unused").model)
         constraint, _ = request_constraint(chat(response_format={"type": "json_object"}), model, K3_NO_THINKING)
         assert constraint.kind == "json_object"
 
@@ -76,7 +82,7 @@ class TestResponseFormat:
 class TestToolChoice:
     @pytest.fixture
     def glm(self):
-        return tiny_config("glm47", "unused").model
+        return bound(tiny_config("glm47", "unused").model)
 
     def test_named_function_is_forced_and_wins_over_response_format(self, glm):
         request = chat(

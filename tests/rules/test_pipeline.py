@@ -129,6 +129,20 @@ class TestOrder:
         pipeline.on_request(chat(max_tokens=5, tool_choice="auto"), CTX, changed)
         assert changed == []
 
+    def test_default_max_tokens_in_config_order(self):
+        """chat_default_max_tokens gives its value, the cap after it lowers it; each is listed as it acts."""
+        rules = {
+            "default": {"_target_": "deltafin.rules.chat_default_max_tokens.ChatDefaultMaxTokens", "value": 500},
+            "cap": {"_target_": "deltafin.rules.max_tokens_cap.MaxTokensCap", "value": 100},
+        }
+        changed: list[str] = []
+        assert build_pipeline(rules, "glm").default_max_tokens(chat(), CTX, changed) == 100
+        assert changed == ["default", "cap"]
+        changed = []
+        rules["cap"]["value"] = 1000
+        assert build_pipeline(rules, "glm").default_max_tokens(chat(), CTX, changed) == 500
+        assert changed == ["default"]
+
     def test_stream_hooks_wrap_in_reverse(self):
         class Tag(Rule):
             def __init__(self, tag):

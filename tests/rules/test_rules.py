@@ -38,17 +38,12 @@ class TestChatDefaultMaxTokens:
     """Sets a default only where the client named no max tokens."""
 
     def test_sets_the_default_when_none_given(self):
-        out = ChatDefaultMaxTokens(32768).request(chat(), CTX)
-        assert out.max_tokens_default == 32768 and out.max_tokens is None
-
-    @pytest.mark.parametrize("field", ["max_tokens", "max_completion_tokens"])
-    def test_leaves_explicit_values_alone(self, field):
-        request = chat(**{field: 7})
-        assert ChatDefaultMaxTokens(32768).request(request, CTX) is request
+        request = chat()
+        assert ChatDefaultMaxTokens(32768).default_max_tokens(None, request, CTX) == 32768
+        assert ChatDefaultMaxTokens(32768).request(request, CTX) is request  # the request itself is left as sent
 
     def test_leaves_completions_alone(self):
-        request = completion()
-        assert ChatDefaultMaxTokens(32768).request(request, CTX) is request
+        assert ChatDefaultMaxTokens(32768).default_max_tokens(256, completion(), CTX) == 256
 
     def test_rejects_a_nonpositive_value(self):
         with pytest.raises(ValueError):
@@ -65,8 +60,12 @@ class TestMaxTokensCap:
         assert MaxTokensCap(100).request(chat(max_completion_tokens=500), CTX).max_completion_tokens == 100
 
     def test_bounds_the_default(self):
-        assert MaxTokensCap(100).request(chat(), CTX).max_tokens_default == 100
-        assert MaxTokensCap(100).request(completion(), CTX).max_tokens_default == 100
+        assert MaxTokensCap(100).default_max_tokens(None, chat(), CTX) == 100  # chat's run-to-EOS
+        assert MaxTokensCap(100).default_max_tokens(256, completion(), CTX) == 100
+        assert MaxTokensCap(100).default_max_tokens(32768, chat(), CTX) == 100  # an earlier rule's
+
+    def test_never_raises_a_default(self):
+        assert MaxTokensCap(1000).default_max_tokens(256, completion(), CTX) == 256
 
     def test_leaves_values_under_the_cap_alone(self):
         request = completion(max_tokens=50)
@@ -75,6 +74,7 @@ class TestMaxTokensCap:
     def test_zero_is_off(self):
         request = chat(max_tokens=10**6)
         assert MaxTokensCap(0).request(request, CTX) is request
+        assert MaxTokensCap(0).default_max_tokens(None, chat(), CTX) is None
 
 
 class TestForceToolChoiceAuto:

@@ -208,6 +208,13 @@ class LocalEngine(EngineClient):
             if not all(job.prompt_ids for job in sub.jobs):
                 sub.fail(InvalidRequestError("The prompt is empty: at least one token is needed.", param="prompt"))
                 return
+            # Serving sizes every job to the context (deltafin.serving.plan.token_budget); one that does not fit
+            # came from elsewhere and is refused, never cut here.
+            if any(len(job.prompt_ids) + job.params.max_tokens > self.context_length for job in sub.jobs):
+                sub.fail(
+                    InvalidRequestError("The prompt and max_tokens do not fit the model's context.", param="max_tokens")
+                )
+                return
             sub.rows_left = len(sub.jobs)
             groups: dict[tuple, list[int]] = {}
             for choice, job in enumerate(sub.jobs):
@@ -321,7 +328,7 @@ class LocalEngine(EngineClient):
             choice=choice,
             sampler=Sampler(params, self.vocab_size, self.device, job.prompt_ids, constraint, reasoning),
             decoder=ChoiceDecoder(self._thread_tokenizer, params, self.stop_token_ids, choice),
-            max_new=min(params.max_tokens, self.context_length - len(job.prompt_ids)),
+            max_new=params.max_tokens,
             prompt_len=len(job.prompt_ids),
             cached=cached,
             started=started,
