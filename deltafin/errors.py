@@ -179,3 +179,28 @@ class ClientClosedRequest(DeltafinError):
 
     status = 499
     type = "client_closed_request"
+
+
+#: Anthropic's error type for a status (the Messages routes answer in Anthropic's shape); any other 4xx is an
+#: invalid_request_error, any other 5xx an api_error
+_ANTHROPIC_TYPES = {
+    401: "authentication_error",
+    403: "permission_error",
+    404: "not_found_error",
+    413: "request_too_large",
+    429: "rate_limit_error",
+    504: "timeout_error",
+    529: "overloaded_error",
+}
+
+
+def anthropic_error(error: DeltafinError, request_id: str | None = None) -> tuple[int, dict[str, Any]]:
+    """(status, body) of `error` as Anthropic's API answers: `{"type": "error", "error": {"type", "message"}}`.
+    A 503 (a model still loading, a server draining, an upstream down) is Anthropic's 529 overloaded_error, which
+    its clients retry with backoff, as they would a 503."""
+    status = 529 if error.status == 503 else error.status
+    kind = _ANTHROPIC_TYPES.get(status) or ("invalid_request_error" if status < 500 else "api_error")
+    body: dict[str, Any] = {"type": "error", "error": {"type": kind, "message": error.message}}
+    if request_id is not None:
+        body["request_id"] = request_id
+    return status, body

@@ -1,5 +1,6 @@
 """The API-key gate: an ASGI layer that answers 401 before routing, so no body is read (or parsed) for a
-request without a valid key. Routes in `server.open_routes` are served without one."""
+request without a valid key. The key comes as `Authorization: Bearer <key>` (OpenAI's clients) or `x-api-key:
+<key>` (Anthropic's), on any route. Routes in `server.open_routes` are served without one."""
 
 from __future__ import annotations
 
@@ -21,24 +22,34 @@ def is_open(path: str, open_routes: Sequence[str]) -> bool:
     return any(path == route or path.startswith(route.rstrip("/") + "/") for route in open_routes)
 
 
-def owner_of(authorization: bytes) -> str:
+def owner_of(token: bytes) -> str:
     """Who a request with this (valid) key is, for what it stores (responses): a digest, never the key."""
-    return hashlib.sha256(authorization[len(_BEARER) :].strip()).hexdigest()[:32]
+    return hashlib.sha256(token).hexdigest()[:32]
 
 
-def key_matches(authorization: bytes, keys: Sequence[bytes]) -> bool:
-    """Constant-time compare on bytes: a header with non-ASCII bytes is simply a wrong key. An empty or
+def bearer_token(authorization: bytes) -> bytes:
+    """The token of `Authorization: Bearer <token>` (b"" for any other header)."""
+    if authorization[: len(_BEARER)].lower() != _BEARER:
+        return b""
+    return authorization[len(_BEARER) :].strip()
+
+
+def token_matches(token: bytes, keys: Sequence[bytes]) -> bool:
+    """Constant-time compare on bytes: a token with non-ASCII bytes is simply a wrong key. An empty or
     whitespace-only token never authenticates, whatever the configured keys are (a key list filled from an
     unset environment variable holds "", and must leave the server closed, not open)."""
-    if authorization[: len(_BEARER)].lower() != _BEARER:
-        return False
-    token = authorization[len(_BEARER) :].strip()
+    token = token.strip()
     if not token:
         return False
     matched = False
     for key in keys:  # no early exit: the time taken does not say which key came closest
         matched |= hmac.compare_digest(token, key)
     return matched
+
+
+def key_matches(authorization: bytes, keys: Sequence[bytes]) -> bool:
+    """Whether an `Authorization` header holds a configured key as a bearer token."""
+    return token_matches(bearer_token(authorization), keys)
 
 
 class ApiKeyGate:
@@ -51,15 +62,23 @@ class ApiKeyGate:
         if scope["type"] != "http" or not self.keys or is_open(scope.get("path", ""), self.open_routes):
             await self.app(scope, receive, send)
             return
-        authorization = next((v for k, v in scope.get("headers", ()) if k.lower() == b"authorization"), b"")
-        if key_matches(authorization, self.keys):
-            stats = scope.get("state", {}).get(STATS_KEY)
-            if stats is not None:
-                stats.owner = owner_of(authorization)
-            await self.app(scope, receive, send)
-            return
+        authorization = api_key = b""
+        for name, value in scope.get("headers", ()):
+            name = name.lower()
+            if name == b"authorization":
+                authorization = value
+            elif name == b"x-api-key":
+                api_key = value
+        for token in (bearer_token(authorization), api_key):
+            if token_matches(token, self.keys):
+                stats = scope.get("state", {}).get(STATS_KEY)
+                if stats is not None:
+                    stats.owner = owner_of(token.strip())
+                await self.app(scope, receive, send)
+                return
         scope[ROUTE_KEY] = UNAUTHENTICATED
         error = AuthenticationError(
-            "Incorrect or missing API key (send `Authorization: Bearer <key>`).", headers={"WWW-Authenticate": "Bearer"}
+            "Incorrect or missing API key (send `Authorization: Bearer <key>` or `x-api-key: <key>`).",
+            headers={"WWW-Authenticate": "Bearer"},
         )
-        await send_error(send, error)
+        await send_error(send, error, scope)

@@ -1,4 +1,5 @@
-"""The one exception handler: every error leaves as an OpenAI-shaped body with its real status."""
+"""The one exception handler: every error leaves with its real status, as an OpenAI-shaped body, or on the
+Anthropic routes (/v1/messages...) as Anthropic's (deltafin.errors.anthropic_error)."""
 
 from __future__ import annotations
 
@@ -11,7 +12,14 @@ import structlog
 from litestar import Request, Response
 from litestar.exceptions import HTTPException, NotFoundException, ValidationException
 
-from deltafin.errors import DeltafinError, InternalError, InvalidRequestError, NotFoundError, error_for_status
+from deltafin.errors import (
+    DeltafinError,
+    InternalError,
+    InvalidRequestError,
+    NotFoundError,
+    anthropic_error,
+    error_for_status,
+)
 
 log = structlog.get_logger("deltafin.errors")
 
@@ -52,11 +60,29 @@ def _validation_error(exc: ValidationException) -> InvalidRequestError:
     return InvalidRequestError(f"Invalid value for `{key}`: {message}", param=key)
 
 
+#: where Anthropic's API is served: errors there leave in its shape
+ANTHROPIC_PREFIX = "/v1/messages"
+#: where the request id is kept for an error body (deltafin.app.request_context)
+REQUEST_ID_KEY = "deltafin_request_id"
+
+
+def speaks_anthropic(path: str) -> bool:
+    return path == ANTHROPIC_PREFIX or path.startswith(ANTHROPIC_PREFIX + "/")
+
+
+def error_answer(err: DeltafinError, scope: dict[str, Any] | None = None) -> tuple[int, dict[str, Any]]:
+    """(status, body) of `err` in the shape of the route `scope` asked for."""
+    if scope is not None and speaks_anthropic(scope.get("path", "")):
+        return anthropic_error(err, scope.get("state", {}).get(REQUEST_ID_KEY))
+    return err.status, err.body()
+
+
 #: what a client that reached an unserved route (embeddings, responses, audio, ...) is told instead
 SERVED = (
-    "Deltafin serves the OpenAI chat completions and Responses APIs: POST /v1/chat/completions, "
-    "POST /v1/completions, POST /v1/responses (GET and DELETE /v1/responses/{id}, GET "
-    "/v1/responses/{id}/input_items), GET /v1/models (plus /tokenize, /detokenize, /parse, /health, /metrics)."
+    "Deltafin serves the OpenAI chat completions and Responses APIs and Anthropic's Messages API: POST "
+    "/v1/chat/completions, POST /v1/completions, POST /v1/responses (GET and DELETE /v1/responses/{id}, GET "
+    "/v1/responses/{id}/input_items), POST /v1/messages, POST /v1/messages/count_tokens, GET /v1/models (plus "
+    "/tokenize, /detokenize, /parse, /health, /metrics)."
 )
 
 
@@ -64,13 +90,17 @@ def handle_exception(request: Request, exc: Exception) -> Response:
     if type(exc) is NotFoundException:  # the router found no route (handlers raise DeltafinErrors)
         exc = NotFoundError(f"{request.method} {request.url.path} is not served. {SERVED}", code="route_not_found")
     err = to_deltafin_error(exc)
-    return Response(err.body(), status_code=err.status, headers=err.headers)
+    status, body = error_answer(err, request.scope)  # type: ignore[arg-type]
+    return Response(body, status_code=status, headers=err.headers)
 
 
-async def send_error(send: Callable[[dict[str, Any]], Awaitable[None]], err: DeltafinError) -> None:
+async def send_error(
+    send: Callable[[dict[str, Any]], Awaitable[None]], err: DeltafinError, scope: dict[str, Any] | None = None
+) -> None:
     """Answer with `err` straight from an ASGI layer that runs before Litestar (auth, shutdown)."""
-    body = msgspec.json.encode(err.body())
+    status, answer = error_answer(err, scope)
+    body = msgspec.json.encode(answer)
     headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]
     headers += [(name.lower().encode("latin-1"), value.encode("latin-1")) for name, value in err.headers.items()]
-    await send({"type": "http.response.start", "status": err.status, "headers": headers})
+    await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body})

@@ -29,12 +29,20 @@ from deltafin.app.disconnect import cancel_when, on_disconnect
 from deltafin.app.request_context import STATS_KEY
 from deltafin.app.services import Services
 from deltafin.app.shutdown import Drain
-from deltafin.errors import ClientClosedRequest, InvalidRequestError, MethodNotAllowedError, PayloadTooLargeError
+from deltafin.errors import (
+    ClientClosedRequest,
+    DeltafinError,
+    InvalidRequestError,
+    MethodNotAllowedError,
+    PayloadTooLargeError,
+)
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.completions import CompletionRequest
 from deltafin.protocol.decode import decode_request
+from deltafin.protocol.messages import MessagesRequest
 from deltafin.protocol.responses import ResponsesRequest
 from deltafin.serving.context import RequestStats
+from deltafin.serving.messages.output import error_event, sse
 from deltafin.serving.sse import StreamingResponse
 
 _encode = msgspec.json.Encoder().encode
@@ -51,6 +59,9 @@ class GenerationRoute:
     operation_id: str
     #: the serving call: (services, decoded request, stats) -> JSON body or a StreamingResponse
     create: Callable[[Services, Any, RequestStats], Awaitable[Any]]
+    #: how a stream of this route ends on an error the route's own body did not send (a shutdown's grace
+    #: ending); None: an OpenAI error event and [DONE]
+    stream_ending: Callable[[DeltafinError], bytes] | None = None
 
 
 _CHAT = GenerationRoute(
@@ -73,6 +84,14 @@ _RESPONSE = GenerationRoute(
     lambda services, request, stats: services.responses.create(request, stats),
 )
 
+_MESSAGE = GenerationRoute(
+    MessagesRequest,
+    "Create a message (Anthropic Messages API)",
+    "Messages",
+    lambda services, request, stats: services.messages.create(request, stats),
+    lambda error: sse(error_event(error)),
+)
+
 #: path -> route, the versioned path first (both are served and documented)
 GENERATION_ROUTES: dict[str, GenerationRoute] = {
     "/v1/chat/completions": _CHAT,
@@ -81,6 +100,8 @@ GENERATION_ROUTES: dict[str, GenerationRoute] = {
     "/completions": _COMPLETION,
     "/v1/responses": _RESPONSE,
     "/responses": _RESPONSE,
+    # Anthropic's clients append `?beta=true` (Claude Code, the SDK's client.beta): routing ignores the query.
+    "/v1/messages": _MESSAGE,
 }
 
 
@@ -144,7 +165,7 @@ class GenerationEndpoints:
                 send = _after(head, send)
             else:
                 await send(head)
-            await send_event_stream(self._drain.stream(result.body), receive, send)
+            await send_event_stream(self._drain.stream(result.body, route.stream_ending), receive, send)
             return
         body = _encode(result)
         headers = [*_JSON_HEADERS, (b"content-length", str(len(body)).encode())]

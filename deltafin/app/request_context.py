@@ -1,4 +1,5 @@
-"""Outermost ASGI layer: x-request-id on every response (404s too), one canonical log line, metrics."""
+"""Outermost ASGI layer: x-request-id on every response (404s too; Anthropic's `request-id` too on its routes),
+one canonical log line, metrics."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import structlog
 
+from deltafin.app.errors import REQUEST_ID_KEY, speaks_anthropic
 from deltafin.metrics import UNMATCHED, Metrics
 from deltafin.serving.context import RequestStats
 
@@ -52,7 +54,12 @@ class RequestContext:
             return
         request_id = request_id_of(scope)
         stats = RequestStats()
-        scope.setdefault("state", {})[STATS_KEY] = stats
+        state = scope.setdefault("state", {})
+        state[STATS_KEY] = stats
+        # Anthropic's clients read `request-id` (its SDK's `_request_id`), with a `req_` prefix.
+        anthropic_id = f"req_{request_id}" if speaks_anthropic(scope.get("path", "")) else None
+        if anthropic_id is not None:
+            state[REQUEST_ID_KEY] = anthropic_id
         status = 500
         done = False
 
@@ -62,6 +69,8 @@ class RequestContext:
                 status = message["status"]
                 headers = list(message.get("headers", []))
                 headers.append((b"x-request-id", request_id.encode("ascii")))
+                if anthropic_id is not None:
+                    headers.append((b"request-id", anthropic_id.encode("ascii")))
                 if stats.rules:
                     headers.append((b"x-deltafin-rules", ",".join(stats.rules).encode("latin-1")))
                 headers += [(name.encode("latin-1"), value.encode("latin-1")) for name, value in stats.headers]

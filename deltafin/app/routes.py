@@ -15,6 +15,7 @@ from deltafin.app.served import ServedModels
 from deltafin.errors import InvalidRequestError
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.completions import CompletionRequest
+from deltafin.protocol.messages import CountTokensRequest, MessagesRequest
 from deltafin.protocol.parse import ParseRequest
 from deltafin.protocol.responses import InputItemsQuery, ResponsesRequest
 from deltafin.protocol.tokenize import DetokenizeRequest, TokenizeRequest
@@ -28,6 +29,8 @@ BODY_TYPES = [
     ChatCompletionRequest,
     CompletionRequest,
     ResponsesRequest,
+    MessagesRequest,
+    CountTokensRequest,
     TokenizeRequest,
     DetokenizeRequest,
     ParseRequest,
@@ -101,6 +104,21 @@ async def parse(payload: NamedDependency[ParseRequest], models: NamedDependency[
     return await services.ctx.off_loop(services.parse.parse, payload)
 
 
+@post(
+    "/v1/messages/count_tokens",
+    status_code=200,
+    summary="Count the input tokens of a message (Anthropic Messages API)",
+    **_body(CountTokensRequest),
+)
+async def count_message_tokens(
+    request: Request, payload: NamedDependency[CountTokensRequest], models: NamedDependency[ServedModels]
+) -> dict[str, Any]:
+    stats = _stats(request)
+    services = models.require(payload.model)
+    stats.answered_by(services.ctx)
+    return await services.messages.count_tokens(payload, stats)
+
+
 # The Responses API's stored responses (POST /v1/responses is a generation route: deltafin.app.generation). The
 # store is the process's, whichever model answered: any loaded model's service reads it.
 @get(["/v1/responses/{response_id:str}", "/responses/{response_id:str}"], summary="Retrieve a stored response")
@@ -139,4 +157,14 @@ async def response_input_items(
     return await models.any().responses.input_items(_stats(request).owner, response_id, query)
 
 
-ROUTES = [list_served, model, tokenize, detokenize, parse, retrieve_response, delete_response, response_input_items]
+ROUTES = [
+    list_served,
+    model,
+    tokenize,
+    detokenize,
+    parse,
+    count_message_tokens,
+    retrieve_response,
+    delete_response,
+    response_input_items,
+]

@@ -7,6 +7,7 @@ from collections.abc import Iterator, Sequence
 
 from deltafin.app.services import Services
 from deltafin.config import DeltafinConfig
+from deltafin.config.models import is_pattern, name_matches
 from deltafin.errors import EngineUnavailableError, ModelNotFoundError, quoted_name
 
 
@@ -40,13 +41,15 @@ class ServedModel:
 
 class ServedModels:
     """The served models, the main one first. A request without `model` goes to the main one; a request naming
-    a model (or an alias) goes to it; with several models an unknown name is a 404 listing them. (With one
+    a model (or an alias; failing those, the first model with an alias pattern it matches) goes to it; with several models an unknown name is a 404 listing them. (With one
     model, the served model's own check answers an unknown name, as it always has.)"""
 
     def __init__(self, configs: Sequence[DeltafinConfig]) -> None:
         self.models = [ServedModel(config) for config in configs]
         self.main = self.models[0]
-        self._by_name = {name: model for model in reversed(self.models) for name in model.names}
+        self._by_name = {name: model for model in reversed(self.models) for name in model.names if not is_pattern(name)}
+        #: aliases that are patterns of names (`claude-*`), asked in model order after every exact name
+        self._patterns = [(alias, model) for model in self.models for alias in model.names if is_pattern(alias)]
 
     def __iter__(self) -> Iterator[ServedModel]:
         return iter(self.models)
@@ -60,6 +63,8 @@ class ServedModels:
         if name is None or not self.several:
             return self.main.require(several=self.several)
         model = self._by_name.get(name)
+        if model is None:
+            model = next((each for alias, each in self._patterns if name_matches(alias, name)), None)
         if model is None:
             served = ", ".join(f"`{each.name}`" for each in self.models)
             raise ModelNotFoundError(

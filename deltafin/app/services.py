@@ -13,6 +13,7 @@ from deltafin.rules import build_pipeline
 from deltafin.serving.chat import ChatService
 from deltafin.serving.completions import CompletionService
 from deltafin.serving.context import ServingContext, prompt_work_for
+from deltafin.serving.messages import MessagesService
 from deltafin.serving.parse import ParseService
 from deltafin.serving.prompt_work import PerThreadChatFormat
 from deltafin.serving.responses import ResponsesService, open_store
@@ -29,6 +30,7 @@ class Services:
     tokenize: TokenizeService
     parse: ParseService
     responses: ResponsesService
+    messages: MessagesService
 
     @classmethod
     def from_engine(cls, config: DeltafinConfig, engine: EngineFront, store: ResponseStore | None = None) -> Services:
@@ -71,6 +73,7 @@ class Services:
                     config.model.chat_format, getattr(engine.tokenizer, "chat_template", None)
                 ),
             ),
+            messages=MessagesService(ctx, chat),
         )
 
     @classmethod

@@ -20,7 +20,7 @@ import structlog
 
 from deltafin.app.disconnect import Fire, Stopper, cancel_when
 from deltafin.app.errors import send_error
-from deltafin.errors import ShuttingDownError
+from deltafin.errors import DeltafinError, ShuttingDownError
 from deltafin.serving.sse import DONE, sse_event
 
 log = structlog.get_logger("deltafin.shutdown")
@@ -96,9 +96,11 @@ class Drain:
         """Await `work` under `stopper(admitted)` alone (the routes also stop it on a disconnect)."""
         return await cancel_when(work, [self.stopper(admitted)], on_abandoned)
 
-    async def stream(self, body: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
+    async def stream(
+        self, body: AsyncIterator[bytes], ending: Callable[[DeltafinError], bytes] | None = None
+    ) -> AsyncIterator[bytes]:
         """Pass an SSE body through; when the grace ends, stop its generation and end it with an error event
-        and [DONE]."""
+        and [DONE] (or what `ending` makes of the error: the route's own stream ends in its own shape)."""
         # The body is awaited in this task, not raced in a task of its own per chunk (that cost a task and an
         # `asyncio.wait` per token): a grace that ends while a chunk is awaited cancels this task, which stops
         # the generation at its await just as cancelling that task did.
@@ -137,8 +139,11 @@ class Drain:
                 step = asyncio.ensure_future(chunks.__anext__())
                 await asyncio.sleep(0)
                 await _cancel(step)
-            yield sse_event(shutting_down().body())
-            yield DONE
+            if ending is not None:
+                yield ending(shutting_down())
+            else:
+                yield sse_event(shutting_down().body())
+                yield DONE
         finally:
             # Also reached when the client leaves (this generator is closed or cancelled mid-step).
             self._on_expiry.discard(interrupt)
@@ -166,4 +171,4 @@ class DrainGate:
             return
         error = shutting_down()
         error.headers["Connection"] = "close"
-        await send_error(send, error)
+        await send_error(send, error, scope)

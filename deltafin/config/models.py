@@ -63,3 +63,24 @@ def check_served_names(names_by_model: Sequence[tuple[str, Sequence[str]]]) -> N
                     "(an entry of a model file's family takes its aliases too: model.aliases=[] drops them)"
                 )
             seen[name] = entry
+
+
+def is_pattern(alias: str) -> bool:
+    """An alias with `*` is a pattern of names (`claude-*`: what Claude Code sends unless told a model)."""
+    return "*" in alias
+
+
+def name_matches(alias: str, name: str) -> bool:
+    """`name` is `alias`, or matches it as a pattern (`*`: any run of characters, nothing else special)."""
+    if not is_pattern(alias):
+        return name == alias
+    pieces = alias.split("*")
+    if not (name.startswith(pieces[0]) and name.endswith(pieces[-1])) or len(name) < len(alias) - alias.count("*"):
+        return False
+    at, end = len(pieces[0]), len(name) - len(pieces[-1])
+    for piece in pieces[1:-1]:
+        found = name.find(piece, at, end)
+        if found < 0:
+            return False
+        at = found + len(piece)
+    return True

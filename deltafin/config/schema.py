@@ -216,7 +216,7 @@ class ModelConfig:
     # the checkpoint: a local HF folder, a .gguf file, or `pkg:PACKAGE/FILE` (a file inside an installed Python
     # package); in gateway mode only the tokenizer files are read
     path: str = MISSING
-    aliases: list[str] = checked(_served_names, default_factory=list)  # other names clients may send for this model
+    aliases: list[str] = checked(_served_names, default_factory=list)  # other names clients may send for this model (one with `*` is a pattern: claude-*)
     variant: Optional[str] = None  # a variant of the family (GLM: glm45 | glm47); null = the family's default
     # vLLM / SGLang parser names (`model.tool_parser=glm47`), accepted for familiarity: a family or variant name,
     # which only selects the variant; the family owns its parsers

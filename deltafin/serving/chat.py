@@ -263,6 +263,8 @@ class ChatService:
                     "message": choice.message(),
                     "logprobs": logprobs,
                     "finish_reason": choice.finish_reason,
+                    # vLLM's: the stop string or stop token id that ended the choice (None: EOS, length)
+                    "stop_reason": choice.finished.stop_reason if choice.finished else None,
                 }
             )
         return {
@@ -292,10 +294,10 @@ class ChatService:
         include_usage = request.include_usage
 
         def chunk(index: int, delta: dict[str, Any], *, finish: str | None = None, logprobs: Any = None) -> dict:
-            body = {
-                **base,
-                "choices": [{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}],
-            }
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
+            if finish is not None:  # vLLM's stop_reason, as in the whole body
+                choice["stop_reason"] = choices[index].finished.stop_reason  # type: ignore[union-attr]
+            body = {**base, "choices": [choice]}
             if include_usage:
                 body["usage"] = None
             return body

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from deltafin.config import DeltafinConfig, plain_config
+from deltafin.config.models import name_matches
 from deltafin.engine import EngineFront, Finished, GenerationJob, TextDelta
 from deltafin.errors import ModelNotFoundError, quoted_name
 from deltafin.families import BoundFamily, bind_family
@@ -194,9 +195,13 @@ class ServingContext:
     def model_name(self) -> str:
         return self.config.model.name
 
+    def serves(self, name: str) -> bool:
+        """`name` is the served model's name or an alias (an alias with `*` is a pattern of names)."""
+        return name == self.model_name or any(name_matches(alias, name) for alias in self.config.model.aliases)
+
     def check_model(self, requested: str | None) -> None:
         """`model` is optional; when given it must name the served model or one of its aliases."""
-        if requested is None or requested == self.model_name or requested in self.config.model.aliases:
+        if requested is None or self.serves(requested):
             return
         raise ModelNotFoundError(
             f"The model `{quoted_name(requested)}` does not exist. This server serves `{self.model_name}`.",

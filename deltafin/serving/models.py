@@ -1,9 +1,11 @@
-"""/v1/models: the served models (and their aliases, which name the same weights)."""
+"""/v1/models: the served models (and their aliases, which name the same weights; an alias that is a pattern of
+names, `claude-*`, is listed by none)."""
 
 from __future__ import annotations
 
 from typing import Any
 
+from deltafin.config.models import is_pattern
 from deltafin.errors import ModelNotFoundError, quoted_name
 from deltafin.serving.context import ServingContext
 
@@ -21,11 +23,16 @@ def _card(ctx: ServingContext, name: str) -> dict[str, Any]:
 
 def list_models(contexts: list[ServingContext]) -> dict[str, Any]:
     """Every loaded model's card, and one per alias, the main model first."""
-    cards = [_card(ctx, name) for ctx in contexts for name in (ctx.model_name, *ctx.config.model.aliases)]
+    cards = [
+        _card(ctx, name)
+        for ctx in contexts
+        for name in (ctx.model_name, *ctx.config.model.aliases)
+        if not is_pattern(name)
+    ]
     return {"object": "list", "data": cards}
 
 
 def get_model(ctx: ServingContext, name: str) -> dict[str, Any]:
-    if name != ctx.model_name and name not in ctx.config.model.aliases:
+    if not ctx.serves(name):
         raise ModelNotFoundError(f"The model `{quoted_name(name)}` does not exist.", param="model")
     return _card(ctx, name)

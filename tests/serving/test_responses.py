@@ -15,7 +15,8 @@ from openai.types.responses import Response, ResponseItem, ResponseStreamEvent
 from deltafin.config import ConfigError
 from deltafin.errors import InvalidRequestError, UpstreamError
 from deltafin.protocol.responses import ResponsesRequest
-from deltafin.serving.responses.conversation import chat_messages, decode_reasoning, encode_reasoning, speaks_developer
+from deltafin.serving.encoded_reasoning import decode_reasoning, encode_reasoning
+from deltafin.serving.responses.conversation import chat_messages, speaks_developer
 from deltafin.serving.responses.events import ResponseEvents
 from deltafin.serving.responses.items import canonical_input
 from deltafin.serving.responses.output import ResponseShape

@@ -8,35 +8,18 @@ renders exactly as /v1/chat/completions would.
 - `developer` messages take the system role where the chat template knows no developer role; the leading run of
   system messages (instructions first) is joined into one, since many templates take a single system message.
 - Reasoning a stateless client replays as `encrypted_content` (what `include: ["reasoning.encrypted_content"]`
-  returned) is decoded back into that turn's reasoning. It is ENCODED, NOT ENCRYPTED: base64 of the text, which
-  anyone holding it can read. Content from another provider, which Deltafin cannot read, is left out.
+  returned) is decoded back into that turn's reasoning (deltafin.serving.encoded_reasoning: ENCODED, NOT
+  ENCRYPTED). Content from another provider, which Deltafin cannot read, is left out.
 """
 
 from __future__ import annotations
 
-import base64
-import binascii
 from typing import Any
 
 from deltafin.protocol.chat import ChatMessage, FunctionCall, ToolCall
+from deltafin.serving.encoded_reasoning import decode_reasoning
 from deltafin.serving.responses.items import Item, text_of
 from deltafin.serving.responses.tools import flat_name
-
-_ENCODED = "deltafin.reasoning.v1:"
-
-
-def encode_reasoning(text: str) -> str:
-    return _ENCODED + base64.b64encode(text.encode("utf-8")).decode("ascii")
-
-
-def decode_reasoning(value: str) -> str | None:
-    """The text `encode_reasoning` encoded; None for anything else (another provider's opaque state)."""
-    if not value.startswith(_ENCODED):
-        return None
-    try:
-        return base64.b64decode(value[len(_ENCODED) :], validate=True).decode("utf-8")
-    except (binascii.Error, UnicodeDecodeError):
-        return None
 
 
 def reasoning_text(item: Item) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deltafin.protocol.responses import ResponsesRequest
-from deltafin.serving.responses.conversation import encode_reasoning
+from deltafin.serving.encoded_reasoning import encode_reasoning
 from deltafin.serving.responses.items import Item, item_id
 from deltafin.serving.responses.tools import ServedTools
 
