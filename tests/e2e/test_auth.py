@@ -43,3 +43,29 @@ def test_unknown_paths_and_bodies_wait_for_the_key(keyed_server):
     assert httpx.get(f"{keyed_server.base_url}/nothing").status_code == 401
     response = httpx.post(f"{keyed_server.base_url}/v1/chat/completions", content=b"{not json")
     assert response.status_code == 401
+
+
+def anthropic_client(server, **credentials):
+    import anthropic
+
+    return anthropic.Anthropic(base_url=server.base_url, max_retries=0, timeout=60, **credentials)
+
+
+@pytest.mark.parametrize("credentials", [{"api_key": API_KEYS[0]}, {"auth_token": API_KEYS[-1]}])
+def test_the_anthropic_sdk_authenticates_with_either_header(keyed_server, credentials):
+    """`api_key` is sent as x-api-key, `auth_token` as Authorization: Bearer (Claude Code's two variables)."""
+    model = compose_config().model.name
+    counted = anthropic_client(keyed_server, **credentials).messages.count_tokens(
+        model=model, messages=[{"role": "user", "content": "hi"}]
+    )
+    assert counted.input_tokens > 0
+
+
+def test_the_anthropic_sdk_reads_a_wrong_key_as_authentication_error(keyed_server):
+    import anthropic
+
+    with pytest.raises(anthropic.AuthenticationError) as info:
+        anthropic_client(keyed_server, api_key="nope").messages.create(
+            model="any", max_tokens=1, messages=[{"role": "user", "content": "hi"}]
+        )
+    assert info.value.status_code == 401 and info.value.body["error"]["type"] == "authentication_error"

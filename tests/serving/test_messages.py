@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import msgspec
 import pytest
@@ -452,3 +453,26 @@ class TestErrors:
 def test_encoded_reasoning_round_trips():
     assert decode_reasoning(encode_reasoning("é\n")) == "é\n" and decode_reasoning("sig-abc") is None
     assert json.loads(json.dumps(encode_reasoning("x")))
+
+
+def test_an_error_after_the_stream_began_is_an_error_event():
+    from deltafin.serving.context import RequestStats
+    from deltafin.serving.messages.service import _framer
+
+    async def failing():
+        yield _chunk({"content": "Hel"})
+        raise EngineBusyError("the engine is busy")
+
+    closed = []
+    stats = RequestStats(prompt_tokens=3)
+    frame = _framer(MessageShape("m", omit_thinking=False, stop_sequences=None), stats)
+
+    async def collect():
+        return b"".join([part async for part in frame(failing(), lambda error: error, lambda: closed.append(1))])
+
+    body = asyncio.run(collect()).decode()
+    names = re.findall(r"^event: (\S+)$", body, re.M)
+    assert names == ["message_start", "ping", "content_block_start", "content_block_delta", "error"]
+    error = json.loads(body.rsplit("data: ", 1)[1])
+    assert error == {"type": "error", "error": {"type": "rate_limit_error", "message": "the engine is busy"}}
+    assert closed == [1]  # the generation is stopped however the body ends
