@@ -16,7 +16,7 @@ from deltafin.app.services import Services
 from tests.conftest import compose_config, make_engine
 
 MAIN = compose_config()
-OTHER = compose_config(["model.name=other", "model.aliases=[]", "server.memo.entries=0"])
+OTHER = compose_config(["model.name=other", "model.aliases=[claude-*]", "server.memo.entries=0"])
 CHAT = "/v1/chat/completions"
 
 
@@ -84,6 +84,16 @@ class TestRouting:
         assert [card["id"] for card in client.get("/v1/models").json()["data"]] == [MAIN.model.name, "smollm2", "other"]
         assert client.get("/v1/models/other").json()["root"] == "other"
         assert client.get("/v1/models/nope").status_code == 404
+
+    def test_an_alias_pattern_catches_the_names_it_matches(self, client):
+        """`claude-*` (what Claude Code sends unless told a model) reaches `other`, on every route; it is not a
+        model of its own in the list, and exact names still win."""
+        assert client.post(CHAT, json=chat("claude-opus-5-5")).json()["model"] == "other"
+        message = {"model": "claude-sonnet-4-5", "max_tokens": 1, "messages": [{"role": "user", "content": "hi"}]}
+        assert client.post("/v1/messages", json=message).json()["model"] == "claude-sonnet-4-5"  # echoed, as sent
+        assert client.get("/v1/models/claude-x").json()["root"] == "other"
+        assert "claude-*" not in [card["id"] for card in client.get("/v1/models").json()["data"]]
+        assert client.post(CHAT, json=chat("claude")).status_code == 404  # `claude-*` needs the dash
 
     def test_tokenize_and_parse_take_the_model_too(self, client):
         assert client.post("/tokenize", json={"model": "other", "prompt": "hi"}).json()["count"] >= 1

@@ -65,3 +65,25 @@ def test_a_name_served_twice_names_the_later_entry():
     with pytest.raises(ConfigError, match="^models.a: the name 'main' is served by the main model already"):
         check_served_names([("", ["main", "alias"]), ("a", ["main"])])
     check_served_names([("", ["main", "alias"]), ("a", ["a"])])
+
+
+@pytest.mark.parametrize(
+    "alias,name,matches",
+    [
+        ("claude-*", "claude-opus-5-5", True),
+        ("claude-*", "claude-", True),
+        ("claude-*", "claude", False),
+        ("claude-*", "xclaude-opus", False),
+        ("*-k3", "kimi-k3", True),
+        ("a*b*c", "aXXbYYc", True),
+        ("a*b*c", "acb", False),
+        ("ab*ba", "aba", False),
+        ("kimi", "kimi", True),
+        ("kimi", "kimi-k3", False),
+        ("a.b", "axb", False),  # only `*` is special
+    ],
+)
+def test_alias_patterns(alias, name, matches):
+    from deltafin.config.models import name_matches
+
+    assert name_matches(alias, name) is matches
