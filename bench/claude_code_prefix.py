@@ -6,9 +6,9 @@ kept (as a server that did not drop it).
 Every `claude -p` run is a session whose first system block is `x-anthropic-billing-header: cc_version=
 2.1.332.XYZ; ...`, XYZ a hash of the session's first prompt; the rest of its prompt's head (the system prompt,
 the tools) is the same from session to session. This records the first request of `--sessions` real Claude Code
-runs with different prompts (Claude Code from scripts/install-claude-code against a stand-in that records and
-refuses; `--tools ""`, so the default model, which has no tool-call parser, can serve them), then replays them in
-order to a server of the default model (the real SmolLM2; memo off), streamed, max_tokens 1:
+runs with different prompts, one user in one project folder (Claude Code from scripts/install-claude-code against
+a stand-in that records and refuses; `--tools ""`, so the default model, which has no tool-call parser, can serve
+them), then replays them in order to a server of the default model (the real SmolLM2; memo off), streamed, max_tokens 1:
 - dropped: the bodies as recorded; Deltafin leaves the billing block out of the prompt;
 - kept: the same bodies with the block renamed (`x-anthropic-billing-header-kept:`), which Deltafin keeps in the
   prompt, as a server that did not drop the line would: each session's prompt then differs from its head on.
@@ -56,12 +56,12 @@ def recorded(prompts: list[str]) -> list[dict]:
     refusal = {"type": "error", "error": {"type": "invalid_request_error", "message": "recorded"}}
     bodies: list[dict] = []
     with tempfile.TemporaryDirectory() as root:
-        for i, prompt in enumerate(prompts):
+        for prompt in prompts:
             with stand_in(lambda got: (400, refusal)) as (base_url, got):
                 claude_print(
                     base_url.removesuffix("/v1"),
                     prompt,
-                    Path(root) / str(i),
+                    Path(root),  # one user, one project: the sessions' memory folder and cwd are the same
                     "--tools",
                     "",
                     CLAUDE_CODE_MAX_RETRIES="0",
