@@ -99,9 +99,6 @@ class ChatCompletionRequest(SamplingFields, kw_only=True):
     # Kimi's request field ({"type": "enabled" | "disabled"}), mapped by a compat rule.
     thinking: dict[str, Any] | None = None
     reasoning_effort: str | None = None
-    # The most reasoning tokens before the model must answer (None: no cap). /v1/messages maps Anthropic's
-    # `thinking.budget_tokens` here.
-    thinking_token_budget: PositiveInt | None = None
 
     def requested_max_tokens(self) -> int | None:
         """`max_completion_tokens` wins over the legacy `max_tokens` when both are given."""
