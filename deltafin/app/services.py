@@ -19,6 +19,7 @@ from deltafin.serving.prompt_work import PerThreadChatFormat
 from deltafin.serving.responses import ResponsesService, open_store
 from deltafin.serving.responses.conversation import speaks_developer
 from deltafin.serving.responses.store import ResponseStore
+from deltafin.serving.sampling_defaults import checkpoint_folder, sampling_defaults_for
 from deltafin.serving.tokenize import TokenizeService
 
 
@@ -57,6 +58,7 @@ class Services:
             rules=rules,
             prompt=prompt,
             grammars=grammars_for(config, engine),
+            sampling_defaults=sampling_defaults_for(config.model, checkpoint_folder(config.model)),
         )
         chat = ChatService(ctx)
         return cls(

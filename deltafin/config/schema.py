@@ -118,6 +118,12 @@ class ContentFormat(StrEnum):
 CacheScope = StrEnum("CacheScope", {"global": "global", "api_key": "api_key"})
 
 
+class SamplingSource(StrEnum):
+    checkpoint = "checkpoint"  # the checkpoint's generation_config.json (as vLLM reads it), model.sampling for the rest
+    config = "config"  # model.sampling only
+    none = "none"  # neither: OpenAI's defaults (temperature 1, no top-p / top-k / min-p, no penalties)
+
+
 class LogLevel(StrEnum):
     debug = "debug"
     info = "info"
@@ -206,7 +212,31 @@ def _bindable_host(host: Any) -> str | None:
     return None
 
 
+def _open_unit(value: Any) -> str | None:
+    """null, or a number in (0, 1]"""
+    if value is None or 0 < value <= 1:
+        return None
+    return f"{value} is outside (0, 1] or null"
+
+
 # --- the groups ---
+
+
+@dataclass
+class SamplingConfig:
+    """A model's default sampling: applied to each field a request leaves out (the request's own value always
+    wins, and compat rules that pin a field win over both). null: no default of the model's (OpenAI's applies)."""
+
+    temperature: Optional[float] = ranged(None, 0, 2)  # 0 = greedy
+    top_p: Optional[float] = checked(_open_unit, default=None)  # nucleus: the smallest set of tokens this likely
+    top_k: Optional[int] = ranged(None, -1, 1 << 30)  # 0 or -1 = off
+    min_p: Optional[float] = ranged(None, 0, 1)  # tokens below this share of the likeliest one's probability are cut
+    repetition_penalty: Optional[float] = ranged(None, 0.01, 10)  # HF style, over prompt and output (1 = off)
+    presence_penalty: Optional[float] = ranged(None, -2, 2)  # OpenAI style, over generated tokens
+    frequency_penalty: Optional[float] = ranged(None, -2, 2)  # OpenAI style, over generated tokens
+    # completion tokens of a request that names none (bounded by the room its prompt leaves); null: chat runs to
+    # EOS, completions take server.completion_default_max_tokens
+    max_tokens: Optional[int] = ranged(None, 1, 1 << 30)
 
 
 @dataclass
@@ -235,6 +265,12 @@ class ModelConfig:
     gguf_weights: GgufWeights = GgufWeights.native
     # defaults passed to the chat template (enable_thinking, ...); a request's own chat_template_kwargs win
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # default sampling for what a request leaves out (docs/config.md; /v1/models shows what applies)
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # where the defaults come from: checkpoint = generation_config.json's temperature, top_p, top_k, min_p,
+    # repetition_penalty and max_new_tokens (as vLLM), model.sampling for the rest; config = model.sampling only;
+    # none = no defaults
+    sampling_source: SamplingSource = SamplingSource.checkpoint
 
 
 @dataclass

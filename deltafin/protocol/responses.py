@@ -14,7 +14,7 @@ from typing import Annotated, Any
 from msgspec import Meta, Struct
 
 from deltafin.errors import InvalidRequestError
-from deltafin.protocol.common import PositiveInt, Temperature, UnitOpenLeft
+from deltafin.protocol.common import PositiveInt, RepetitionPenalty, Temperature, Unit, UnitOpenLeft
 
 #: `include` values: served, or about hosted-tool items that Deltafin never produces (so there is nothing to add)
 INCLUDABLE = frozenset(
@@ -74,6 +74,10 @@ class ResponsesRequest(Struct, kw_only=True):
     thinking_token_budget: Annotated[int, Meta(ge=0)] | None = None
     temperature: Temperature | None = None
     top_p: UnitOpenLeft | None = None
+    # vLLM's extensions, as chat takes them
+    top_k: Annotated[int, Meta(ge=-1)] | None = None
+    min_p: Unit | None = None
+    repetition_penalty: RepetitionPenalty | None = None
     top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
     stream: bool = False
     store: bool | None = None

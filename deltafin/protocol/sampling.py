@@ -90,3 +90,42 @@ class SamplingParams:
     def deterministic(self) -> bool:
         """Greedy or seeded: the same prompt and parameters always give the same tokens."""
         return self.greedy or self.seed is not None
+
+
+#: the request fields a model's default sampling may fill (SamplingFields' names), in the order /v1/models shows them
+DEFAULTABLE = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "repetition_penalty",
+    "presence_penalty",
+    "frequency_penalty",
+    "max_tokens",
+)
+
+
+@dataclass(frozen=True)
+class SamplingDefaults:
+    """A served model's default sampling: the value of each field a request leaves out (None: OpenAI's default).
+
+    `max_tokens` is a default, not a request: a prompt that leaves less room gets the room that is left instead of
+    a context-length error (as `max_tokens_default`, which the compat rules also set). `sources` says where each
+    value came from (`generation_config.json` or `model.sampling`), for the load log line."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    repetition_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    max_tokens: int | None = None
+    sources: tuple[tuple[str, str], ...] = ()
+
+    def values(self) -> dict[str, float | int]:
+        """The fields that have a default, by name (what /v1/models shows)."""
+        return {name: value for name in DEFAULTABLE if (value := getattr(self, name)) is not None}
+
+
+NO_DEFAULTS = SamplingDefaults()

@@ -15,6 +15,7 @@ from deltafin.engine import EngineFront, Finished, GenerationJob, TextDelta
 from deltafin.errors import ModelNotFoundError, quoted_name
 from deltafin.families import BoundFamily, bind_family
 from deltafin.prompt import ChatFormat
+from deltafin.protocol.sampling import NO_DEFAULTS, SamplingDefaults
 from deltafin.rules import RulePipeline
 from deltafin.serving.prompt_work import PromptWork
 
@@ -122,6 +123,8 @@ class ServingContext:
     #: importing serving does not import xgrammar, and torch with it); None: the engine cannot constrain, and a
     #: constrained request is a 400
     grammars: Any = None
+    #: the model's default sampling, for what a request leaves out (deltafin.serving.sampling_defaults)
+    sampling_defaults: SamplingDefaults = NO_DEFAULTS
     #: the served model's family, bound to its variant here, once (what serving asks of it: parsers, grammars)
     family: BoundFamily = field(init=False)
 

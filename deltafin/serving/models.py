@@ -18,6 +18,8 @@ def _card(ctx: ServingContext, name: str) -> dict[str, Any]:
         "owned_by": "deltafin",
         "root": ctx.model_name,
         "max_model_len": ctx.engine.context_length,
+        # what a request that leaves a sampling field out is served with (model.sampling, generation_config.json)
+        "sampling_defaults": ctx.sampling_defaults.values(),
     }
 
 

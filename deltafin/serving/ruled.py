@@ -10,6 +10,7 @@ from deltafin.errors import DeltafinError
 from deltafin.rules import RuleContext
 from deltafin.rules.base import Request
 from deltafin.serving.context import RequestStats, ServingContext
+from deltafin.serving.sampling_defaults import with_sampling_defaults
 from deltafin.serving.sse import ChunkStream, StreamingResponse, encode_sse
 
 Produce = Callable[[Any], Awaitable["dict[str, Any] | ChunkStream"]]
@@ -29,6 +30,8 @@ async def serve_with_rules(
 ) -> dict[str, Any] | StreamingResponse:
     rules = ctx.rules
     try:
+        # the model's defaults fill what the request leaves out; rules that pin or bound a field come after
+        request = with_sampling_defaults(request, ctx.sampling_defaults)
         request = rules.on_request(request, rule_ctx, stats.rules)
         result = await produce(request)
         if isinstance(result, dict):

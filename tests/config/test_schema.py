@@ -67,6 +67,8 @@ class TestRanges:
         integral = isinstance(OmegaConf.select(OmegaConf.structured(DeltafinConfig), key), int) or key in (
             "model.context_length",
             "placement.num_threads",
+            "model.sampling.top_k",
+            "model.sampling.max_tokens",
         )
         step = 1 if integral else 0.001
         for inside in (bounds.low, bounds.high):

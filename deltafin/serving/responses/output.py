@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from deltafin.protocol.responses import ResponsesRequest
+from deltafin.protocol.sampling import NO_DEFAULTS, SamplingDefaults
 from deltafin.serving.encoded_reasoning import encode_reasoning
 from deltafin.serving.responses.items import Item, item_id
 from deltafin.serving.responses.tools import ServedTools
@@ -48,6 +49,8 @@ class ResponseShape:
     model: str
     id: str = field(default_factory=new_response_id)
     created_at: int = field(default_factory=lambda: int(time.time()))
+    #: the model's default sampling: the echoed temperature and top_p are what the response was sampled with
+    defaults: SamplingDefaults = NO_DEFAULTS
 
     def reasoning_item(self, text: str, *, status: str = "completed") -> Item:
         item: Item = {
@@ -125,12 +128,12 @@ class ResponseShape:
             "safety_identifier": request.safety_identifier,
             "service_tier": "default",
             "store": request.stores,
-            "temperature": 1.0 if request.temperature is None else request.temperature,
+            "temperature": _first(request.temperature, self.defaults.temperature, 1.0),
             "text": {"format": text_format, "verbosity": "medium"},
             "tool_choice": "auto" if request.tool_choice is None else request.tool_choice,
             "tools": list(request.tools or ()),
             "top_logprobs": request.top_logprobs or 0,
-            "top_p": 1.0 if request.top_p is None else request.top_p,
+            "top_p": _first(request.top_p, self.defaults.top_p, 1.0),
             "truncation": request.truncation or "disabled",
             "usage": usage,
             "user": request.user,
@@ -171,3 +174,8 @@ def output_logprobs(chat_logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]
         return {"token": lp["token"], "logprob": lp["logprob"], "bytes": lp.get("bytes") or list(lp["token"].encode())}
 
     return [{**entry(lp), "top_logprobs": [entry(top) for top in lp.get("top_logprobs") or ()]} for lp in chat_logprobs]
+
+
+def _first(*values: Any) -> Any:
+    """The first value that is not None (an explicit 0 is a value)."""
+    return next(value for value in values if value is not None)

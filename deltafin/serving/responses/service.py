@@ -81,7 +81,7 @@ class ResponsesService:
         new_items = canonical_input(request.input)
         if not new_items and not context:
             raise InvalidRequestError("input must not be empty", param="input")
-        shape = ResponseShape(request, tools, self.ctx.model_name)
+        shape = ResponseShape(request, tools, self.ctx.model_name, defaults=self.ctx.sampling_defaults)
         items = [*context, *new_items]
         record = {"input": new_items, "context": context}
         while True:
@@ -202,6 +202,9 @@ def chat_request(
         max_completion_tokens=request.max_output_tokens,
         temperature=request.temperature,
         top_p=request.top_p,
+        top_k=request.top_k,
+        min_p=request.min_p,
+        repetition_penalty=request.repetition_penalty,
         stream=request.stream,
         stream_options=StreamOptions(include_usage=True) if request.stream else None,
         user=request.user,
