@@ -156,11 +156,13 @@ def _check_engine(config: DeltafinConfig) -> None:
 
 
 def _check_model_path(config: DeltafinConfig) -> None:
-    """`model.path` must exist (a `pkg:` path: its package must be installed); loading comes later."""
-    from deltafin.engine.weights.paths import ModelLoadError, resolve_model_path
+    """`model.path` must exist (a `pkg:` path: its package must be installed; a Hub id: cached, or on the Hub when
+    online, deltafin.engine.weights.hub); loading comes later."""
+    from deltafin.engine.weights.paths import ModelLoadError, check_model_path
 
     try:
-        resolve_model_path(config.model.path)
+        # an upstream engine (it has a URL; the local one never does) reads the tokenizer and config only
+        check_model_path(config.model, weights=config.engine.url is None)
     except ModelLoadError as exc:
         raise ConfigError(str(exc)) from None
 

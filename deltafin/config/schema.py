@@ -219,6 +219,13 @@ def _open_unit(value: Any) -> str | None:
     return f"{value} is outside (0, 1] or null"
 
 
+def _revision(value: Any) -> str | None:
+    """null, or a branch, tag or commit of the Hub repository `model.path` names"""
+    if value is None or (str(value).strip() and not any(c.isspace() for c in str(value))):
+        return None
+    return f"{value!r} is not a branch, tag or commit (null: the repository's default branch)"
+
+
 # --- the groups ---
 
 
@@ -243,9 +250,12 @@ class SamplingConfig:
 class ModelConfig:
     name: str = checked(_served_name)  # the id served by /v1/models and accepted in a request's `model`
     family: str = MISSING  # the model family (deltafin/families/): its parsers and family-scoped rules; never guessed
-    # the checkpoint: a local HF folder, a .gguf file, or `pkg:PACKAGE/FILE` (a file inside an installed Python
-    # package); in gateway mode only the tokenizer files are read
+    # the checkpoint: a local HF folder, a .gguf file, `pkg:PACKAGE/FILE` (a file inside an installed Python
+    # package), or a Hugging Face Hub id (ORG/NAME: the local Hugging Face cache, else downloaded into it; only the
+    # files the engine reads); in gateway mode only the tokenizer files are read
     path: str = MISSING
+    # with a Hub id in `path`: its branch, tag or commit (null: the default branch)
+    revision: Optional[str] = checked(_revision, default=None)
     aliases: list[str] = checked(_served_names, default_factory=list)  # other names clients may send for this model (one with `*` is a pattern: claude-*)
     variant: Optional[str] = None  # a variant of the family (GLM: glm45 | glm47); null = the family's default
     # vLLM / SGLang parser names (`model.tool_parser=glm47`), accepted for familiarity: a family or variant name,

@@ -21,7 +21,7 @@ import msgspec
 import structlog
 
 from deltafin.config import ModelConfig
-from deltafin.engine.weights.paths import ModelLoadError, resolve_model_path
+from deltafin.engine.weights.paths import ModelLoadError, local_model_path
 from deltafin.protocol.sampling import DEFAULTABLE, NO_DEFAULTS, SamplingDefaults
 
 log = structlog.get_logger("deltafin.serving")
@@ -76,10 +76,10 @@ def sampling_defaults_for(model: ModelConfig, checkpoint: Path | None) -> Sampli
 def checkpoint_folder(model: ModelConfig) -> Path | None:
     """The checkpoint folder whose generation_config.json counts (None for a GGUF file, which has none)."""
     try:
-        path = resolve_model_path(model.path)
+        path = local_model_path(model)
     except ModelLoadError:
         return None
-    return path if path.is_dir() else None
+    return path if path is not None and path.is_dir() else None
 
 
 def checkpoint_sampling(folder: Path) -> dict[str, float | int]:

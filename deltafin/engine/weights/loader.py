@@ -27,7 +27,14 @@ from deltafin.engine.quant import quantize
 from deltafin.engine.weights import architecture
 
 # (the light module's: the command line checks a path without importing torch; tests and bench import them here too)
-from deltafin.engine.weights.paths import ModelLoadError, cache_dir_of, default_cache_dir, resolve_model_path  # noqa: F401
+from deltafin.engine.weights.paths import (  # noqa: F401
+    ModelLoadError,
+    cache_dir_of,
+    default_cache_dir,
+    local_model_path,
+    model_folder,
+    resolve_model_path,
+)
 
 log = structlog.get_logger("deltafin.engine")
 
@@ -108,7 +115,9 @@ def check_expert_pool(model_cfg: ModelConfig, placement: PlacementConfig, *, max
     file is checked when it loads, after its conversion); ModelLoadError with one line."""
     if not placement.experts.pool_mb:
         return
-    path = resolve_model_path(model_cfg.path)
+    path = local_model_path(model_cfg)
+    if path is None:  # a Hub id not downloaded yet: checked when it loads
+        return
     if path.is_file() and path.suffix == ".gguf":  # checkable once converted (the cached folder)
         cache_dir = cache_dir_of(model_cfg)
         path = cache_dir / _gguf_cache_key(path)
@@ -155,7 +164,7 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig, *, max_batch:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     started = time.perf_counter()
-    path = resolve_model_path(model_cfg.path)
+    path = model_folder(model_cfg, weights=True, towers=_towers)
     if path.is_file() and path.suffix == ".gguf":
         cache_dir = cache_dir_of(model_cfg)
         native = _load_gguf_native(path, cache_dir, model_cfg, placement, started)
@@ -274,6 +283,16 @@ def _load_gguf_native(
         load_seconds=seconds,
         compile=placement.compile,
     )
+
+
+def _towers(config: dict[str, Any]) -> tuple[str, ...]:
+    """The weight prefixes text serving leaves out of a multimodal checkpoint (none for a text one): its shards
+    holding only these are never downloaded (deltafin.engine.weights.hub)."""
+    try:
+        text = architecture.text_model(config)
+    except ValueError:
+        return ()
+    return text[1].towers if text is not None else ()
 
 
 def _text_model(folder: Path, trust_remote_code: bool) -> tuple[Any, architecture.Multimodal] | None:

@@ -15,7 +15,7 @@ import structlog
 
 from deltafin.config import ModelConfig
 from deltafin.engine.weights.loader import _gguf_cache_key
-from deltafin.engine.weights.paths import ModelLoadError, default_cache_dir, resolve_model_path
+from deltafin.engine.weights.paths import ModelLoadError, default_cache_dir, model_folder
 
 log = structlog.get_logger("deltafin.engine")
 
@@ -34,7 +34,7 @@ def load_tokenizer_only(model_cfg: ModelConfig) -> TokenizerBundle:
     from transformers import AutoConfig, AutoTokenizer, GenerationConfig
 
     started = time.perf_counter()
-    path = resolve_model_path(model_cfg.path)
+    path = model_folder(model_cfg, weights=False)  # a Hub id: its tokenizer and config files only
     trust = model_cfg.trust_remote_code
     if path.is_file() and path.suffix == ".gguf":
         path = _converted_copy(path, model_cfg) or path
