@@ -47,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             with _naming_entry(entry):
                 _check_expert_pool(served)
         _check_response_store(config)
+        _check_tracing(config)
         listener = _listen(config)
     except ConfigError as exc:
         print(f"deltafin: config error: {exc}", file=sys.stderr)
@@ -204,6 +205,24 @@ def _check_response_store(config: DeltafinConfig) -> None:
     from deltafin.serving.responses.store import open_store
 
     open_store(config.server.responses).close()
+
+
+def _check_tracing(config: DeltafinConfig) -> None:
+    """Tracing needs OpenTelemetry's SDK and OTLP exporter, an optional extra: without them, a config error."""
+    if config.server.tracing.otlp_endpoint is None:
+        return
+    import importlib.util
+
+    for module in ("opentelemetry.sdk.trace", "opentelemetry.exporter.otlp.proto.http.trace_exporter"):
+        try:
+            found = importlib.util.find_spec(module) is not None
+        except ModuleNotFoundError:
+            found = False
+        if not found:
+            raise ConfigError(
+                "server.tracing.otlp_endpoint: tracing needs OpenTelemetry's SDK and OTLP/HTTP exporter "
+                f"({module} is not installed: pip install 'deltafin[tracing]')"
+            )
 
 
 def _listen(config: DeltafinConfig) -> socket.socket:

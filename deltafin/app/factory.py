@@ -19,7 +19,7 @@ from deltafin.app.auth import ApiKeyGate
 from deltafin.app.body import publish_body_schemas
 from deltafin.app.connections import BodyDeadline
 from deltafin.app.errors import handle_exception
-from deltafin.app.generation import GenerationEndpoints, document_generation_routes
+from deltafin.app.generation import GENERATION_ROUTES, GenerationEndpoints, document_generation_routes
 from deltafin.app.request_context import RequestContext
 from deltafin.app.routes import BODY_TYPES, ROUTES
 from deltafin.app.served import ServedModel, ServedModels
@@ -129,10 +129,16 @@ def build_app(
     services: Services | Sequence[Services] | None = None,
     *,
     models: Sequence[DeltafinConfig] = (),
+    tracer: Any = None,
 ) -> Any:
     """The ASGI app for `config`'s model and the other `models` (deltafin.config.models), loaded in the
     background one after another, the main one first. With `services` given (tests: one, or one per model, the
-    main one first) it is ready at once."""
+    main one first) it is ready at once. `tracer`: a deltafin.app.tracing.RequestTracer (tests); None builds one
+    when `server.tracing.otlp_endpoint` is set (only then is OpenTelemetry imported)."""
+    if tracer is None and config.server.tracing.otlp_endpoint is not None:
+        from deltafin.app.tracing import RequestTracer
+
+        tracer = RequestTracer(config.server.tracing, frozenset(GENERATION_ROUTES))
     loaded = [services] if isinstance(services, Services) else list(services or ())
     served = ServedModels([config, *models] if not loaded else [each.ctx.config for each in loaded])
     app_metrics = Metrics()
@@ -146,7 +152,11 @@ def build_app(
         if loaded:
             for model, each in zip(served, loaded):
                 model.services = each
-            yield
+            try:
+                yield
+            finally:
+                if tracer is not None:
+                    tracer.flush()
             return
         store = open_store(config.server.responses)  # one store, whichever model answered (GET needs no model)
         task = asyncio.create_task(_load_all(served, store, app_metrics))
@@ -161,6 +171,8 @@ def build_app(
                 if services_loaded.ctx.grammars is not None:
                     services_loaded.ctx.grammars.close()  # its worker processes
             store.close()
+            if tracer is not None:
+                tracer.shutdown()  # the spans still batched leave now
 
     generation = GenerationEndpoints(services=served.require, drain=drain, max_body_bytes=config.server.max_body_bytes)
     litestar_app = Litestar(
@@ -180,7 +192,7 @@ def build_app(
     # checked before routing so a request without one never has its body read; the body's deadline; Litestar.
     inner: Any = BodyDeadline(litestar_app, config.server.connections.body_timeout_s)
     inner = ApiKeyGate(inner, config.server.api_keys, config.server.open_routes)
-    app = RequestContext(DrainGate(inner, drain), app_metrics, engine=engine_name(config))
+    app = RequestContext(DrainGate(inner, drain), app_metrics, engine=engine_name(config), tracer=tracer)
     app.drain = drain  # the server starts draining it on SIGTERM/SIGINT (deltafin.app.server)
     return app
 

@@ -1,5 +1,5 @@
 """Outermost ASGI layer: x-request-id on every response (404s too; Anthropic's `request-id` too on its routes),
-one canonical log line, metrics."""
+one canonical log line, metrics, and the request's trace when tracing is on (deltafin.app.tracing)."""
 
 from __future__ import annotations
 
@@ -42,11 +42,13 @@ def route_template(scope: dict[str, Any]) -> str:
 
 
 class RequestContext:
-    def __init__(self, app: Any, metrics: Metrics, engine: str = "local") -> None:
+    def __init__(self, app: Any, metrics: Metrics, engine: str = "local", tracer: Any = None) -> None:
         self.app = app
         self.metrics = metrics
         self.drain: Any = None  # set by build_app
         self.engine = engine
+        #: deltafin.app.tracing.RequestTracer when server.tracing is on (typed Any: that module imports the SDK)
+        self.tracer = tracer
 
     async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         if scope["type"] != "http":
@@ -80,10 +82,13 @@ class RequestContext:
             await send(message)
 
         structlog.contextvars.bind_contextvars(request_id=request_id)
+        traced = self.tracer.start(scope, request_id) if self.tracer is not None else None
         try:
             await self.app(scope, receive, send_with_context)
         finally:
-            self._log(scope, stats, status, completed=done)
+            total = self._log(scope, stats, status, completed=done)
+            if traced is not None:
+                self.tracer.finish(traced, stats, status, total_s=total, completed=done)
             structlog.contextvars.unbind_contextvars("request_id")
 
     def _observe(self, route: str, stats: RequestStats, status: int, total: float) -> None:
@@ -108,7 +113,8 @@ class RequestContext:
         for rule in stats.rules:  # rule names come from the config, so this label set is bounded
             m.rule_firings.labels(rule=rule).inc()
 
-    def _log(self, scope: dict[str, Any], stats: RequestStats, status: int, *, completed: bool) -> None:
+    def _log(self, scope: dict[str, Any], stats: RequestStats, status: int, *, completed: bool) -> float:
+        """Log and count the request; its total time in seconds."""
         route = route_template(scope)
         total = time.perf_counter() - stats.started
         self._observe(route, stats, status, total)
@@ -133,6 +139,7 @@ class RequestContext:
             rules=stats.rules,
             **stats.expert_fields(),
         )
+        return total
 
 
 def _ms(seconds: float | None) -> float | None:

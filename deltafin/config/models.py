@@ -4,7 +4,7 @@ Each entry is composed on its own, from conf/'s defaults and its own overrides (
 carries over, so `model=glm` there and `model=kimi_k3` here never collide). It is served as its `model.name`
 when it sets one (a name with a dot, `glm-4.7`, cannot be a key), else as the entry's key. What belongs to the
 process, not to a model (the listener, the API keys, the connection limits, the shutdown, the response store,
-the log level), is the main config's alone: an entry that sets it is an error, rather than a setting that
+the log level, tracing), is the main config's alone: an entry that sets it is an error, rather than a setting that
 silently does nothing.
 """
 
@@ -25,6 +25,7 @@ PROCESS_KEYS = (
     "server.shutdown_grace_s",
     "server.connections",
     "server.responses",
+    "server.tracing",
     "models",
 )
 

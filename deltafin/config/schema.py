@@ -219,6 +219,13 @@ def _open_unit(value: Any) -> str | None:
     return f"{value} is outside (0, 1] or null"
 
 
+def _otlp_url(url: Any) -> str | None:
+    """null, or an `http://` / `https://` URL"""
+    if url is not None and not str(url).startswith(("http://", "https://")):
+        return f"an OTLP/HTTP collector needs http(s)://HOST:PORT[/v1/traces] (got {url!r})"
+    return None
+
+
 def _revision(value: Any) -> str | None:
     """null, or a branch, tag or commit of the Hub repository `model.path` names"""
     if value is None or (str(value).strip() and not any(c.isspace() for c in str(value))):
@@ -411,6 +418,18 @@ class ResponsesConfig:
 
 
 @dataclass
+class TracingConfig:
+    """OpenTelemetry traces of generation requests (`pip install deltafin[tracing]`; docs/tracing.md)."""
+
+    # the collector's OTLP/HTTP (protobuf) URL: http://HOST:4318 (spans go to /v1/traces) or the full traces URL;
+    # null: tracing off, and nothing of OpenTelemetry is imported
+    otlp_endpoint: Optional[str] = checked(_otlp_url, default=None)
+    # the share of new traces recorded (by trace id); a request that brings a W3C traceparent follows its sampled flag
+    sample_ratio: float = ranged(1.0, 0, 1)
+    service_name: str = "deltafin"  # the service.name resource attribute of every span
+
+
+@dataclass
 class ServerConfig:
     host: str = checked(_bindable_host, default="127.0.0.1")  # the address to listen on (0.0.0.0: every interface)
     port: int = ranged(8000, 0, 65535)  # the TCP port to listen on (0: any free port)
@@ -433,6 +452,7 @@ class ServerConfig:
     connections: ConnectionsConfig = field(default_factory=ConnectionsConfig)
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
     grammar: GrammarConfig = field(default_factory=GrammarConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)  # OpenTelemetry traces (off by default)
 
 
 @dataclass

@@ -17,6 +17,7 @@ from deltafin.engine.events import Event, Finished, GenerationJob
 from deltafin.engine.interface import EngineCapabilities, EngineClient, Readiness
 from deltafin.engine.memo import ResponseMemo
 from deltafin.engine.stream import GenerationStream
+from deltafin.engine.timeline import Mark, current_timeline, now_ns
 
 
 class EngineFront:
@@ -69,19 +70,24 @@ class EngineFront:
     async def start(self, jobs: Sequence[GenerationJob], *, deadline: float | None = None) -> GenerationStream:
         """Admit the request (or raise 429) and start it; `deadline` is a `time.monotonic()` instant."""
         loop = asyncio.get_running_loop()
+        timeline = current_timeline.get()
+        if timeline is not None:
+            timeline.params, timeline.choices = jobs[0].params, len(jobs)
         replays = [self.memo.get(job) if job.params.deterministic and self.memo.enabled else None for job in jobs]
         if all(replay is not None for replay in replays):
             # Every choice is a memo hit: replay on the event loop, never queued behind a generation.
-            stream = GenerationStream(loop)
+            stream = GenerationStream(loop, timeline=timeline)
             for choice, replay in enumerate(replays):
                 assert replay is not None
                 for event in replay:
                     stream.emit(_replayed(event, choice))
             stream.end()
             return stream
-        queued_at = time.perf_counter()
+        queued_at, queued_ns = time.perf_counter(), now_ns() if timeline is not None else 0
         units = await self.admission.acquire(len(jobs), deadline=deadline)
-        stream = GenerationStream(loop, queue_wait=time.perf_counter() - queued_at)
+        stream = GenerationStream(loop, queue_wait=time.perf_counter() - queued_at, timeline=timeline)
+        if timeline is not None:
+            timeline.add(Mark("queue", queued_ns, now_ns(), {"deltafin.queue.rows": len(jobs)}))
         stream.on_end(lambda: self.admission.release(units))
         if self.memo.enabled and any(job.params.deterministic for job in jobs):
             stream.observe(_MemoRecorder(self.memo, jobs, stream))

@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 
 from deltafin.engine.events import Event
+from deltafin.engine.timeline import Timeline
 from deltafin.errors import DeltafinError, InternalError
 
 _END = object()
@@ -56,9 +57,13 @@ class CancelFlag:
 
 
 class GenerationStream:
-    def __init__(self, loop: asyncio.AbstractEventLoop, *, queue_wait: float = 0.0) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, *, queue_wait: float = 0.0, timeline: Timeline | None = None
+    ) -> None:
         self.loop = loop
+        #: the request's trace marks when it is traced (deltafin.engine.timeline), else None
         self._loop_thread = threading.get_ident()  # created on the loop's thread
+        self.timeline = timeline
         self.queue_wait = queue_wait
         self.cancelled = CancelFlag()
         # The request's log context (request id ...), for log lines the engine writes on its own threads.

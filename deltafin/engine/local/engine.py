@@ -46,6 +46,7 @@ from deltafin.engine.local.steps import decode_step_for
 from deltafin.engine.stream import GenerationStream
 from deltafin.engine.text.choice_decoder import ChoiceDecoder
 from deltafin.engine.text.reasoning_budget import reasoning_tracker
+from deltafin.engine.timeline import Mark, now_ns
 from deltafin.engine.weights.loader import LoadedModel
 from deltafin.errors import InvalidRequestError
 
@@ -74,6 +75,9 @@ class PromptInPrefill:
     pool_spent: PoolCounters | None = None
     #: perf_counter when the owner thread took the request (its rows' prefill and total times count from here)
     started: float = field(default_factory=time.perf_counter)
+    #: a traced request's prefill chunks so far (deltafin.engine.timeline), else None; and when it was taken
+    chunks: list[Mark] | None = None
+    started_ns: int = 0
 
     @property
     def stream(self) -> GenerationStream:
@@ -231,7 +235,10 @@ class LocalEngine(EngineClient):
         want_prompt = job.params.prompt_logprobs
         # Prompt logprobs need logits at every prompt position, so nothing may come from the cache.
         reuse = self.prefix_cache.take(() if want_prompt is not None else job.prompt_ids, job.cache_scope)
-        self._prefilling.append(PromptInPrefill(sub, choices, reuse))
+        prompt = PromptInPrefill(sub, choices, reuse)
+        if sub.stream.timeline is not None:
+            prompt.chunks, prompt.started_ns = [], now_ns()
+        self._prefilling.append(prompt)
 
     def _started(self, prompt: PromptInPrefill) -> bool:
         """The prompt's prefill exists (made here once its cache is settled); False while its prefix is still
@@ -267,7 +274,10 @@ class LocalEngine(EngineClient):
                     assert prompt.work is not None
                     positions = min(prompt.work.remaining, budget)
                     pool_before = self.experts.counters() if self.experts is not None else None
+                    began = now_ns() if prompt.chunks is not None else 0
                     prompt.work.run(positions)
+                    if prompt.chunks is not None:
+                        prompt.chunks.append(Mark("prefill chunk", began, now_ns(), {"deltafin.positions": positions}))
                     if pool_before is not None:  # this chunk's expert reads, charged to the prompt's rows
                         spent = self.experts.counters() - pool_before
                         prompt.pool_spent = spent if prompt.pool_spent is None else prompt.pool_spent + spent
@@ -287,10 +297,12 @@ class LocalEngine(EngineClient):
         assert work is not None
         ids = work.ids
         prefill_s = time.perf_counter() - prompt.started
+        joined_ns = self._mark_prefill(prompt)
         joining: list[Row] = []
         for choice in prompt.choices:
             row = self._new_row(sub, choice, prompt.cached, prompt.started)
             row.timings["prefill_s"] = prefill_s
+            row.joined_ns = joined_ns
             if prompt.pool_spent is not None:  # the prefill's expert reads, shared by its choices (log line)
                 charge_experts(row.timings, prompt.pool_spent, share=len(prompt.choices), decode=False)
             if work.prompt_logprobs is not None:
@@ -309,6 +321,22 @@ class LocalEngine(EngineClient):
             self._rows.extend(joining)
         # The prompt's cache is offered again whatever happened (a row that ended at its first token included).
         self.prefix_cache.give_back(work.cache, ids, sub.jobs[prompt.choices[0]].cache_scope)
+
+    @staticmethod
+    def _mark_prefill(prompt: PromptInPrefill) -> int:
+        """A traced prompt's prefill (from its being taken, a disk read of its prefix included), its chunks under
+        it; the instant its rows start decoding (0: not traced)."""
+        timeline = prompt.stream.timeline
+        if timeline is None or prompt.chunks is None or prompt.work is None:
+            return 0
+        ended = now_ns()
+        attributes = {
+            "gen_ai.usage.input_tokens": len(prompt.work.ids),
+            "gen_ai.usage.cache_read.input_tokens": prompt.cached,
+            "deltafin.choices": len(prompt.choices),
+        }
+        timeline.add(Mark("prefill", prompt.started_ns, ended, attributes, children=prompt.chunks))
+        return ended
 
     def _fail_submission(self, sub: Submission, exc: Exception) -> None:
         """Everything of `sub` stops: its rows leave, its prompts in prefill are dropped (caches not offered)."""

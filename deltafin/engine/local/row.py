@@ -16,6 +16,7 @@ from deltafin.engine.events import FinishReason, GenerationJob, TextDelta
 from deltafin.engine.local.sampler import Sampler
 from deltafin.engine.stream import GenerationStream
 from deltafin.engine.text.choice_decoder import ChoiceDecoder
+from deltafin.engine.timeline import Mark, now_ns
 
 
 @dataclass(eq=False)
@@ -55,6 +56,8 @@ class Row:
     #: the last sampled token, fed to the model at the next step
     pending: int | None = None
     timings: dict[str, float] = field(default_factory=dict)
+    #: when a traced request's row started decoding (its prompt's prefill ended; deltafin.engine.timeline)
+    joined_ns: int = 0
 
     @property
     def stream(self) -> GenerationStream:
@@ -95,4 +98,12 @@ class Row:
         if tail is not None:
             self.stream.emit(tail)
         self.stream.emit(end)
+        timeline = self.stream.timeline
+        if timeline is not None:
+            attributes: dict[str, Any] = {
+                "deltafin.choice": self.choice,
+                "gen_ai.usage.output_tokens": end.completion_tokens,
+                "gen_ai.response.finish_reasons": (end.reason,),
+            }
+            timeline.add(Mark("decode", self.joined_ns or now_ns(), now_ns(), attributes))
         return True

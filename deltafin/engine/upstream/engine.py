@@ -27,6 +27,7 @@ from deltafin.engine.events import FinishReason, GenerationJob, TextDelta
 from deltafin.engine.interface import EngineCapabilities, EngineClient, Readiness
 from deltafin.engine.stream import GenerationStream
 from deltafin.engine.text.choice_decoder import ChoiceDecoder
+from deltafin.engine.timeline import Mark, Timeline, now_ns
 from deltafin.engine.upstream.budget import BudgetWatch
 from deltafin.engine.upstream.health import UpstreamHealth
 from deltafin.engine.upstream.http1 import (
@@ -235,6 +236,8 @@ class UpstreamEngine(EngineClient):
         # The client's request id travels upstream, so one grep finds both log lines.
         request_id = stream.log_context.get("request_id")
         headers = {"x-request-id": f"{request_id}-{choice}" if choice else str(request_id)} if request_id else {}
+        if stream.timeline is not None:  # a traced request: the upstream continues the trace under this call
+            headers.update(stream.timeline.call(choice).headers)
         path, body = self.adapter.request(job, rid, self._stop_ids(job))
         return self.pool.request("POST", path, _encode(body), headers)
 
@@ -256,6 +259,43 @@ class UpstreamEngine(EngineClient):
     ) -> None:
         """`rids`: the submission's upstream request ids, one a choice (the current one, for an abort)."""
         started = time.perf_counter()
+        timeline = stream.timeline
+        if timeline is None:
+            await self._run_choice(job, choice, rid, stream, gate, started, exchange)
+            return
+        began_ns = now_ns()
+        try:
+            await self._run_choice(job, choice, rid, stream, gate, started, exchange)
+        except BaseException as exc:
+            timeline.call(choice).attributes["error.type"] = type(exc).__name__
+            raise
+        finally:
+            self._mark_call(timeline, choice, began_ns, exchange)
+
+    def _mark_call(self, timeline: Timeline, choice: int, began_ns: int, exchange: Exchange | BaseException) -> None:
+        """A traced choice's upstream call (resends included), as a client span under the request, with the id
+        its traceparent named."""
+        call = timeline.call(choice)
+        path = exchange.path if isinstance(exchange, Exchange) else ""
+        attributes = {
+            "http.request.method": "POST",
+            "url.full": self.target.url + path,
+            "deltafin.upstream.engine": self.name,
+            "deltafin.choice": choice,
+            **call.attributes,
+        }
+        timeline.add(Mark(f"POST {path}", began_ns, now_ns(), attributes, span_id=call.span_id, kind="client"))
+
+    async def _run_choice(
+        self,
+        job: GenerationJob,
+        choice: int,
+        rid: str,
+        stream: GenerationStream,
+        gate: _Gate,
+        started: float,
+        exchange: Exchange | BaseException,
+    ) -> None:
         try:
             if isinstance(exchange, BaseException):  # building the request failed on the request's task
                 raise exchange
@@ -299,6 +339,8 @@ class UpstreamEngine(EngineClient):
         while True:
             try:
                 async with exchange as response:
+                    if stream.timeline is not None:
+                        stream.timeline.call(choice).attributes["http.response.status_code"] = response.status
                     if response.status in _DOWN_STATUSES:
                         self.health.unavailable(f"{self.target} answered {response.status} to a generation")
                     elif response.status == 200:
