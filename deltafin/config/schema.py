@@ -228,7 +228,8 @@ def _otlp_url(url: Any) -> str | None:
 
 def _revision(value: Any) -> str | None:
     """null, or a branch, tag or commit of the Hub repository `model.path` names"""
-    if value is None or (str(value).strip() and not any(c.isspace() for c in str(value))):
+    text = str(value)
+    if value is None or (text.strip() and ".." not in text and not any(c.isspace() for c in text)):
         return None
     return f"{value!r} is not a branch, tag or commit (null: the repository's default branch)"
 

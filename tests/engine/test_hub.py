@@ -127,6 +127,18 @@ class TestIds:
         assert hub.hub_model("org/name") is None
 
 
+def test_a_revision_needs_a_hub_id(tmp_path):
+    from deltafin.config import ConfigError
+    from deltafin.engine.weights.paths import ModelLoadError, check_model_path
+    from tests.conftest import compose_config
+
+    model = compose_config([f"model.path={tmp_path}", "model.revision=main"]).model
+    with pytest.raises(ModelLoadError, match=r"^model.revision: 'main' names a revision"):
+        check_model_path(model, weights=True)
+    with pytest.raises(ConfigError, match=r"^model.revision: "):
+        compose_config(["model.revision=../../x"])
+
+
 class TestCacheOffline:
     """A cache laid out in the test (HF_HOME), HF_HUB_OFFLINE=1: the command line and the loader find the model
     there, and say in one line, exit 2, when it is not."""

@@ -54,6 +54,11 @@ def check_model_path(model_cfg: ModelConfig, *, weights: bool) -> None:
     found = hub.hub_model(model_cfg.path, model_cfg.revision)
     if found is None:
         resolve_model_path(model_cfg.path)
+        if model_cfg.revision is not None:
+            raise ModelLoadError(
+                f"model.revision: {model_cfg.revision!r} names a revision of a Hub repository, and model.path "
+                f"({model_cfg.path}) is not a Hub id"
+            )
     else:
         hub.check(found, weights=weights, views=_hub_views(model_cfg))
 
