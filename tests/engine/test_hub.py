@@ -139,6 +139,16 @@ def test_a_revision_needs_a_hub_id(tmp_path):
         compose_config(["model.revision=../../x"])
 
 
+@pytest.mark.parametrize("shard", ["../x.safetensors", "sub/x.safetensors", "/etc/passwd", ".hidden"])
+def test_an_index_naming_files_outside_its_folder_is_refused(tmp_path, shard):
+    from deltafin.engine.weights.paths import ModelLoadError
+
+    (tmp_path / "config.json").write_text("{}")
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": {"w": shard}}))
+    with pytest.raises(ModelLoadError, match="outside its folder"):
+        hub.missing_files(tmp_path, weights=True)
+
+
 class TestCacheOffline:
     """A cache laid out in the test (HF_HOME), HF_HUB_OFFLINE=1: the command line and the loader find the model
     there, and say in one line, exit 2, when it is not."""

@@ -132,10 +132,15 @@ def missing_files(folder: Path, *, weights: bool) -> str | None:
 
 def _index_shards(index: Path) -> list[str]:
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        return sorted(set(weight_map.values()))
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         raise ModelLoadError(f"model.path: {index} is not a weights index (no weight_map)") from None
+    strange = [
+        shard for shard in shards if not isinstance(shard, str) or Path(shard).name != shard or shard[:1] in ".~"
+    ]
+    if strange:  # an index naming files outside its folder is no checkpoint's
+        raise ModelLoadError(f"model.path: {index} names a weight file outside its folder ({strange[0]!r})")
+    return shards
 
 
 # --- the command line's check ---
