@@ -207,14 +207,21 @@ def test_completion_logprobs_are_vllms_and_stop_strings_are_deltafins(replicas, 
 def test_n_choices_are_vllms_seeded_samples_seed_plus_i(replicas, gateway):
     """Choice i of a seeded request is vLLM's own sample with seed + i (Deltafin's rule for `n`, on every engine)."""
     ours = client(gateway).chat.completions.create(
-        model=NAME, messages=HELLO, max_tokens=12, temperature=0.9, n=2, seed=11
+        model=NAME, messages=HELLO, max_tokens=12, temperature=0.9, top_p=0.95, n=2, seed=11
     )
     ids = prompt_ids(gateway, HELLO)
     for i, choice in enumerate(ours.choices):
         theirs = direct(
             replicas.a,
             "/v1/completions",
-            {"prompt": ids, "max_tokens": 12, "temperature": 0.9, "seed": 11 + i, "return_token_ids": True},
+            {
+                "prompt": ids,
+                "max_tokens": 12,
+                "temperature": 0.9,
+                "top_p": 0.95,
+                "seed": 11 + i,
+                "return_token_ids": True,
+            },
         )["choices"][0]
         sampled = theirs["token_ids"][:-1] if theirs["finish_reason"] == "stop" else theirs["token_ids"]
         assert choice.message.content == detokenize(gateway, sampled), i  # vLLM's ids end with the stop token
