@@ -106,6 +106,21 @@ class TestLocalEngine:
             assert decode.attributes["gen_ai.usage.output_tokens"] == 4
         assert {d.attributes["deltafin.choice"] for d in decodes} == {0, 1}
 
+    def test_a_reused_prefix_is_the_prefill_spans_cache_read(self, client, exporter):
+        body = {"messages": [{"role": "user", "content": "Name the oceans. " * 20}], "max_tokens": 2}
+        assert client.post("/v1/chat/completions", json=body).status_code == 200  # the prefix cache holds it now
+        exporter.clear()
+        response = client.post("/v1/chat/completions", json=body)  # sampled without a seed: no memo replay
+        usage = response.json()["usage"]
+        cached = usage["prompt_tokens_details"]["cached_tokens"]
+        spans, root = spans_of(exporter)
+        (prefill,) = [s for s in children(spans, root) if s.name == "prefill"]
+        assert cached > 0 and root.attributes["gen_ai.usage.cache_read.input_tokens"] == cached
+        assert prefill.attributes["gen_ai.usage.cache_read.input_tokens"] == cached
+        assert sum(c.attributes["deltafin.positions"] for c in children(spans, prefill)) == (
+            usage["prompt_tokens"] - cached
+        )
+
     def test_streamed_completions_are_text_completion_spans(self, client, exporter):
         exporter.clear()
         with client.stream(
