@@ -261,11 +261,11 @@ class UpstreamEngine(EngineClient):
         started = time.perf_counter()
         timeline = stream.timeline
         if timeline is None:
-            await self._run_choice(job, choice, rid, stream, gate, started, exchange)
+            await self._run_choice(job, choice, rids, stream, gate, started, exchange)
             return
         began_ns = now_ns()
         try:
-            await self._run_choice(job, choice, rid, stream, gate, started, exchange)
+            await self._run_choice(job, choice, rids, stream, gate, started, exchange)
         except BaseException as exc:
             timeline.call(choice).attributes["error.type"] = type(exc).__name__
             raise
@@ -290,7 +290,7 @@ class UpstreamEngine(EngineClient):
         self,
         job: GenerationJob,
         choice: int,
-        rid: str,
+        rids: list[str],
         stream: GenerationStream,
         gate: _Gate,
         started: float,
