@@ -110,7 +110,7 @@ class SamplingDefaults:
     """A served model's default sampling: the value of each field a request leaves out (None: OpenAI's default).
 
     `max_tokens` is a default, not a request: a prompt that leaves less room gets the room that is left instead of
-    a context-length error (as `max_tokens_default`, which the compat rules also set). `sources` says where each
+    a context-length error (the request plan's default token budget, which the compat rules may change). `sources` says where each
     value came from (`generation_config.json` or `model.sampling`), for the load log line."""
 
     temperature: float | None = None

@@ -128,7 +128,10 @@ class ChatService:
         run to EOS, bounded by the context); `fit`: its own is an upper bound (see deltafin.serving.plan)."""
         requested = request.requested_max_tokens()
         param = "max_completion_tokens" if request.max_completion_tokens is not None else "messages"
-        default = None if requested is not None else self.ctx.rules.default_max_tokens(request, rule_ctx, stats.rules)
+        default = None
+        if requested is None:  # the model's default (model.sampling), as the rules leave it
+            model_default = self.ctx.sampling_defaults.max_tokens
+            default = self.ctx.rules.default_max_tokens(request, rule_ctx, stats.rules, model_default)
         return Budget(requested, default, fit=fit, param=param)
 
     def plan(

@@ -25,10 +25,13 @@ class CompletionService:
 
     def budget(self, request: CompletionRequest, rule_ctx: RuleContext, stats: RequestStats) -> Budget:
         """An explicit max_tokens is honoured; else the seed's default for raw completions
-        (`server.completion_default_max_tokens`, 256) as the rules leave it; either bounded by the room left."""
+        (`server.completion_default_max_tokens`, 256), or the model's own (model.sampling), as the rules leave it;
+        either bounded by the room left."""
         default = None
         if request.max_tokens is None:
-            endpoint_default = self.ctx.config.server.completion_default_max_tokens
+            endpoint_default = (
+                self.ctx.sampling_defaults.max_tokens or self.ctx.config.server.completion_default_max_tokens
+            )
             default = self.ctx.rules.default_max_tokens(request, rule_ctx, stats.rules, endpoint_default)
         return Budget(request.max_tokens, default, param="prompt")
 

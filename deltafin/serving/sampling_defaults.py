@@ -120,8 +120,9 @@ def _acceptable(name: str, value: Any) -> float | int | None:
 
 
 def with_sampling_defaults(request: Any, defaults: SamplingDefaults) -> Any:
-    """`request` with each sampling field it leaves out (None) set to the model's default, and its max tokens
-    default (`max_tokens_default`) set when it names no max tokens; the request itself when nothing changes."""
+    """`request` with each sampling field it leaves out (None) set to the model's default; the request itself
+    when nothing changes. The default max tokens is not a request field: the request's plan takes it (its token
+    budget's default, before the rules' own)."""
     if defaults is NO_DEFAULTS:
         return request
     changes: dict[str, Any] = {}
@@ -129,13 +130,6 @@ def with_sampling_defaults(request: Any, defaults: SamplingDefaults) -> Any:
         value = getattr(defaults, name)
         if value is not None and getattr(request, name, _ABSENT) is None:
             changes[name] = value
-    if (
-        defaults.max_tokens is not None
-        and getattr(request, "max_tokens_default", _ABSENT) is None
-        and getattr(request, "max_tokens", None) is None
-        and getattr(request, "max_completion_tokens", None) is None
-    ):
-        changes["max_tokens_default"] = defaults.max_tokens
     return msgspec.structs.replace(request, **changes) if changes else request
 
 

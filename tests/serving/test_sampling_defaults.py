@@ -104,21 +104,17 @@ class TestFilling:
     def test_omitted_fields_are_filled(self):
         request = with_sampling_defaults(ChatCompletionRequest(messages=USER), self.DEFAULTS)
         assert (request.temperature, request.top_p, request.top_k, request.min_p) == (0.2, 0.9, 40, 0.05)
-        assert request.max_tokens_default == 64 and request.max_tokens is None
+        assert request.max_tokens is None  # the default max tokens is the plan's (TestEveryApi, TestRules)
 
     def test_the_request_wins_an_explicit_zero_included(self):
         sent = ChatCompletionRequest(messages=USER, temperature=0.0, top_k=0, max_tokens=5)
         request = with_sampling_defaults(sent, self.DEFAULTS)
         assert (request.temperature, request.top_k, request.top_p) == (0.0, 0, 0.9)
-        assert request.max_tokens == 5 and request.max_tokens_default is None
-
-    def test_max_completion_tokens_counts_as_asking(self):
-        sent = ChatCompletionRequest(messages=USER, max_completion_tokens=5)
-        assert with_sampling_defaults(sent, self.DEFAULTS).max_tokens_default is None
+        assert request.max_tokens == 5
 
     def test_completions_too(self):
         request = with_sampling_defaults(CompletionRequest(prompt="Hi"), self.DEFAULTS)
-        assert (request.temperature, request.min_p, request.max_tokens_default) == (0.2, 0.05, 64)
+        assert (request.temperature, request.min_p, request.max_tokens) == (0.2, 0.05, None)
 
     def test_no_defaults_leave_the_request_itself(self):
         sent = ChatCompletionRequest(messages=USER)
@@ -167,6 +163,12 @@ class TestEveryApi:
         )
         params = jobs[0].params
         assert (params.temperature, params.top_p, params.min_p, params.max_tokens) == (0.0, 0.5, 0.0, 5)
+
+    def test_max_completion_tokens_counts_as_asking(self, served):
+        client, jobs = served
+        jobs.clear()
+        client.post("/v1/chat/completions", json={"messages": USER, "max_completion_tokens": 5})
+        assert jobs[0].params.max_tokens == 5
 
     def test_completions(self, served):
         client, jobs = served
