@@ -7,12 +7,14 @@ byte). Leaves alone: every other error.
 
 from __future__ import annotations
 
+from typing import Literal
+
 from deltafin.errors import ContextLengthError, DeltafinError, PayloadTooLargeError
 from deltafin.rules.base import Rule, RuleContext
 
 
 class ContextOverflowStatus(Rule):
-    def __init__(self, status: int = 413) -> None:
+    def __init__(self, status: Literal[413] = 413) -> None:
         if status != 413:
             raise ValueError("only 413 (PayloadTooLargeError) is supported")
         self.status = status

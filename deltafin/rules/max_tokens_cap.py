@@ -7,14 +7,17 @@ the cap, and everything when `value` is 0.
 
 from __future__ import annotations
 
+from typing import Annotated
+
 import msgspec
+from msgspec import Meta
 
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.rules.base import Request, Rule, RuleContext
 
 
 class MaxTokensCap(Rule):
-    def __init__(self, value: int) -> None:
+    def __init__(self, value: Annotated[int, Meta(ge=0)]) -> None:
         if value < 0:
             raise ValueError(f"value must be 0 (off) or positive, got {value}")
         self.value = value

@@ -13,12 +13,13 @@ from dataclasses import dataclass, field
 from typing import Any, cast
 
 from hydra.errors import InstantiationException
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from deltafin.config import ConfigError
 from deltafin.errors import DeltafinError
 from deltafin.families import KNOWN_FAMILIES
+from deltafin.rules.arguments import check_arguments
 from deltafin.rules.base import Chunk, Request, Rule, RuleContext
 
 
@@ -108,8 +109,12 @@ def build_pipeline(rules: Mapping[str, Any] | DictConfig, family: str) -> RulePi
                 raise ConfigError(
                     f"{where}.families: unknown family {unknown[0]!r} (known: {', '.join(sorted(KNOWN_FAMILIES))})"
                 )
-            if family not in families:
-                continue
+        # Every rule's values are checked, whichever family it serves: they are keys of this config.
+        target = _rule_class(node["_target_"])
+        if target is not None:
+            check_arguments(target, {k: v for k, v in node.items() if not _hydra_key(k)}, where)
+        if families is not None and family not in families:
+            continue
         try:
             rule = instantiate(node, _convert_="all")
         except InstantiationException as exc:
@@ -123,3 +128,17 @@ def build_pipeline(rules: Mapping[str, Any] | DictConfig, family: str) -> RulePi
             raise ConfigError(f"{where}: {node['_target_']} is not a deltafin Rule")
         built.append(NamedRule(name, rule))
     return RulePipeline(built)
+
+
+def _hydra_key(key: str) -> bool:
+    """`_target_`, `_convert_`, ...: Hydra's own keys, not the rule's arguments."""
+    return key.startswith("_") and key.endswith("_")
+
+
+def _rule_class(target: Any) -> type | None:
+    """The class `_target_` names, when it is a Rule (anything else is reported by instantiate, below)."""
+    try:
+        found = get_class(str(target))
+    except Exception:
+        return None
+    return found if isinstance(found, type) and issubclass(found, Rule) else None

@@ -7,10 +7,12 @@ top_k, min_p, temperature, presence_penalty, frequency_penalty, repetition_penal
 
 from __future__ import annotations
 
-from typing import Any
+import typing
+from typing import Any, ClassVar
 
 import msgspec
 
+from deltafin.protocol.common import SamplingFields
 from deltafin.rules.base import Request, Rule, RuleContext
 
 PINNABLE = (
@@ -26,6 +28,13 @@ PINNABLE = (
 
 
 class SamplingPins(Rule):
+    #: each pin is typed and ranged as the request field it replaces (checked at start-up: deltafin.rules.arguments)
+    argument_types: ClassVar[dict[str, Any]] = {
+        name: hint
+        for name, hint in typing.get_type_hints(SamplingFields, include_extras=True).items()
+        if name in PINNABLE
+    }
+
     def __init__(self, **pins: Any) -> None:
         unknown = sorted(set(pins) - set(PINNABLE))
         if unknown:

@@ -94,7 +94,14 @@ def test_a_port_in_use():
 
 
 def test_bad_rule_names_the_rule():
-    assert_config_error(run("compat=para", "compat.rules.max_tokens_cap.value=-1"), "compat.rules.max_tokens_cap")
+    assert_config_error(run("compat=para", "compat.rules.max_tokens_cap.value=-1"), "compat.rules.max_tokens_cap.value")
+
+
+def test_a_rule_value_of_the_wrong_type_names_the_value():
+    line = assert_config_error(
+        run("compat=para", "compat.rules.max_tokens_cap.value=nan"), "compat.rules.max_tokens_cap.value"
+    )
+    assert "nan" in line
 
 
 def test_cfg_job_prints_the_checked_config():

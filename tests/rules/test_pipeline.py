@@ -63,11 +63,11 @@ class TestBuild:
             ({"x": {"value": 1}}, r"compat\.rules\.x: a rule needs `_target_`"),
             (
                 {"x": {"_target_": "deltafin.rules.max_tokens_cap.MaxTokensCap", "value": -1}},
-                r"compat\.rules\.x: ValueError",
+                r"compat\.rules\.x\.value: -1 ",
             ),
             (
                 {"x": {"_target_": "deltafin.rules.max_tokens_cap.MaxTokensCap", "bogus": 1}},
-                r"compat\.rules\.x: TypeError",
+                r"compat\.rules\.x\.bogus: MaxTokensCap takes no argument 'bogus' \(it takes: value\)",
             ),
             (
                 {"x": {"_target_": "deltafin.rules.force_tool_choice_auto.ForceToolChoiceAuto", "families": ["glx"]}},
@@ -93,6 +93,50 @@ class TestBuild:
             ["compat=none", f"+compat.rules.mine._target_={RECORDER}", "+compat.rules.mine.tag=m"]
         ).compat.rules
         assert build_pipeline(rules, "smollm2").names == ["mine"]
+
+
+class TestArgumentValues:
+    """Rule arguments are typed and ranged at start-up like every other key: a wrong value is one line naming
+    it, never a rule that lifts every limit (nan) or a 500 on every request (a string where a number goes)."""
+
+    @pytest.mark.parametrize(
+        "override, key",
+        [
+            ("compat.rules.max_tokens_cap.value=nan", "compat.rules.max_tokens_cap.value"),
+            ("compat.rules.max_tokens_cap.value=inf", "compat.rules.max_tokens_cap.value"),
+            ("compat.rules.max_tokens_cap.value=2.5", "compat.rules.max_tokens_cap.value"),
+            ("compat.rules.max_tokens_cap.value=true", "compat.rules.max_tokens_cap.value"),
+            ("compat.rules.max_tokens_cap.value='64'", "compat.rules.max_tokens_cap.value"),
+            ("compat.rules.chat_default_max_tokens.value=0", "compat.rules.chat_default_max_tokens.value"),
+            ("compat.rules.kimi_sampling_pins.top_p=high", "compat.rules.kimi_sampling_pins.top_p"),
+            ("compat.rules.kimi_sampling_pins.top_p=nan", "compat.rules.kimi_sampling_pins.top_p"),
+            ("compat.rules.kimi_sampling_pins.top_p=0", "compat.rules.kimi_sampling_pins.top_p"),
+            ("compat.rules.kimi_sampling_pins.n=0", "compat.rules.kimi_sampling_pins.n"),
+            ("compat.rules.kimi_sampling_pins.n=1.0", "compat.rules.kimi_sampling_pins.n"),
+            ("compat.rules.kimi_sampling_pins.presence_penalty=3", "compat.rules.kimi_sampling_pins.presence_penalty"),
+            ("+compat.rules.kimi_sampling_pins.temperature=[1]", "compat.rules.kimi_sampling_pins.temperature"),
+            ("compat.rules.glm_context_413.status='413'", "compat.rules.glm_context_413.status"),
+            ("+compat.rules.kimi_thinking.kwarg=5", "compat.rules.kimi_thinking.kwarg"),
+        ],
+    )
+    def test_a_wrong_value_is_a_config_error_naming_it(self, override, key):
+        # the default model's family: a rule scoped to another family is still a key of this config
+        with pytest.raises(ConfigError, match=rf"^{key}: "):
+            compose_config(["compat=para", override])
+
+    def test_values_of_the_right_type_pass(self):
+        rules = compose_config(
+            [
+                "compat=para",
+                "compat.rules.max_tokens_cap.value=64",
+                "compat.rules.kimi_sampling_pins.top_p=1",  # an int where a float goes, as in a request
+                "+compat.rules.kimi_sampling_pins.top_k=-1",
+            ]
+        ).compat.rules
+        pipeline = build_pipeline(rules, "kimi_k3")
+        pins = next(r.rule for r in pipeline.rules if r.name == "kimi_sampling_pins")
+        assert pins.pins["top_p"] == 1 and pins.pins["top_k"] == -1
+        assert next(r.rule for r in pipeline.rules if r.name == "max_tokens_cap").value == 64
 
 
 class TestOrder:
