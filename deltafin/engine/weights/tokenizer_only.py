@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 
 from deltafin.config import ModelConfig
-from deltafin.engine.weights.loader import _gguf_cache_key
+from deltafin.engine.weights.loader import gguf_cache_key
 from deltafin.engine.weights.paths import ModelLoadError, default_cache_dir, model_folder
 
 log = structlog.get_logger("deltafin.engine")
@@ -76,5 +76,5 @@ def _converted_copy(gguf: Path, model_cfg: ModelConfig) -> Path | None:
     """The safetensors folder the local engine already converted this GGUF into, if any: reading its
     tokenizer takes a second, parsing the GGUF's metadata ten."""
     cache_dir = Path(model_cfg.cache_dir).expanduser() if model_cfg.cache_dir else default_cache_dir()
-    folder = cache_dir / _gguf_cache_key(gguf)
+    folder = cache_dir / gguf_cache_key(gguf, cache_dir)
     return folder if (folder / "config.json").exists() else None
