@@ -10,6 +10,7 @@ from gguf import GGUFReader
 from deltafin.engine.weights.gguf_tensors import read_tensors
 from deltafin.engine.weights.loader import resolve_model_path
 from deltafin.testing import compose_config
+from deltafin.testing.gguf_damage import DAMAGE, MODEL_DAMAGE, Layout
 
 
 def assert_same_as_gguf_reader(path):
@@ -83,3 +84,39 @@ def test_a_file_that_is_not_a_gguf_v2_or_v3_is_a_value_error(tmp_path, damage):
     path.write_bytes(damage + b"\0" * 64)
     with pytest.raises(ValueError):
         read_tensors(path)
+
+
+@pytest.fixture(scope="module")
+def original():
+    return resolve_model_path(compose_config().model.path).read_bytes()
+
+
+class TestDamage:
+    """A damaged file is refused with a sentence saying what is wrong with it, naming the file and the field
+    (which tensor, which metadata entry, which length), never a struct, numpy or enum error."""
+
+    @pytest.mark.parametrize("damage", sorted(DAMAGE))
+    def test_the_reader_says_what_is_wrong(self, tmp_path, original, damage):
+        make, says = DAMAGE[damage]
+        path = tmp_path / "damaged.gguf"
+        path.write_bytes(make(original, Layout.of(original)))
+        with pytest.raises(ValueError) as refused:
+            read_tensors(path)
+        message = str(refused.value)
+        assert message.startswith(f"{path}: a damaged or truncated GGUF file: "), message
+        assert all(words in message for words in says), message
+
+    @pytest.mark.parametrize("damage", sorted(MODEL_DAMAGE))
+    def test_the_native_load_says_which_tensor_its_metadata_misses(self, tmp_path, original, loaded_model, damage):
+        """The file reads, but is not the Llama its own metadata describes: the load names the tensor (it was a
+        KeyError naming only the tensor, or a reshape error)."""
+        from deltafin.engine.weights.gguf_native import load_native, unsupported
+
+        make, says = MODEL_DAMAGE[damage]
+        path = tmp_path / "damaged.gguf"
+        path.write_bytes(make(original, Layout.of(original)))
+        assert unsupported(path) is None  # as the loader asks first: the file is a Llama of served types
+        with pytest.raises(ValueError) as refused:
+            load_native(path, loaded_model.source)  # the default file's skeleton: the same metadata
+        message = str(refused.value)
+        assert message.startswith(f"{path}: a damaged GGUF file: ") and all(w in message for w in says), message

@@ -30,7 +30,7 @@ import structlog
 import torch
 from torch import nn
 
-from deltafin.engine.weights.gguf_tensors import GGUFTensors, read_tensors
+from deltafin.engine.weights.gguf_tensors import DamagedGGUF, GGUFTensors, read_tensors
 
 log = structlog.get_logger("deltafin.engine")
 
@@ -69,7 +69,7 @@ def unsupported(gguf: Path) -> str | None:
     if architecture not in ARCHITECTURES:
         return f"architecture {architecture!r} has no native decode step"
     for tensor in reader.tensors:
-        if tensor.name.rsplit(".", 2)[-2] in (*_PROJECTIONS, "token_embd", "output"):
+        if _role(tensor.name) in (*_PROJECTIONS, "token_embd", "output"):
             kind = int(tensor.tensor_type)
             if kind not in NATIVE_TYPES:
                 return (
@@ -82,6 +82,58 @@ def unsupported(gguf: Path) -> str | None:
                     f"not a multiple of its {values}-value blocks"
                 )
     return None
+
+
+def _role(name: str) -> str:
+    """`attn_q` of `blk.0.attn_q.weight`, `token_embd` of `token_embd.weight` ("" for a name of another form)."""
+    parts = name.split(".")
+    return parts[-2] if len(parts) >= 2 else ""
+
+
+def expected_shapes(config: Any) -> dict[str, tuple[int, ...]]:
+    """Every tensor a Llama GGUF holds for `config` (its own metadata), in GGUF's order (row width first)."""
+    hidden, layers = config.hidden_size, config.num_hidden_layers
+    head_dim = getattr(config, "head_dim", None) or hidden // config.num_attention_heads
+    q, kv, ffn = config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim, config.intermediate_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "token_embd.weight": (hidden, config.vocab_size),
+        "output_norm.weight": (hidden,),
+    }
+    per_layer = {
+        "attn_q": (hidden, q),
+        "attn_k": (hidden, kv),
+        "attn_v": (hidden, kv),
+        "attn_output": (q, hidden),
+        "ffn_gate": (hidden, ffn),
+        "ffn_up": (hidden, ffn),
+        "ffn_down": (ffn, hidden),
+        "attn_norm": (hidden,),
+        "ffn_norm": (hidden,),
+    }
+    for i in range(layers):
+        shapes.update({f"blk.{i}.{short}.weight": shape for short, shape in per_layer.items()})
+    return shapes
+
+
+def check_tensors(gguf: Path, tensors: dict[str, Any], config: Any) -> None:
+    """DamagedGGUF naming the first tensor the file's own metadata calls for that is missing or of another
+    shape (a renamed or resized tensor would otherwise be a KeyError or a reshape error deep in the load)."""
+    expected = expected_shapes(config)
+    if "output.weight" in tensors:  # untied output head
+        expected["output.weight"] = expected["token_embd.weight"]
+    for name, shape in expected.items():
+        tensor = tensors.get(name)
+        if tensor is None:
+            raise DamagedGGUF(
+                f"{gguf}: a damaged GGUF file: it has no tensor {name!r}, which its metadata (a Llama of "
+                f"{config.num_hidden_layers} layers) calls for"
+            )
+        found = tuple(int(d) for d in tensor.shape)
+        if found != shape:
+            raise DamagedGGUF(
+                f"{gguf}: a damaged GGUF file: tensor {name!r} is {'x'.join(map(str, found))}, its metadata makes "
+                f"it {'x'.join(map(str, shape))}"
+            )
 
 
 def skeleton_folder(gguf: Path, cache_dir: Path, key: str) -> Path:
@@ -145,6 +197,7 @@ def load_native(gguf: Path, folder: Path) -> Any:
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     tensors = {t.name: t for t in _reader(gguf).tensors}
+    check_tensors(gguf, tensors, config)
 
     def linear(name: str, heads: int | None = None) -> GGMLLinear:
         tensor = tensors[name]
