@@ -101,7 +101,8 @@ async def detokenize(
 )
 async def parse(payload: NamedDependency[ParseRequest], models: NamedDependency[ServedModels]) -> dict[str, Any]:
     services = models.require(payload.model)
-    return await services.ctx.off_loop(services.parse.parse, payload)
+    # Its cost grows with the text: in the prompt lane for its size (a large one beside other large bodies).
+    return await services.ctx.off_loop(services.parse.parse, payload, size=len(payload.text), inline=False)
 
 
 @post(

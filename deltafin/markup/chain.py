@@ -42,7 +42,7 @@ class BlankContentBesideCalls:
 
     def __init__(self, inner: OutputParser) -> None:
         self._inner = inner
-        self._pending = ""
+        self._pending: list[str] = []  # whitespace held so far, in pieces (joined once: a long run stays linear)
         self._shown = False
         self._calls = False
 
@@ -50,13 +50,15 @@ class BlankContentBesideCalls:
         self._calls = self._calls or bool(delta.tool_calls)
         if self._shown:
             return delta
-        text = self._pending + delta.content
-        if text.strip():
-            self._shown, self._pending, delta.content = True, "", text
+        if delta.content.strip():
+            self._shown, delta.content = True, "".join(self._pending) + delta.content
+            self._pending = []
         elif final:
-            self._pending, delta.content = "", "" if self._calls else text
+            held = "".join(self._pending) + delta.content
+            self._pending, delta.content = [], "" if self._calls else held
         else:
-            self._pending, delta.content = text, ""
+            self._pending.append(delta.content)
+            delta.content = ""
         return delta
 
     def feed(self, text: str) -> ParsedDelta:

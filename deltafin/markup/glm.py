@@ -66,7 +66,8 @@ class GlmToolParser:
         self._index = -1
         self._name = ""
         self._key = ""
-        self._value = ""
+        # the name, key or non-string value being read, in pieces: joined once it ends, so a long one stays linear
+        self._parts: list[str] = []
         self._args = 0
 
     def _kind(self) -> str | None:
@@ -84,14 +85,14 @@ class GlmToolParser:
                 if marker is None:
                     self._held = buffer
                     return out
-                self._state, self._name = _NAME, ""
+                self._state, self._parts = _NAME, []
             elif state == _NAME:
                 before, marker, after = split_at_marker(buffer, self._name_ends)
-                self._name += before
+                self._parts.append(before)
                 if marker is None:
                     self._held = after
                     return out
-                self._name, self._args = self._name.strip(), 0
+                self._name, self._args = "".join(self._parts).strip(), 0
                 # A newline ends a 4.5 name; the tag that ended a 4.7 name is handled in the next state.
                 buffer = after if marker == "\n" else marker + after
                 if not self._name:
@@ -116,17 +117,17 @@ class GlmToolParser:
                     return out
                 buffer = after
                 if marker == KEY_BEGIN:
-                    self._state, self._key = _KEY, ""
+                    self._state, self._parts = _KEY, []
                 else:
                     out.tool_calls.append(ToolCallDelta(self._index, arguments="}" if self._args else "{}"))
                     self._state = _TEXT
             elif state == _KEY:
                 before, marker, after = split_at_marker(buffer, (KEY_END,))
-                self._key += before
+                self._parts.append(before)
                 if marker is None:
                     self._held = after
                     return out
-                self._key = self._key.strip()
+                self._key = "".join(self._parts).strip()
                 buffer = after
                 self._state = _BEFORE_VALUE
             elif state == _BEFORE_VALUE:
@@ -143,7 +144,7 @@ class GlmToolParser:
                 out.tool_calls.append(
                     ToolCallDelta(self._index, arguments=f"{opening}{json.dumps(self._key)}: {quote}")
                 )
-                buffer, self._value = after, ""
+                buffer, self._parts = after, []
                 self._state = _VALUE
             else:  # _VALUE: raw text, never stripped
                 before, marker, after = split_at_marker(buffer, (VALUE_END,))
@@ -151,14 +152,14 @@ class GlmToolParser:
                     if before:
                         out.tool_calls.append(ToolCallDelta(self._index, arguments=json_fragment(before)))
                 else:
-                    self._value += before
+                    self._parts.append(before)
                 if marker is None:
                     self._held = after
                     return out
                 if self._kind() == "string":
                     closing = '"'
                 else:
-                    closing = json.dumps(typed_value(self._value, self._kind()), ensure_ascii=False)
+                    closing = json.dumps(typed_value("".join(self._parts), self._kind()), ensure_ascii=False)
                 out.tool_calls.append(ToolCallDelta(self._index, arguments=closing))
                 buffer = after
                 self._state = _BETWEEN
@@ -170,7 +171,7 @@ class GlmToolParser:
         if self._state == _TEXT:
             return ParsedDelta(content=held)
         if self._state == _VALUE:  # a call cut inside a value reports what it had (the raw text of a non-string)
-            partial = json_fragment(held) if self._kind() == "string" else self._value + held
+            partial = json_fragment(held) if self._kind() == "string" else "".join(self._parts) + held
             return ParsedDelta(tool_calls=[ToolCallDelta(self._index, arguments=partial)] if partial else [])
         return ParsedDelta()  # cut between the parts of a call: its arguments stay as streamed so far
 

@@ -32,11 +32,15 @@ class ThinkReasoningParser:
         self._terminators = tuple(terminators)
         self._state = _OPENER if starts_in_reasoning else _START
         self._held = ""
+        self._blank: list[str] = []  # whitespace fed while the opener is not known yet, in pieces (joined once)
 
     def feed(self, text: str) -> ParsedDelta:
         out = ParsedDelta()
-        buffer = self._held + text
-        self._held = ""
+        if self._state in (_START, _OPENER) and not text.strip() and not self._held.strip():
+            self._blank.append(text)  # a long run of leading whitespace stays linear
+            return out
+        buffer = self._held + "".join(self._blank) + text
+        self._held, self._blank = "", []
         while buffer:
             if self._state in (_START, _OPENER):
                 stripped = buffer.lstrip()
@@ -61,7 +65,7 @@ class ThinkReasoningParser:
         return out
 
     def finish(self, finish_reason: str) -> ParsedDelta:
-        held, self._held = self._held, ""
+        held, self._held, self._blank = self._held + "".join(self._blank), "", []
         if self._state in (_OPENER, _REASONING):
             markers = (self._start_marker,) if self._state == _OPENER else (self._end, *self._terminators)
             return ParsedDelta(reasoning=released_at_finish(held, markers, finish_reason))

@@ -85,7 +85,7 @@ class KimiK3Parser:
         self._in_call = False  # inside a call that is reported (named, and calls allowed)
         self._args = 0
         self._arg_type = "string"
-        self._value = ""
+        self._value: list[str] = []  # a non-string argument's text, in pieces (joined once: a long one stays linear)
         self._raw = False  # the call's arguments came as a raw `json` span
 
     def feed(self, text: str) -> ParsedDelta:
@@ -127,7 +127,7 @@ class KimiK3Parser:
             if self._arg_type == "string":
                 out.tool_calls.append(ToolCallDelta(self._index, arguments=json_fragment(text)))
             else:
-                self._value += text
+                self._value.append(text)
         elif top == "json":
             if self._in_call:
                 out.tool_calls.append(ToolCallDelta(self._index, arguments=text))
@@ -156,7 +156,7 @@ class KimiK3Parser:
             self._raw = True
         elif name == "argument" and self._in_call:
             self._arg_type = attrs.get("type", "string")
-            self._value = ""
+            self._value = []
             opening = "{" if self._args == 0 else ", "
             self._args += 1
             quote = '"' if self._arg_type == "string" else ""
@@ -173,7 +173,7 @@ class KimiK3Parser:
             if self._arg_type == "string":
                 out.tool_calls.append(ToolCallDelta(self._index, arguments='"'))
             else:
-                value = typed_value(self._value, self._arg_type)
+                value = typed_value("".join(self._value), self._arg_type)
                 out.tool_calls.append(ToolCallDelta(self._index, arguments=json.dumps(value, ensure_ascii=False)))
         elif name == "call" and self._in_call:
             out.tool_calls.append(
@@ -194,7 +194,7 @@ class KimiK3Parser:
             and self._arg_type != "string"
             and self._value
         ):
-            out.tool_calls.append(ToolCallDelta(self._index, arguments=self._value))  # a cut value, as written
+            out.tool_calls.append(ToolCallDelta(self._index, arguments="".join(self._value)))  # a cut value, as written
         return out
 
 
