@@ -7,9 +7,11 @@ connection forever. Here:
 - `guarded_http(limits)` (uvicorn protocol): a request line and headers must arrive within
   `header_timeout_s` (from the connection, or from the first byte of a keep-alive request), else 408 and
   close; they may be at most `max_header_bytes` long, else 431 and close, decided while they arrive (httptools
-  keeps an unfinished header in memory, so a client could otherwise park megabytes per connection); beyond
-  `max_open` connections a new one is answered 503 JSON and closed at once. (The h11 fallback has its
-  own head limit, uvicorn's 16 KiB, answered 400.)
+  keeps an unfinished header in memory, so a client could otherwise park megabytes per connection). The
+  trailer of a chunked body counts against the same limit (with the head), and its fields never join the
+  request's headers. A 431 behind pipelined requests waits until they are answered. Beyond `max_open`
+  connections a new one is answered 503 JSON and closed at once. (The h11 fallback has its own head limit,
+  uvicorn's 16 KiB, answered 400.)
 """
 
 from __future__ import annotations
@@ -91,9 +93,19 @@ def guarded_http(limits: ConnectionsConfig, base: type = _BaseProtocol) -> type:
 
     class GuardedProtocol(base):
         _header_timer: asyncio.TimerHandle | None = None
-        # Bytes received since the current request's head began, while it is unfinished; None between heads.
+        # Bytes of the current request's unfinished head known to have arrived; None between heads.
         _head_received: int | None = None
+        _head_size = 0  # the current request's whole head, once complete
+        # A chunk header was read and no data followed it yet: it may be the last chunk, whose trailer fields
+        # follow. Bytes known to be trailer bytes so far (whole reads inside the trailer), and the fields' own.
+        _trailer_open = False
+        _trailer_received = 0
+        _trailer_fields = 0
+        _trailing = False  # the current request's head is complete: a header field now is a trailer field
+        _events = 0  # parser events that begin or end a part of a message (a read without any lies in one part)
+        _unanswered = 0  # requests handed to the app and not answered yet
         _refused = False
+        _refusal: bytes | None = None  # a 431 waiting for the requests ahead of it to be answered
         _linger: asyncio.TimerHandle | None = None
 
         def connection_made(self, transport: asyncio.Transport) -> None:
@@ -110,53 +122,118 @@ def guarded_http(limits: ConnectionsConfig, base: type = _BaseProtocol) -> type:
                 return  # the 431 is on its way and the connection closing: nothing more is parsed
             if self._awaiting_headers():
                 self._arm()
+            events, head_open, trailer_open = self._events, self._head_received is not None, self._trailer_open
             super().data_received(data)
             if not self._awaiting_headers():
                 self._disarm()
-            if self._head_received is not None and not self._refused:
-                # Still inside a head. Counted per read, before httptools buffers the next one, so an endless
-                # header costs at most the limit plus one read (256 KiB). A head that began inside this read
-                # is counted from the read's start: too many bytes only when requests were pipelined into it.
+            if self._refused or self._events != events:
+                return
+            # Nothing began or ended in this read, so all of it lies in the part that was open before it: a head or
+            # a trailer, counted per read, before httptools buffers the next one (an endless head or trailer costs
+            # the limit plus a read or two). Reads where a head began or ended are not counted: requests pipelined
+            # into one read never add up to a false 431 (the whole head is measured exactly when it ends).
+            if head_open and self._head_received is not None:
                 self._head_received += len(data)
                 if self._head_received > max_header_bytes:
                     self._headers_too_large()
+            elif trailer_open and self._trailer_open:
+                self._trailer_received += len(data)
+                if self._head_size + self._trailer_received > max_header_bytes:
+                    self._headers_too_large(trailer=True)
 
-        # httptools callbacks: where a request's head begins and ends.
+        # httptools callbacks: where a request's head, its chunks and its trailer begin and end.
         def on_message_begin(self) -> None:
+            self._events += 1
             super().on_message_begin()
             self._head_received = 0
+            self._trailing = self._trailer_open = False
+            self._trailer_received = self._trailer_fields = 0
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            if not self._trailing:
+                super().on_header(name, value)
+                return
+            # A trailer field of a chunked body: it counts against the head's limit, and is not a request header
+            # (ASGI has no request trailers; uvicorn would append it to headers the app may have read already).
+            self._trailer_fields += len(name) + len(value) + 4
+            if not self._refused and self._head_size + self._trailer_fields > max_header_bytes:
+                self._headers_too_large(trailer=True)
 
         def on_headers_complete(self) -> None:
+            self._events += 1
             self._head_received = None
+            self._trailing = True
             if self._refused:
                 return
-            if head_bytes(self.url, self.headers) > max_header_bytes:
+            self._head_size = head_bytes(self.url, self.headers)
+            if self._head_size > max_header_bytes:
                 self._headers_too_large()  # a whole head that came in one read: no request is started
                 return
+            before = self.cycle
             super().on_headers_complete()
+            if self.cycle is not before:
+                self._unanswered += 1
 
         def on_body(self, body: bytes) -> None:
+            self._events += 1
+            self._trailer_open = False
             if not self._refused:
                 super().on_body(body)
 
+        def on_chunk_header(self) -> None:
+            self._events += 1
+            self._trailer_open = True  # until data follows: the last chunk has none, its trailer comes next
+
+        def on_chunk_complete(self) -> None:
+            self._events += 1
+            self._trailer_open = False
+
         def on_message_complete(self) -> None:
+            self._events += 1
+            self._trailer_open = False
             if not self._refused:
                 super().on_message_complete()
 
-        def _headers_too_large(self) -> None:
+        def on_response_complete(self) -> None:
+            self._unanswered -= 1
+            super().on_response_complete()
+            if self._refusal is not None and self._unanswered <= 0:
+                self._send_refusal()
+
+        def _headers_too_large(self, *, trailer: bool = False) -> None:
+            """431 for the current request: its head, or (`trailer`) the trailer of its chunked body."""
             self._refused = True
             self._disarm()
-            self.transport.write(
-                _raw_response(
-                    HeadersTooLargeError(
-                        f"The request line and headers are larger than {max_header_bytes} bytes "
-                        "(server.connections.max_header_bytes)."
-                    )
-                )
+            err = HeadersTooLargeError(
+                f"The request line and headers are larger than {max_header_bytes} bytes "
+                "(server.connections.max_header_bytes)."
             )
-            # A lingering close, as nginx does: stop sending, drop whatever the client still sends for a moment
-            # (data_received), then close. Closing at once would make the kernel answer the unread bytes with a
-            # reset, which can destroy the 431 before the client reads it.
+            cycle = self.cycle
+            if trailer and cycle is not None:  # the request was handed to the app when its head was complete
+                if cycle.response_started:  # it answered without reading its whole body: that answer stands
+                    cycle.keep_alive = False  # and the connection ends after it
+                    if cycle.response_complete:
+                        self._close_lingering()
+                    return
+                self._unanswered -= 1  # its answer is the 431
+                cycle.disconnected = True  # the app sees the client gone; what it sends is dropped
+                cycle.message_event.set()
+            self._refusal = _raw_response(err)
+            if self._unanswered <= 0:
+                self._send_refusal()
+            # else: written once the requests ahead of it on this connection are answered (on_response_complete)
+
+        def _send_refusal(self) -> None:
+            refusal, self._refusal = self._refusal, None
+            if refusal is None or self.transport.is_closing():
+                return
+            self.transport.write(refusal)
+            self._close_lingering()
+
+        def _close_lingering(self) -> None:
+            """A lingering close, as nginx does: stop sending, drop whatever the client still sends for a moment
+            (data_received), then close. Closing at once would make the kernel answer the unread bytes with a
+            reset, which can destroy the 431 before the client reads it."""
             if self.transport.can_write_eof():
                 self.transport.write_eof()
             self._linger = self.loop.call_later(_LINGER_S, self.transport.close)

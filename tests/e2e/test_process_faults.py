@@ -143,6 +143,25 @@ class TestHeaderSize:
         headers = {f"x-h{i}": "v" * 200 for i in range(100)}  # ~21 KiB
         assert httpx.get(f"{server.base_url}/v1/models", headers=headers).status_code == 200
 
+    def test_a_chunked_bodys_trailer_counts_against_the_limit(self, server):
+        """Before, a trailer was buffered whole, before the API key was checked (32 connections held 748 MiB)."""
+        head = b"POST /v1/completions HTTP/1.1\r\nHost: x\r\ntransfer-encoding: chunked\r\n\r\n2\r\n{}\r\n0\r\n"
+        data = self.refused(server, head + b"X-Trailer: " + b"a" * (4 << 20) + b"\r\n\r\n")
+        assert (
+            data.startswith(b"HTTP/1.1 431") and json_body(data)["error"]["code"] == "request_header_fields_too_large"
+        )
+
+    def test_small_requests_pipelined_past_the_limit_are_all_answered(self, server):
+        requests = b"".join(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Pad: %s\r\n\r\n" % (b"p" * 1000) for _ in range(48))
+        assert len(requests) > 32768  # one write of them, over the limit in all, each far under it
+        sock = connect(server)
+        try:
+            sock.sendall(requests + b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            data, _ = read_until_closed(sock, 30)
+        finally:
+            sock.close()
+        assert data.count(b"HTTP/1.1 200 OK") == 49 and b"HTTP/1.1 431" not in data
+
     def test_unfinished_40_mib_headers_on_18_connections_hold_no_memory(self, server):
         before = rss_bytes(server.process.pid)
         peak = before
