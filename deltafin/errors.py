@@ -40,10 +40,13 @@ class ContextLengthError(InvalidRequestError):
 
     default_code = "context_length_exceeded"
 
-    def __init__(self, message: str, *, context_length: int, prompt_tokens: int, **kwargs: Any) -> None:
+    def __init__(
+        self, message: str, *, context_length: int, prompt_tokens: int, completion_tokens: int = 0, **kwargs: Any
+    ) -> None:
         super().__init__(message, param=kwargs.pop("param", "messages"), **kwargs)
         self.context_length = context_length
         self.prompt_tokens = prompt_tokens
+        self.completion_tokens = completion_tokens  # the completion budget asked for (0: none)
 
 
 class AuthenticationError(DeltafinError):

@@ -158,7 +158,9 @@ def build_app(
                 if tracer is not None:
                     tracer.flush()
             return
-        store = open_store(config.server.responses)  # one store, whichever model answered (GET needs no model)
+        store = open_store(
+            config.server.responses, api_keys=len(config.server.api_keys)
+        )  # one store, whichever model answered (GET needs no model)
         task = asyncio.create_task(_load_all(served, store, app_metrics))
         try:
             yield

@@ -70,7 +70,9 @@ class Services:
             responses=ResponsesService(
                 ctx,
                 chat,
-                store if store is not None else open_store(config.server.responses),
+                store
+                if store is not None
+                else open_store(config.server.responses, api_keys=len(config.server.api_keys)),
                 developer_role=speaks_developer(
                     config.model.chat_format, getattr(engine.tokenizer, "chat_template", None)
                 ),

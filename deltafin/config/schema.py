@@ -414,6 +414,10 @@ class ResponsesConfig:
     path: Optional[str] = None  # the sqlite file (store=sqlite); its folder must exist, a foreign file stops start-up
     max_entries: int = ranged(1000, 0, 1 << 30)  # stored responses kept at most; the oldest leave first (0: none)
     max_bytes: int = ranged(64 * 1024 * 1024, 0, 1 << 40)  # bytes of stored responses kept at most
+    # each API key's bounds (past them its own oldest leave); null = an equal share of max_entries / max_bytes among
+    # server.api_keys (all of it without keys), so one key's responses never push out another's
+    max_entries_per_key: Optional[int] = ranged(None, 0, 1 << 30)
+    max_bytes_per_key: Optional[int] = ranged(None, 0, 1 << 40)
     # hosted tools (web_search, file_search, ...): drop (named in x-deltafin-dropped-tools) | reject (400)
     unsupported_tools: UnsupportedTools = UnsupportedTools.drop
 

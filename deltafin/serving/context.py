@@ -28,6 +28,8 @@ class RequestStats:
 
     started: float = field(default_factory=time.perf_counter)
     arrived: float = field(default_factory=time.monotonic)  # admission's deadline counts from here
+    #: the size of what the prompt is rendered from: the body, and for a Responses request continuing a stored
+    #: conversation the conversation too (it chooses the prompt-work lane: deltafin.serving.prompt_work)
     body_bytes: int = 0
     prompt_work_s: float = 0.0  # the request's own prompt work, which its admission deadline does not count
     prompt_tokens: int = 0

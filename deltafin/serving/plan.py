@@ -59,6 +59,7 @@ def token_budget(context_length: int, prompt_tokens: int, budget: Budget) -> int
             f"completion). Please reduce the length of the input or completion.",
             context_length=context_length,
             prompt_tokens=prompt_tokens,
+            completion_tokens=requested,
             param=budget.param,
         )
     return min(requested, room)

@@ -4,6 +4,9 @@ tools dropped and named (or refused), truncation, the refusals that name their f
 from __future__ import annotations
 
 import dataclasses
+import json
+import sqlite3
+import threading
 
 import pytest
 from litestar.testing import TestClient
@@ -11,6 +14,7 @@ from openai.types.responses import Response
 
 from deltafin.app import build_app
 from deltafin.app.services import Services
+from deltafin.serving.responses.store import Bounds, SqliteStore
 from tests.app.test_http import assert_openai_error
 from tests.conftest import compose_config, make_engine
 
@@ -164,3 +168,122 @@ def test_schema_documents_the_responses_route(client):
     paths = client.get("/schema/openapi.json").json()["paths"]
     assert "post" in paths["/v1/responses"] and "get" in paths["/v1/responses/{response_id}"]
     assert "delete" in paths["/v1/responses/{response_id}"]
+
+
+def stream_events(response) -> list[dict]:
+    return [json.loads(line[len("data: ") :]) for line in response.text.splitlines() if line.startswith("data: ")]
+
+
+class TestStoreFailures:
+    """A store that cannot be written (locked by another process, a full disk) costs the client nothing it
+    generated: the answer comes back whole, marked `store: false` (and a stream ends normally, never cut); a damaged
+    stored record is a 404 naming it, never a 500."""
+
+    @pytest.fixture
+    def locked(self, config, loaded_model, tmp_path):
+        path = tmp_path / "responses.db"
+        store = SqliteStore(str(path), Bounds(100, 1 << 30, 100, 1 << 30), busy_timeout_s=0.1)
+        with TestClient(build_app(config, Services.from_engine(config, make_engine(loaded_model), store))) as client:
+            yield client, path
+
+    def hold_the_lock(self, path):
+        other = sqlite3.connect(path, isolation_level=None)
+        other.execute("BEGIN IMMEDIATE")
+        return other
+
+    def test_an_answer_that_cannot_be_stored_is_still_answered(self, locked):
+        client, path = locked
+        other = self.hold_the_lock(path)
+        try:
+            response = client.post(RESPONSES, json=ask())
+        finally:
+            other.execute("ROLLBACK")
+        assert response.status_code == 200, response.text
+        body = Response.model_validate(response.json())
+        assert body.store is False and body.output and response.headers["x-deltafin-store"] == "not stored"
+        assert_openai_error(client.get(f"{RESPONSES}/{body.id}"), 404)  # as it says: not stored
+
+    def test_a_stream_that_cannot_be_stored_ends_normally(self, locked):
+        client, path = locked
+        other = self.hold_the_lock(path)
+        try:
+            response = client.post(RESPONSES, json=ask(stream=True))
+        finally:
+            other.execute("ROLLBACK")
+        events = stream_events(response)
+        assert events[-1]["type"] in ("response.completed", "response.incomplete")  # max_output_tokens: 2
+        assert events[-1]["response"]["store"] is False and events[-1]["response"]["output"]
+        assert [e["sequence_number"] for e in events] == list(range(len(events)))
+
+    @pytest.mark.parametrize(
+        "damage", [b"{not json", b'{"context": [], "input": [{"type": 5}], "response": {"output": []}}']
+    )
+    def test_a_damaged_record_is_404_naming_it(self, locked, damage):
+        client, path = locked
+        rid = client.post(RESPONSES, json=ask()).json()["id"]
+        db = sqlite3.connect(path)
+        db.execute("UPDATE deltafin_responses SET body = ? WHERE id = ?", (damage, rid))
+        db.commit()
+        error = assert_openai_error(client.get(f"{RESPONSES}/{rid}"), 404)
+        assert "damaged" in error["message"]
+        assert_openai_error(client.post(RESPONSES, json=ask(previous_response_id=rid)), 404, "previous_response_id")
+        assert client.delete(f"{RESPONSES}/{rid}").status_code == 200
+
+
+class TestLargeConversations:
+    """A tiny request continuing a large stored conversation: rendered where its conversation's size says (a
+    prompt thread, never the event loop), and `truncation: "auto"` cut in one measured pass."""
+
+    def stored(self, client, turns: int, text: str) -> str:
+        """A stored response whose conversation holds `turns` user/assistant turns of `text`."""
+        items = []
+        for i in range(turns):
+            items += [{"role": "user", "content": f"{i}: {text}"}, {"role": "assistant", "content": f"Noted {i}."}]
+        created = client.post(RESPONSES, json=ask(input=[*items, {"role": "user", "content": "hi"}], truncation="auto"))
+        assert created.status_code == 200, created.text
+        return created.json()["id"]
+
+    def test_the_conversation_not_the_body_chooses_where_it_renders(self, config, short_context, monkeypatch):
+        from deltafin.serving.chat import ChatService
+
+        rid = self.stored(short_context, 2, "word " * 20)
+        threads = []
+        render = ChatService.render
+
+        def recording(self, request, **kwargs):
+            threads.append(threading.current_thread().name)
+            return render(self, request, **kwargs)
+
+        monkeypatch.setattr(ChatService, "render", recording)
+        # the stored record grows past the large-body size: a 140-byte request continuing it
+        big = self.stored(short_context, 1, "x " * config.server.queue.large_body_bytes)
+        threads.clear()
+        response = short_context.post(RESPONSES, json=ask(previous_response_id=big, input="and?", truncation="auto"))
+        assert response.status_code in (200, 400), response.text
+        assert threads and all(name.startswith("deltafin-prompt-large") for name in threads), threads
+        threads.clear()
+        short_context.post(RESPONSES, json=ask(previous_response_id=rid, input="and?"))
+        assert threads == [threading.main_thread().name] or not threads[0].startswith("deltafin-prompt-large")
+
+    def test_auto_truncation_renders_a_few_times_however_many_turns_go(self, short_context, monkeypatch):
+        from deltafin.serving.chat import ChatService
+
+        renders = []
+        render = ChatService.render
+        monkeypatch.setattr(
+            ChatService, "render", lambda self, request, **kw: renders.append(1) or render(self, request, **kw)
+        )
+        turns = 60  # ~45 tokens a turn: over twice the 1,024-token context
+        items = []
+        for i in range(turns):
+            items += [
+                {"role": "user", "content": f"Turn {i}: " + "tell me more " * 8},
+                {"role": "assistant", "content": "Sure."},
+            ]
+        response = short_context.post(
+            RESPONSES, json=ask(input=[*items, {"role": "user", "content": "Last one?"}], truncation="auto")
+        )
+        assert response.status_code == 200, response.text
+        body = Response.model_validate(response.json())
+        assert 500 < body.usage.input_tokens < 1024  # most of the context used: the cut is not far too deep
+        assert len(renders) <= 3, len(renders)  # before: one render per dropped turn (here ~35)

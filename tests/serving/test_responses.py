@@ -20,7 +20,7 @@ from deltafin.serving.responses.conversation import chat_messages, speaks_develo
 from deltafin.serving.responses.events import ResponseEvents
 from deltafin.serving.responses.items import canonical_input
 from deltafin.serving.responses.output import ResponseShape
-from deltafin.serving.responses.store import MemoryStore, SqliteStore
+from deltafin.serving.responses.store import Bounds, MemoryStore, SqliteStore
 from deltafin.serving.responses.tools import chat_tool_choice, served_tools
 
 EVENT = pydantic.TypeAdapter(ResponseStreamEvent)
@@ -343,14 +343,15 @@ class TestRequestChecks:
 
 
 class TestStores:
-    RECORD = {"response": {"id": "r"}, "input": [{"type": "message"}], "context": []}
+    RECORD = {"response": {"id": "r", "output": []}, "input": [{"type": "message"}], "context": []}
 
     @pytest.fixture(params=["memory", "sqlite"])
     def make(self, request, tmp_path):
         def make(entries=10, max_bytes=1 << 20):
+            bounds = Bounds(entries, max_bytes, entries, max_bytes)
             if request.param == "memory":
-                return MemoryStore(entries, max_bytes)
-            return SqliteStore(str(tmp_path / "responses.db"), entries, max_bytes)
+                return MemoryStore(bounds)
+            return SqliteStore(str(tmp_path / "responses.db"), bounds)
 
         return make
 
@@ -374,20 +375,22 @@ class TestStores:
 
     def test_sqlite_keeps_records_across_reopen_in_wal_mode(self, tmp_path):
         path = tmp_path / "r.db"
-        SqliteStore(str(path), 10, 1 << 20).put("o", "r1", self.RECORD)
-        again = SqliteStore(str(path), 10, 1 << 20)
+        bounds = Bounds(10, 1 << 20, 10, 1 << 20)
+        SqliteStore(str(path), bounds).put("o", "r1", self.RECORD)
+        again = SqliteStore(str(path), bounds)
         assert again.get("o", "r1") == self.RECORD
         assert sqlite3.connect(path).execute("PRAGMA journal_mode").fetchone()[0] == "wal"
 
     def test_sqlite_refuses_a_foreign_or_corrupt_file_and_a_missing_folder(self, tmp_path):
+        bounds = Bounds(10, 100, 10, 100)
         junk = tmp_path / "junk.db"
         junk.write_bytes(b"not a database at all" * 100)
         with pytest.raises(ConfigError, match="server.responses.path"):
-            SqliteStore(str(junk), 10, 100)
+            SqliteStore(str(junk), bounds)
         other = tmp_path / "other.db"
         sqlite3.connect(other).execute("CREATE TABLE t (x)")
         with pytest.raises(ConfigError, match="not a Deltafin response store"):
-            SqliteStore(str(other), 10, 100)
+            SqliteStore(str(other), bounds)
         with pytest.raises(ConfigError, match="does not exist"):
-            SqliteStore(str(tmp_path / "no" / "r.db"), 10, 100)
+            SqliteStore(str(tmp_path / "no" / "r.db"), bounds)
         assert json.loads(json.dumps(self.RECORD)) == self.RECORD  # the records themselves are plain JSON (no tuples)

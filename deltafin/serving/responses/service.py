@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import structlog
 
-from deltafin.errors import DeltafinError, InvalidRequestError, NotFoundError
+from deltafin.errors import DeltafinError, EngineUnavailableError, InvalidRequestError, NotFoundError
 from deltafin.protocol.chat import ChatCompletionRequest, JsonSchemaFormat, ResponseFormat
 from deltafin.protocol.common import StreamOptions
 from deltafin.protocol.responses import InputItemsQuery, ResponsesRequest
@@ -27,14 +27,19 @@ from deltafin.serving.responses.conversation import chat_messages
 from deltafin.serving.responses.events import ResponseEvents, sse
 from deltafin.serving.responses.items import Item, canonical_input
 from deltafin.serving.responses.output import ResponseShape
-from deltafin.serving.responses.store import ResponseStore
+from deltafin.serving.responses.store import DamagedRecord, ResponseStore, StoreUnavailable, decode_record
 from deltafin.serving.responses.tools import ServedTools, chat_tool_choice, served_tools
+from deltafin.serving.responses.truncation import TurnCosts, without_turns
 from deltafin.serving.sse import StreamingResponse
 from deltafin.serving.thinking_budget import check_budget
 
 log = structlog.get_logger("deltafin.responses")
 
 DROPPED_TOOLS_HEADER = "x-deltafin-dropped-tools"
+#: on a response asked to be stored that could not be (the database unavailable, larger than the bounds): its
+#: body says `store: false`, and the log line why
+STORE_ERROR_HEADER = "x-deltafin-store"
+T = TypeVar("T")
 
 
 class ResponsesService:
@@ -44,19 +49,31 @@ class ResponsesService:
         self.store = store
         self._developer_role = developer_role
 
-    # --- the store, off the loop when it touches disk
+    # --- the store, always off the loop: records are conversations (megabytes) and sqlite touches disk
 
     async def _store_call(self, fn: Callable[..., Any], *args: Any) -> Any:
-        if self.store.blocking:
+        try:
             return await asyncio.to_thread(fn, *args)
-        return fn(*args)
+        except StoreUnavailable as exc:
+            raise EngineUnavailableError(
+                f"{exc.reason}; retry later.", code="response_store_unavailable", headers={"Retry-After": "1"}
+            ) from None
 
-    async def _record(self, owner: str, response_id: str, param: str | None = None) -> dict[str, Any]:
-        record = await self._store_call(self.store.get, owner, response_id)
-        if record is None:
-            what = "Previous response" if param == "previous_response_id" else "Response"
+    async def _record(self, owner: str, response_id: str, param: str | None = None) -> tuple[dict[str, Any], int]:
+        """The stored record and its size in bytes; 404 for an unknown id, another key's, or a damaged record."""
+        what = "Previous response" if param == "previous_response_id" else "Response"
+        try:
+            found = await self._store_call(_read_record, self.store, owner, response_id)
+        except DamagedRecord as exc:
+            log.error("response_record_damaged", response_id=response_id, reason=str(exc))
+            raise NotFoundError(
+                f"{what} with id '{response_id}' cannot be read: its stored record is damaged ({exc}).",
+                param=param,
+                code="response_not_found",
+            ) from None
+        if found is None:
             raise NotFoundError(f"{what} with id '{response_id}' not found.", param=param, code="response_not_found")
-        return record
+        return found
 
     # --- create
 
@@ -76,16 +93,22 @@ class ResponsesService:
             )
         context: list[Item] = []
         if request.previous_response_id is not None:
-            record = await self._record(stats.owner, request.previous_response_id, "previous_response_id")
+            record, size = await self._record(stats.owner, request.previous_response_id, "previous_response_id")
             context = [*record["context"], *record["input"], *record["response"]["output"]]
-        new_items = canonical_input(request.input)
+            # The prompt is rendered from the stored conversation too: its size, not the (tiny) body's, chooses
+            # where the work runs (a 3.8 MB conversation rendered on the event loop froze every client for 9 s).
+            stats.body_bytes += size
+        new_items = await self._off_loop(canonical_input, request.input, stats=stats)
         if not new_items and not context:
             raise InvalidRequestError("input must not be empty", param="input")
         shape = ResponseShape(request, tools, self.ctx.model_name, defaults=self.ctx.sampling_defaults)
         items = [*context, *new_items]
         record = {"input": new_items, "context": context}
+        costs: TurnCosts | None = None
+        dropped = 0
         while True:
-            chat_request = self._chat_request(request, tools, items)
+            cut = items if dropped == 0 else without_turns(items, dropped)
+            chat_request = await self._off_loop(self._chat_request, request, tools, cut, stats=stats)
             rule_ctx = self.chat.rule_context(chat_request)
             try:
                 if request.stream:
@@ -94,18 +117,39 @@ class ResponsesService:
                 completion = await self.chat.create(chat_request, stats, rule_ctx=rule_ctx)
                 break
             except DeltafinError as err:
-                shorter = _without_oldest_turn(items) if request.truncation == "auto" else None
-                if err.code != "context_length_exceeded" or shorter is None:
+                if request.truncation != "auto" or err.code != "context_length_exceeded":
                     raise
-                items = shorter
+                if costs is None:  # each item's tokens, counted once whatever the number of cuts
+                    costs = await self._off_loop(TurnCosts, items, self.ctx.count_tokens, stats=stats)
+                more = costs.cut(
+                    limit=self.ctx.engine.context_length,
+                    completion=getattr(err, "completion_tokens", None) or (request.max_output_tokens or 0),
+                    prompt_tokens=getattr(err, "prompt_tokens", None),
+                    dropped=dropped,
+                )
+                if more is None:
+                    raise
+                dropped = more
         assert isinstance(completion, dict)  # not streamed: the whole chat completion
         body = shape.from_chat(completion, rule_ctx.reasoning_tokens)
-        if request.stores:
-            await self._keep(stats.owner, body, record)
+        if request.stores and not await self._keep(stats.owner, body, record):
+            body["store"] = False
+            stats.headers.append((STORE_ERROR_HEADER, "not stored"))
         return body
 
-    async def _keep(self, owner: str, body: dict[str, Any], record: dict[str, Any]) -> None:
-        await self._store_call(self.store.put, owner, body["id"], {**record, "response": body})
+    async def _off_loop(self, fn: Callable[..., T], *args: Any, stats: RequestStats) -> T:
+        """Conversation work (checking items, building messages, counting tokens) where the prompt's render runs:
+        on the loop for a small conversation, on a prompt thread for a large one."""
+        return await self.ctx.off_loop(fn, *args, size=stats.body_bytes, stats=stats)
+
+    async def _keep(self, owner: str, body: dict[str, Any], record: dict[str, Any]) -> bool:
+        """Store the response; False when it could not be (too large for the bounds, the database unavailable):
+        the answer is still the client's, marked `store: false`, and the reason is logged."""
+        try:
+            return bool(await asyncio.to_thread(self.store.put, owner, body["id"], {**record, "response": body}))
+        except StoreUnavailable as exc:
+            log.error("response_not_stored", response_id=body["id"], reason=exc.reason)
+            return False
 
     def _framer(self, shape: ResponseShape, rule_ctx: RuleContext, owner: str, record: dict[str, Any]) -> Any:
         stores = shape.request.stores
@@ -122,12 +166,17 @@ class ResponsesService:
                         if event["type"] == "response.created":
                             held = sse(event)
                             continue
-                        if event["type"] in ("response.completed", "response.incomplete") and stores:
-                            await self._keep(owner, event["response"], record)
+                        final = event["type"] in ("response.completed", "response.incomplete")
+                        if final and stores and not await self._keep(owner, event["response"], record):
+                            event["response"]["store"] = False
                         yield held + sse(event)
                         held = b""
                 except DeltafinError as exc:
                     yield held + b"".join(sse(event) for event in events.failed(map_error(exc)))
+                except Exception as exc:  # anything else after the stream began: response.failed, never a cut
+                    log.exception("responses_stream_failed")
+                    failure = DeltafinError(f"The response failed: {type(exc).__name__}.")
+                    yield held + b"".join(sse(event) for event in events.failed(failure))
                 finally:
                     close()
 
@@ -148,7 +197,7 @@ class ResponsesService:
     # --- retrieve, delete, input items
 
     async def retrieve(self, owner: str, response_id: str) -> dict[str, Any]:
-        return (await self._record(owner, response_id))["response"]
+        return (await self._record(owner, response_id))[0]["response"]
 
     async def delete(self, owner: str, response_id: str) -> dict[str, Any]:
         if not await self._store_call(self.store.delete, owner, response_id):
@@ -158,7 +207,7 @@ class ResponsesService:
     async def input_items(self, owner: str, response_id: str, query: InputItemsQuery) -> dict[str, Any]:
         if query.order not in ("asc", "desc"):
             raise InvalidRequestError("order must be 'asc' or 'desc'", param="order")
-        items = list((await self._record(owner, response_id))["input"])
+        items = list((await self._record(owner, response_id))[0]["input"])
         if query.order == "desc":
             items.reverse()
         if query.after is not None:
@@ -174,6 +223,21 @@ class ResponsesService:
             "last_id": page[-1]["id"] if page else None,
             "has_more": len(items) > len(page),
         }
+
+
+def _read_record(store: ResponseStore, owner: str, response_id: str) -> tuple[dict[str, Any], int] | None:
+    """On a worker thread: the record's bytes, decoded and its items checked as a request's would be (a stored
+    record another program changed must not reach the prompt: DamagedRecord)."""
+    body = store.get_raw(owner, response_id)
+    if body is None:
+        return None
+    record = decode_record(body)
+    try:
+        for items in (record["context"], record["input"], record["response"]["output"]):
+            canonical_input(items)  # checked only: the record is returned as it was stored
+    except InvalidRequestError as exc:
+        raise DamagedRecord(exc.message) from None
+    return record, len(body)
 
 
 def chat_request(
@@ -245,17 +309,3 @@ def _response_format(request: ResponsesRequest) -> ResponseFormat | None:
         type="json_schema",
         json_schema=JsonSchemaFormat(name=fmt.name, description=fmt.description, schema=fmt.schema, strict=fmt.strict),
     )
-
-
-def _is_system(item: Item) -> bool:
-    return item["type"] == "message" and item["role"] in ("system", "developer")
-
-
-def _without_oldest_turn(items: list[Item]) -> list[Item] | None:
-    """`items` without their oldest turn (everything before the second user message that is not a system or
-    developer message, which stay); None when only one turn is left to send."""
-    users = [i for i, item in enumerate(items) if item["type"] == "message" and item["role"] == "user"]
-    if len(users) < 2:
-        return None
-    cut = users[1]
-    return [item for i, item in enumerate(items) if i >= cut or _is_system(item)]
