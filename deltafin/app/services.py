@@ -144,4 +144,7 @@ def front_for(config: DeltafinConfig, engine: EngineClient) -> EngineFront:
         max_waiting=config.server.queue.max_waiting,
         timeout_s=config.server.queue.timeout_s,
         memo_entries=config.server.memo.entries,
+        # an upstream (vLLM, SGLang) schedules its own prefills: this one is the local engine's
+        long_prefill_tokens=config.engine.long_prefill_tokens if engine_name(config) == "local" else None,
+        max_long_prefills=config.engine.max_long_prefills,
     )

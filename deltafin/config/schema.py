@@ -414,10 +414,10 @@ class ResponsesConfig:
     path: Optional[str] = None  # the sqlite file (store=sqlite); its folder must exist, a foreign file stops start-up
     max_entries: int = ranged(1000, 0, 1 << 30)  # stored responses kept at most; the oldest leave first (0: none)
     max_bytes: int = ranged(64 * 1024 * 1024, 0, 1 << 40)  # bytes of stored responses kept at most
-    # each API key's bounds (past them its own oldest leave); null = an equal share of max_entries / max_bytes among
+    # each API key's records at most (past it its own oldest leave); null = an equal share of max_entries among
     # server.api_keys (all of it without keys), so one key's responses never push out another's
     max_entries_per_key: Optional[int] = ranged(None, 0, 1 << 30)
-    max_bytes_per_key: Optional[int] = ranged(None, 0, 1 << 40)
+    max_bytes_per_key: Optional[int] = ranged(None, 0, 1 << 40)  # each API key's bytes at most; null = an equal share of max_bytes
     # hosted tools (web_search, file_search, ...): drop (named in x-deltafin-dropped-tools) | reject (400)
     unsupported_tools: UnsupportedTools = UnsupportedTools.drop
 
@@ -472,6 +472,12 @@ class EngineConfig:
     # chunk plus one step for its next token while a long prompt prefills; smaller chunks make that wait shorter and
     # a long prefill slower (docs/benchmarks.md: 64 prefills a 3k prompt as fast as 128, with half the wait)
     prefill_chunk_tokens: int = ranged(64, 16, 1 << 20)
+    # local: admission by tokens: a prompt of this many tokens or more is a long prefill, and at most
+    # max_long_prefills of them prefill at once, a row always left for other requests; a request waiting for that
+    # turn holds no row and shorter ones pass it, so short requests start while long prompts prefill (vLLM's
+    # long_prefill_token_threshold, max_long_partial_prefills); null: every prompt alike
+    long_prefill_tokens: Optional[int] = ranged(1024, 1, 1 << 30)
+    max_long_prefills: int = ranged(1, 1, 1024)  # local: long prefills at once (a row is always left for other requests)
     url: Optional[str] = checked(_http_url, default=None)  # upstream: its base URL, e.g. http://gpu-node:8000
     api: UpstreamApi = UpstreamApi.auto  # vLLM upstream: its route (auto: /inference/v1/generate, else /v1/completions)
     model: Optional[str] = None  # upstream: the `model` field sent; null leaves it out (the upstream serves one model)

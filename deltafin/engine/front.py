@@ -21,9 +21,25 @@ from deltafin.engine.timeline import Mark, current_timeline, now_ns
 
 
 class EngineFront:
-    def __init__(self, engine: EngineClient, *, max_waiting: int, timeout_s: float, memo_entries: int) -> None:
+    def __init__(
+        self,
+        engine: EngineClient,
+        *,
+        max_waiting: int,
+        timeout_s: float,
+        memo_entries: int,
+        long_prefill_tokens: int | None = None,
+        max_long_prefills: int = 1,
+    ) -> None:
+        """`long_prefill_tokens`, `max_long_prefills`: admission by tokens (deltafin.engine.admission); None: off."""
         self.engine = engine
-        self.admission = Admission(capacity=engine.capacity, max_waiting=max_waiting, timeout_s=timeout_s)
+        self.admission = Admission(
+            capacity=engine.capacity,
+            max_waiting=max_waiting,
+            timeout_s=timeout_s,
+            long_prefill_tokens=long_prefill_tokens,
+            max_long_prefills=max_long_prefills,
+        )
         self.memo = ResponseMemo(memo_entries)
 
     # What serving reads of the engine.
@@ -84,11 +100,14 @@ class EngineFront:
             stream.end()
             return stream
         queued_at, queued_ns = time.perf_counter(), now_ns() if timeline is not None else 0
-        units = await self.admission.acquire(len(jobs), deadline=deadline)
+        prompt_tokens = max(len(job.prompt_ids) for job in jobs)
+        units = await self.admission.acquire(len(jobs), deadline=deadline, prompt_tokens=prompt_tokens)
         stream = GenerationStream(loop, queue_wait=time.perf_counter() - queued_at, timeline=timeline)
         if timeline is not None:
             timeline.add(Mark("queue", queued_ns, now_ns(), {"deltafin.queue.rows": len(jobs)}))
         stream.on_end(lambda: self.admission.release(units))
+        if self.admission.is_long(prompt_tokens):
+            _PrefillEnd(self.admission, stream)
         if self.memo.enabled and any(job.params.deterministic for job in jobs):
             stream.observe(_MemoRecorder(self.memo, jobs, stream))
         try:
@@ -102,6 +121,29 @@ class EngineFront:
             stream.close()
             raise
         return stream
+
+
+class _PrefillEnd:
+    """Tells admission once that a long request's prefill is over: at its first event (its first token, from
+    the engine's thread) or its end (cancelled, failed), whichever comes first, on the event loop."""
+
+    def __init__(self, admission: Admission, stream: GenerationStream) -> None:
+        self._admission = admission
+        self._loop = stream.loop
+        self._scheduled = False  # read and set on the emitting thread only
+        self._told = False  # on the loop only
+        stream.observe(self._first_event)
+        stream.on_end(self._tell)
+
+    def _first_event(self, event: object) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self._loop.call_soon_threadsafe(self._tell)
+
+    def _tell(self) -> None:
+        if not self._told:
+            self._told = True
+            self._admission.prefill_ended()
 
 
 class _MemoRecorder:

@@ -126,3 +126,83 @@ class TestAdmission:
 
         waited, waiting = run(scenario())
         assert waited < 1 and waiting == 0
+
+
+class TestLongPrefills:
+    """Admission by tokens: prompts of `long_prefill_tokens` or more prefill at most `max_long_prefills` at a time
+    (vLLM's max_long_partial_prefills), and a short request passes long ones waiting for that turn, so it still
+    starts while long prompts prefill (six 6k-token prompts held every row and newcomers got 429 for 150 s)."""
+
+    def admission(self, capacity=3, max_long=1, timeout_s=5.0):
+        return Admission(
+            capacity=capacity, max_waiting=8, timeout_s=timeout_s, long_prefill_tokens=1000, max_long_prefills=max_long
+        )
+
+    def test_a_short_request_passes_long_ones_waiting_for_their_prefill(self):
+        async def scenario():
+            admission = self.admission(capacity=3)
+            await admission.acquire(1, prompt_tokens=6000)  # prefilling
+            second = asyncio.ensure_future(admission.acquire(1, prompt_tokens=6000))
+            third = asyncio.ensure_future(admission.acquire(1, prompt_tokens=6000))
+            await asyncio.sleep(0)
+            short = await asyncio.wait_for(admission.acquire(1, prompt_tokens=20), 1)
+            waiting = (second.done(), third.done())
+            admission.prefill_ended()  # the first long prompt's prefill is done (it keeps its row)
+            await asyncio.wait_for(second, 1)
+            third_after_one = third.done()
+            third.cancel()
+            return short, waiting, third_after_one, admission.in_use
+
+        short, waiting, third_after_one, in_use = run(scenario())
+        assert short == 1 and waiting == (False, False) and not third_after_one and in_use == 3
+
+    def test_a_row_stays_for_short_requests_whatever_the_setting(self):
+        async def scenario():
+            admission = self.admission(capacity=2, max_long=8)
+            await admission.acquire(1, prompt_tokens=6000)
+            long_waits = asyncio.ensure_future(admission.acquire(1, prompt_tokens=6000))
+            await asyncio.sleep(0)
+            short = await asyncio.wait_for(admission.acquire(1, prompt_tokens=5), 1)
+            done = long_waits.done()
+            long_waits.cancel()
+            return short, done
+
+        assert run(scenario()) == (1, False)
+
+    def test_rows_stay_first_come_first_served(self):
+        """A short request passes a long one waiting for its prefill turn, never one waiting for rows."""
+
+        async def scenario():
+            admission = self.admission(capacity=2)
+            await admission.acquire(2, prompt_tokens=10)  # every row taken
+            big = asyncio.ensure_future(admission.acquire(2, prompt_tokens=10))
+            await asyncio.sleep(0)
+            small = asyncio.ensure_future(admission.acquire(1, prompt_tokens=10))
+            await asyncio.sleep(0)
+            admission.release(1)  # one row: enough for the small one, not for the big one ahead of it
+            await asyncio.sleep(0)
+            order = (big.done(), small.done())
+            admission.release(1)
+            await asyncio.wait_for(big, 1)
+            small.cancel()
+            return order
+
+        assert run(scenario()) == (False, False)
+
+    def test_a_long_waiter_that_leaves_or_times_out_frees_its_turn(self):
+        async def scenario():
+            admission = self.admission(capacity=3, timeout_s=0.05)
+            await admission.acquire(1, prompt_tokens=6000)
+            with pytest.raises(EngineBusyError):
+                await admission.acquire(1, prompt_tokens=6000)
+            admission.prefill_ended()
+            return await asyncio.wait_for(admission.acquire(1, prompt_tokens=6000), 1), admission.waiting
+
+        assert run(scenario()) == (1, 0)
+
+    def test_off_when_no_threshold_is_set(self):
+        async def scenario():
+            admission = Admission(capacity=3, max_waiting=8, timeout_s=1)
+            return [await asyncio.wait_for(admission.acquire(1, prompt_tokens=10**6), 1) for _ in range(3)]
+
+        assert run(scenario()) == [1, 1, 1]

@@ -168,3 +168,37 @@ class TestCancelMidPrefill:
         _, finished, _ = run(collect(front, [GenerationJob(ids, greedy(1))]))
         assert finished[0].cached_tokens == 0
         run(front.aclose())
+
+
+class TestAdmissionByTokens:
+    def test_a_short_request_starts_while_long_prompts_prefill(self, loaded_model, run):
+        """Two long prompts and two rows: the second long prompt waits for the first's prefill, the short request
+        takes the row it would have held and answers before either long prompt is prefilled. Before, the long
+        prompts held both rows through their prefill and the short request waited for one of them to end."""
+        front = EngineFront(
+            LocalEngine(loaded_model, prefill_chunk=CHUNK, max_batch=2),
+            max_waiting=16,
+            timeout_s=120,
+            memo_entries=0,
+            long_prefill_tokens=256,
+            max_long_prefills=1,
+        )
+        front.engine.prefix_cache.clear()
+        longs = [GenerationJob(long_prompt(front, repeats=r), greedy(1)) for r in (9, 10)]
+        assert all(len(job.prompt_ids) >= 256 for job in longs)
+        short = GenerationJob(chat_ids(front, "Hi"), greedy(1))
+        order: list[str] = []
+
+        async def one(name: str, job: GenerationJob):
+            await collect(front, [job])
+            order.append(name)
+
+        async def scenario():
+            tasks = [asyncio.ensure_future(one(f"long{i}", job)) for i, job in enumerate(longs)]
+            await asyncio.sleep(0.05)
+            tasks.append(asyncio.ensure_future(one("short", short)))
+            await asyncio.gather(*tasks)
+
+        run(scenario())
+        assert order[0] == "short", order
+        assert front.admission.in_use == 0 and front.admission.waiting == 0

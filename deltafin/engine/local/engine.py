@@ -40,6 +40,7 @@ from deltafin.engine.kv.batch import BatchKV
 from deltafin.engine.kv.prefix_cache import PrefixCache, PrefixCacheSettings, Reuse
 from deltafin.engine.kv.tier_stats import TierStats
 from deltafin.engine.local.generator import PREFILL_CHUNK, PromptPrefill, cache_argument
+from deltafin.engine.local.prefill_order import finishing_first
 from deltafin.engine.local.row import Row, Submission
 from deltafin.engine.local.sampler import Sampler
 from deltafin.engine.local.steps import decode_step_for
@@ -261,6 +262,7 @@ class LocalEngine(EngineClient):
     def _prefill_chunk(self) -> None:
         """At most `prefill_chunk` prompt positions, round-robin over the prompts in prefill."""
         budget = self.prefill_chunk
+        finishing_first(self._prefilling, budget)  # a short prompt starts in the next step, long ones mid-prefill
         waiting = 0  # prompts passed over since the last one that ran: their prefixes are read from disk
         while self._prefilling and budget > 0 and waiting < len(self._prefilling):
             prompt = self._prefilling[0]
