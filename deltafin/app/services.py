@@ -117,6 +117,7 @@ def grammars_for(config: DeltafinConfig, engine: EngineFront) -> Any:
         return None
     from deltafin.grammar.compiled import tokenizer_info
     from deltafin.grammar.service import Grammars
+    from deltafin.grammar.workers import default_workers
 
     # An upstream compiles for itself: its workers only check (limits, and xgrammar's reading of the schema).
     info = tokenizer_info(engine.tokenizer, engine.vocab_size, engine.stop_token_ids) if caps.compiled_grammar else None
@@ -124,7 +125,7 @@ def grammars_for(config: DeltafinConfig, engine: EngineFront) -> Any:
     return Grammars(
         info,
         engine.vocab_size,
-        workers=grammar.workers,
+        workers=default_workers() if grammar.workers is None else grammar.workers,
         timeout_s=grammar.compile_timeout_s,
         retry_after_s=config.server.queue.timeout_s,
     )

@@ -402,7 +402,9 @@ class GrammarConfig:
     """Constraints (response_format json_schema / json_object, enforced tool_choice) are checked and compiled in
     worker processes, never on the event loop or the engine's thread."""
 
-    workers: int = ranged(2, 1, 64)  # processes that check and compile constraints (each compile runs in one)
+    # processes that check and compile constraints (each compile runs in one; they run below the server's priority
+    # and take turns between API keys); null = one fewer than the cores, at least one, a core left for decoding
+    workers: Optional[int] = ranged(None, 1, 64)
     # a compile running longer is killed (its worker replaced): 400, the schema is too complex; refusals are cached
     # like compiled grammars, so a resend costs nothing
     compile_timeout_s: float = ranged(10.0, 0.1, 3600)

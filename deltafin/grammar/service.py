@@ -9,7 +9,10 @@ engine for room: rows already decoding never wait for a grammar, and the engine 
 - Outcomes are cached both ways: a compiled grammar (LRU of `entries`, at most `cache_bytes` together) and a
   refusal (LRU of `failures`), so a schema that failed, or ran past the time budget, is answered again in
   microseconds however often it is sent.
-- Requests for a constraint being compiled share that compile.
+- Requests for a constraint being compiled share that compile; compiles wait in their API key's turn
+  (`owner`: deltafin.grammar.workers.FairQueue).
+- A worker lost on a constraint (killed from outside, crashed) is `WorkerLost`, not cached: the server's failure,
+  worth a retry. A constraint on which a worker dies twice in a row is refused like an invalid one, and cached.
 - A request that cannot get a worker by its deadline is refused (429) and its queued compile dropped if nobody
   else waits for it; a compile that started runs to its end or its budget, and its outcome is cached.
 - Check-only (no tokenizer info: a gateway, whose upstream compiles): the worker runs the limits and xgrammar's
@@ -34,7 +37,7 @@ from deltafin.errors import EngineBusyError
 from deltafin.grammar import worker as worker_module
 from deltafin.grammar.compiled import ReadyGrammar
 from deltafin.grammar.limits import TooComplex
-from deltafin.grammar.workers import CompileWorkers, WorkerFailed
+from deltafin.grammar.workers import CompileWorkers, WorkerLost
 from deltafin.protocol.sampling import Constraint
 
 
@@ -74,6 +77,7 @@ class Grammars:
         self._ready: OrderedDict[Constraint, ReadyGrammar | None] = OrderedDict()
         self._refused: OrderedDict[Constraint, ValueError] = OrderedDict()
         self._inflight: dict[Constraint, _Pending] = {}
+        self._deaths: OrderedDict[Constraint, int] = OrderedDict()  # workers lost in a row on a constraint
         self._lock = threading.Lock()  # the lanes settle outcomes on their threads
         self.compiles = 0  # compiles that reached a worker (tests and the bench read it)
 
@@ -82,11 +86,12 @@ class Grammars:
         return self._pool
 
     async def prepare(
-        self, constraint: Constraint, *, deadline: float | None = None
+        self, constraint: Constraint, *, deadline: float | None = None, owner: str = ""
     ) -> tuple[ReadyGrammar | None, float]:
         """(the ready grammar, or None when checking only; seconds this request's compile ran). Raises
         ValueError (TooComplex when over a limit or the time budget) for a constraint that cannot be enforced,
-        EngineBusyError when no worker took it by `deadline` (monotonic)."""
+        EngineBusyError when no worker took it by `deadline` (monotonic), WorkerLost when its worker died.
+        `owner` (the API key's digest) is whose turn the compile waits for."""
         with self._lock:
             if constraint in self._ready:
                 self._ready.move_to_end(constraint)
@@ -96,7 +101,7 @@ class Grammars:
                 raise type(refused)(str(refused))
             pending = self._inflight.get(constraint)
             if pending is None:
-                request = self._pool.submit(worker_module.encode_request(constraint), self._decode)
+                request = self._pool.submit(worker_module.encode_request(constraint), self._decode, owner)
                 pending = self._inflight[constraint] = _Pending(request)
                 self.compiles += 1
                 request.future.add_done_callback(functools.partial(self._settle, constraint, pending))
@@ -115,7 +120,13 @@ class Grammars:
                             f"The server is busy (no grammar worker free in time); retry after {self._retry_after} s.",
                             headers={"Retry-After": self._retry_after},
                         ) from None
-            ready = await asyncio.shield(outcome)
+            try:
+                ready = await asyncio.shield(outcome)
+            except WorkerLost:
+                refused = self._refused.get(constraint)  # lost twice in a row: settled as the constraint's fault
+                if refused is not None:
+                    raise type(refused)(str(refused)) from None
+                raise
             return ready, time.monotonic() - max(joined, request.started or joined)
         finally:
             with self._lock:
@@ -153,6 +164,8 @@ class Grammars:
             if done.cancelled():
                 return
             error = done.exception()
+            if not isinstance(error, WorkerLost):
+                self._deaths.pop(constraint, None)
             if error is None:
                 ready = done.result()
                 self._ready[constraint] = ready
@@ -161,11 +174,23 @@ class Grammars:
                     self._held_bytes > self._cache_bytes and len(self._ready) > 1
                 ):
                     self._held_bytes -= _size(self._ready.popitem(last=False)[1])
-            elif isinstance(error, ValueError) and not isinstance(error, WorkerFailed):
-                # A crash is not cached: it may have been the worker's (out of memory), not the constraint's.
-                self._refused[constraint] = error
-                while len(self._refused) > self._failures:
-                    self._refused.popitem(last=False)
+            elif isinstance(error, ValueError):
+                self._refuse(constraint, error)
+            elif isinstance(error, WorkerLost):
+                # Not cached at first: the worker may have been killed from outside, or run out of memory. Twice
+                # in a row on the same constraint is the constraint's doing (xgrammar crashes on it).
+                deaths = self._deaths.pop(constraint, 0) + 1
+                if deaths >= 2:
+                    self._refuse(constraint, ValueError("the grammar compiler failed on it twice"))
+                else:
+                    self._deaths[constraint] = deaths
+                    while len(self._deaths) > self._failures:
+                        self._deaths.popitem(last=False)
+
+    def _refuse(self, constraint: Constraint, error: ValueError) -> None:
+        self._refused[constraint] = error
+        while len(self._refused) > self._failures:
+            self._refused.popitem(last=False)
 
 
 def _size(ready: ReadyGrammar | None) -> int:

@@ -21,6 +21,7 @@ normally kills it at the budget, is gone; and it may not grow its heap by more t
 
 from __future__ import annotations
 
+import os
 import resource
 import signal
 from typing import Any
@@ -39,6 +40,8 @@ SELF_KILL_MARGIN_S = 2.0
 MAX_COMPILED_BYTES = 64 * 1024 * 1024
 #: how far a worker's heap may grow past what it had at start-up (malloc fails past it, the request is refused)
 HEAP_GROWTH_BYTES = 2 * 1024 * 1024 * 1024
+#: how far below the server's priority a worker runs: decoding keeps the cores it needs while schemas compile
+WORKER_NICENESS = 10
 
 
 def encode_request(constraint: Constraint) -> bytes:
@@ -99,6 +102,10 @@ def _limit_heap() -> None:
 def serve(conn: Any, timeout_s: float) -> None:
     """The worker's main loop (the multiprocessing target)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole process group; the parent decides
+    try:
+        os.nice(WORKER_NICENESS)
+    except OSError:  # not allowed here: the workers still run, at the server's priority
+        pass
     info = conn.recv_bytes()
     compiler = make_compiler(xgr.TokenizerInfo.deserialize_json(info.decode("utf-8"))) if info else None
     if compiler is not None:

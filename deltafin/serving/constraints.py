@@ -21,9 +21,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from deltafin.errors import InvalidRequestError
+from deltafin.errors import EngineUnavailableError, InvalidRequestError
 from deltafin.families import BoundFamily
 from deltafin.grammar import constraints
+from deltafin.grammar.failures import WorkerLost
 from deltafin.grammar.limits import TooComplex
 from deltafin.markup.forced_json import forced_call_schema
 from deltafin.markup.selection import ForcedCalls, forced_calls
@@ -117,7 +118,13 @@ async def prepared_constraint(found: tuple[Constraint, str], ctx: ServingContext
         )
     param = "response_format.json_schema.schema" if field == "response_format" else "tools"
     try:
-        grammar, compile_s = await ctx.grammars.prepare(constraint, deadline=ctx.deadline(stats))
+        grammar, compile_s = await ctx.grammars.prepare(constraint, deadline=ctx.deadline(stats), owner=stats.owner)
+    except WorkerLost:  # the server's failure (a worker killed from outside), not the constraint's: retry
+        raise EngineUnavailableError(
+            f"{param} could not be compiled: the grammar worker was lost; retry.",
+            code="grammar_worker_lost",
+            headers={"Retry-After": "1"},
+        ) from None
     except TooComplex as exc:
         raise InvalidRequestError(f"{param} is too complex to enforce: {exc}", param=param) from None
     except ValueError as exc:

@@ -8,6 +8,7 @@ from litestar.testing import TestClient
 
 from deltafin.app import build_app
 from deltafin.engine.interface import EngineCapabilities
+from deltafin.grammar.failures import WorkerLost
 from tests.app.test_http import CHAT, assert_openai_error, user
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object", "properties": {}}}}
@@ -58,6 +59,21 @@ class TestResponseFormatValidation:
             CHAT, json={"messages": user(), "response_format": {"type": "json_object"}, "max_tokens": 1}
         )
         assert_openai_error(response, 400, "response_format")
+
+    def test_a_grammar_worker_lost_is_a_retryable_503_not_a_400(self, client, services, monkeypatch):
+        """Killed from outside (the OOM killer, an operator): the server's failure, so 503 with Retry-After, which
+        clients retry, not the 400 that says the schema cannot be enforced (tests/grammar/test_service.py kills a
+        real worker)."""
+
+        async def lost(constraint, **kwargs):
+            raise WorkerLost("the grammar worker was lost while compiling it")
+
+        monkeypatch.setattr(services.ctx.grammars, "prepare", lost)
+        response = client.post(
+            CHAT, json={"messages": user(), "response_format": {"type": "json_object"}, "max_tokens": 1}
+        )
+        error = assert_openai_error(response, 503)
+        assert error["code"] == "grammar_worker_lost" and response.headers["retry-after"] == "1"
 
 
 class TestTools:

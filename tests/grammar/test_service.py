@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
+import signal
 import time
 
 import pytest
@@ -16,6 +18,7 @@ from deltafin.grammar.compiled import ReadyGrammar, tokenizer_info
 from deltafin.grammar.constraints import json_object, json_schema, structural_tag
 from deltafin.grammar.limits import TooComplex, check_limits
 from deltafin.grammar.service import Grammars
+from deltafin.grammar.workers import WORKER_NICENESS, FairQueue, WorkerLost, default_workers
 
 
 def prop(schema: dict) -> dict:
@@ -224,3 +227,96 @@ def _zombie_or_gone(pids: set[int]) -> bool:
         except FileNotFoundError:
             pass
     return True
+
+
+class TestSharing:
+    """The worker pool under load: shared fairly between API keys, a core left for decoding, and a worker killed
+    from outside a retryable 503, never a 400 (12 distinct slow schemas of one key made a legitimate schema wait
+    32.7 s and a stream stall 2.5 s)."""
+
+    def test_keys_take_turns_whatever_one_key_queued(self):
+        queue = FairQueue()
+        for i in range(4):
+            queue.put("mallory", f"m{i}")
+        queue.put("alice", "a0")
+        queue.put("bob", "b0")
+        queue.put("mallory", "m4")
+        queue.put("alice", "a1")
+        assert [queue.get() for _ in range(8)] == ["m0", "a0", "b0", "m1", "a1", "m2", "m3", "m4"]
+
+    def test_a_keys_schema_is_compiled_after_at_most_one_of_anothers(self, info):
+        """One lane, another key's four slow schemas queued first: the fifth key's schema is next but one."""
+        service = Grammars(*info, workers=1, timeout_s=30.0)
+        finished: list[str] = []
+        try:
+
+            async def one(owner: str, name: str, schema):
+                await service.prepare(schema, owner=owner)
+                finished.append(name)
+
+            async def scenario():
+                slow = [
+                    json_schema({"type": "object", "properties": {f"p{i}_{k}": {"type": "string"} for i in range(600)}})
+                    for k in range(4)
+                ]
+                tasks = [asyncio.ensure_future(one("mallory", f"slow{k}", s)) for k, s in enumerate(slow)]
+                await asyncio.sleep(0.05)
+                tasks.append(asyncio.ensure_future(one("alice", "alice", json_schema(prop({"type": "boolean"})))))
+                await asyncio.gather(*tasks)
+
+            run(scenario())
+        finally:
+            service.close()
+        assert finished.index("alice") <= 1, finished  # FIFO made it last
+
+    def test_workers_leave_a_core_for_decoding(self, monkeypatch):
+        monkeypatch.setattr(os, "cpu_count", lambda: 2)
+        assert default_workers() == 1
+        monkeypatch.setattr(os, "cpu_count", lambda: 16)
+        assert default_workers() == 15
+
+    def test_worker_processes_run_below_the_servers_priority(self, grammars):
+        assert all(os.getpriority(os.PRIO_PROCESS, pid) >= WORKER_NICENESS for pid in grammars.workers.pids())
+
+    def test_a_worker_killed_from_outside_is_a_retryable_failure(self, info):
+        service = Grammars(*info, workers=1, timeout_s=30.0)
+        try:
+
+            async def scenario():
+                task = asyncio.ensure_future(service.prepare(SLOW))
+                while service.workers.sent == 0:
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.2)
+                (pid,) = service.workers.pids()
+                os.kill(pid, signal.SIGKILL)  # the OOM killer, an operator
+                with pytest.raises(WorkerLost):
+                    await task
+                # not cached as the schema's fault: the next request compiles on a fresh worker
+                ready, _ = await service.prepare(json_schema(prop({"type": "boolean"})))
+                return ready
+
+            assert isinstance(run(scenario()), ReadyGrammar)
+        finally:
+            service.close()
+
+    def test_a_schema_that_kills_workers_twice_in_a_row_is_refused(self, info):
+        """A retry is worth it once; a constraint on which the compiler dies again is the constraint's fault."""
+        service = Grammars(*info, workers=1, timeout_s=30.0)
+        try:
+
+            async def attempt():
+                task = asyncio.ensure_future(service.prepare(SLOW))
+                sent = service.workers.sent
+                while service.workers.sent == sent:
+                    await asyncio.sleep(0.01)
+                await asyncio.sleep(0.2)  # inside the compile
+                for pid in service.workers.pids():
+                    os.kill(pid, signal.SIGKILL)
+                return (await asyncio.gather(task, return_exceptions=True))[0]
+
+            first, second = run(attempt()), run(attempt())
+            third, _ = timed(service.prepare(SLOW))  # cached: no third worker dies for it
+        finally:
+            service.close()
+        assert isinstance(first, WorkerLost) and isinstance(second, ValueError) and not isinstance(second, WorkerLost)
+        assert "grammar compiler" in str(second) and type(third) is type(second)
