@@ -479,7 +479,7 @@ class EngineConfig:
     # turn holds no row and shorter ones pass it, so short requests start while long prompts prefill (vLLM's
     # long_prefill_token_threshold, max_long_partial_prefills); null: every prompt alike
     long_prefill_tokens: Optional[int] = ranged(1024, 1, 1 << 30)
-    max_long_prefills: int = ranged(1, 1, 1024)  # local: long prefills at once (a row is always left for other requests)
+    max_long_prefills: int = ranged(2, 1, 1024)  # local: long prefills at once (a row is always left for other requests)
     url: Optional[str] = checked(_http_url, default=None)  # upstream: its base URL, e.g. http://gpu-node:8000
     api: UpstreamApi = UpstreamApi.auto  # vLLM upstream: its route (auto: /inference/v1/generate, else /v1/completions)
     model: Optional[str] = None  # upstream: the `model` field sent; null leaves it out (the upstream serves one model)
