@@ -215,6 +215,23 @@ class TestStoreFailures:
         assert events[-1]["response"]["store"] is False and events[-1]["response"]["output"]
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
 
+    def test_anything_unexpected_after_the_stream_began_ends_it_with_response_failed(self, client, monkeypatch):
+        """README's promise for every error after the first byte, not only Deltafin's own (it was a cut stream)."""
+        from deltafin.serving.responses import service
+
+        real = service.sse
+
+        def failing(event):
+            if event["type"] == "response.output_text.delta":
+                raise RuntimeError("a bug")
+            return real(event)
+
+        monkeypatch.setattr(service, "sse", failing)
+        events = stream_events(client.post(RESPONSES, json=ask(stream=True)))
+        assert events[-1]["type"] == "response.failed" and events[-1]["response"]["error"]["code"] == "server_error"
+        numbers = [e["sequence_number"] for e in events]
+        assert numbers == sorted(set(numbers))  # (the event that failed to be written keeps its number)
+
     @pytest.mark.parametrize(
         "damage", [b"{not json", b'{"context": [], "input": [{"type": 5}], "response": {"output": []}}']
     )
