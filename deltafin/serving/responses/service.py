@@ -105,9 +105,9 @@ class ResponsesService:
         items = [*context, *new_items]
         record = {"input": new_items, "context": context}
         costs: TurnCosts | None = None
-        dropped = 0
+        turns_dropped = 0
         while True:
-            cut = items if dropped == 0 else without_turns(items, dropped)
+            cut = items if turns_dropped == 0 else without_turns(items, turns_dropped)
             chat_request = await self._off_loop(self._chat_request, request, tools, cut, stats=stats)
             rule_ctx = self.chat.rule_context(chat_request)
             try:
@@ -125,11 +125,11 @@ class ResponsesService:
                     limit=self.ctx.engine.context_length,
                     completion=getattr(err, "completion_tokens", None) or (request.max_output_tokens or 0),
                     prompt_tokens=getattr(err, "prompt_tokens", None),
-                    dropped=dropped,
+                    dropped=turns_dropped,
                 )
                 if more is None:
                     raise
-                dropped = more
+                turns_dropped = more
         assert isinstance(completion, dict)  # not streamed: the whole chat completion
         body = shape.from_chat(completion, rule_ctx.reasoning_tokens)
         if request.stores and not await self._keep(stats.owner, body, record):

@@ -169,7 +169,8 @@ class MemoryStore:
 
     def get_raw(self, owner: str, response_id: str) -> bytes | None:
         with self._lock:
-            return self._owners.get(owner, {}).get(response_id)
+            records = self._owners.get(owner)
+            return None if records is None else records.get(response_id)
 
     def get(self, owner: str, response_id: str) -> dict[str, Any] | None:
         body = self.get_raw(owner, response_id)
@@ -296,11 +297,10 @@ class _unavailable_on_error:
     def __enter__(self) -> None:
         return None
 
-    def __exit__(self, kind: Any, exc: Any, tb: Any) -> bool:
+    def __exit__(self, kind: Any, exc: Any, tb: Any) -> None:
         if isinstance(exc, sqlite3.Error):
             log.error("response_store_failed", operation=self.what, error=str(exc))
             raise StoreUnavailable(f"the response store could not be {self.what}: {exc}") from None
-        return False
 
 
 _SCHEMA = (
