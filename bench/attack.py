@@ -241,7 +241,8 @@ def parse(args: argparse.Namespace) -> dict[str, Any]:
     glm = write_tiny_model("glm", folder / "glm", variant="glm47")
     live = serve([f'+models.glm=["model=glm","model.path={glm}","model.variant=glm47","model.aliases=[]"]'])
     try:
-        text = MARKUPS["glm47"].write([("get", {"city": "Paris", "n": i}) for i in range(40000 // args.scale)])
+        # the shape: 40,000 small calls, 2.8 MB (under the 4 MiB body limit)
+        text = MARKUPS["glm47"].write([("get", {"c": "x"}) for i in range(40000 // args.scale)])
         tools = [
             {
                 "type": "function",
@@ -249,7 +250,7 @@ def parse(args: argparse.Namespace) -> dict[str, Any]:
                     "name": "get",
                     "parameters": {
                         "type": "object",
-                        "properties": {"city": {"type": "string"}, "n": {"type": "integer"}},
+                        "properties": {"c": {"type": "string"}},
                     },
                 },
             }

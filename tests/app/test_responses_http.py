@@ -304,3 +304,26 @@ class TestLargeConversations:
         body = Response.model_validate(response.json())
         assert 500 < body.usage.input_tokens < 1024  # most of the context used: the cut is not far too deep
         assert len(renders) <= 3, len(renders)  # before: one render per dropped turn (here ~35)
+
+    def test_a_large_conversation_is_cut_before_its_first_render(self, config, short_context, monkeypatch):
+        """Rendering 3.8 MB only to learn it does not fit is seconds of template work holding the GIL the engine
+        needs: a conversation past the large-body size is measured and cut first, and never rendered whole."""
+        from deltafin.serving.chat import ChatService
+
+        rendered = []
+        render = ChatService.render
+        monkeypatch.setattr(
+            ChatService,
+            "render",
+            lambda self, request, **kw: rendered.append(len(request.messages)) or render(self, request, **kw),
+        )
+        turn = "tell me more about the sea " * 30  # ~800 bytes, ~180 tokens
+        items = []
+        for i in range(config.server.queue.large_body_bytes // len(turn) + 10):
+            items += [{"role": "user", "content": f"{i}: {turn}"}, {"role": "assistant", "content": "Sure."}]
+        response = short_context.post(
+            RESPONSES, json=ask(input=[*items, {"role": "user", "content": "Last?"}], truncation="auto")
+        )
+        assert response.status_code == 200, response.text
+        assert rendered and max(rendered) < len(items) // 4, rendered  # a handful of turns, from the first render on
+        assert 300 < Response.model_validate(response.json()).usage.input_tokens < 1024

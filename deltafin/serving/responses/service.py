@@ -106,6 +106,17 @@ class ResponsesService:
         record = {"input": new_items, "context": context}
         costs: TurnCosts | None = None
         turns_dropped = 0
+        if request.truncation == "auto" and stats.body_bytes >= self.ctx.config.server.queue.large_body_bytes:
+            # A large conversation is measured before its first render, and cut by the estimate: rendering all
+            # of it only to learn it does not fit is seconds of template work (3.8 MB: ~1M tokens for a context
+            # of thousands) that also holds the GIL the engine's thread needs between its steps.
+            costs = await self._off_loop(TurnCosts, items, self.ctx.count_tokens, stats=stats)
+            estimate = costs.cut(
+                limit=self.ctx.engine.context_length,
+                completion=request.max_output_tokens or 0,
+                prompt_tokens=None,
+            )
+            turns_dropped = estimate or 0
         while True:
             cut = items if turns_dropped == 0 else without_turns(items, turns_dropped)
             chat_request = await self._off_loop(self._chat_request, request, tools, cut, stats=stats)
