@@ -171,9 +171,12 @@ def verdict(result: dict[str, Any]) -> dict[str, Any]:
 
 def stored_conversation(path: Path, turns: int, turn_bytes: int) -> str:
     """A record of `turns` user/assistant turns written into a sqlite store before the server opens it."""
-    from deltafin.serving.responses.store import Bounds, SqliteStore
+    from deltafin.serving.responses import store as stores
 
-    store = SqliteStore(str(path), Bounds(1000, 1 << 30, 1000, 1 << 30))
+    if hasattr(stores, "Bounds"):
+        store = stores.SqliteStore(str(path), stores.Bounds(1000, 1 << 30, 1000, 1 << 30))
+    else:  # a Deltafin before per-key bounds (to measure the same attack on it, side by side)
+        store = stores.SqliteStore(str(path), 1000, 1 << 30)
     context = []
     filler = (STORY * (turn_bytes // len(STORY) + 1))[:turn_bytes]
     for i in range(turns):
