@@ -31,6 +31,19 @@ pytest_plugins = ["tests.gateway.llama_tier", "tests.gateway.vllm_tier"]
 LiveServer.fork_from_zygote = os.environ.get("DELTAFIN_TEST_COLD_BOOT") != "1"
 
 
+@pytest.fixture(autouse=True)
+def torch_threads_restored() -> Iterator[None]:
+    """Each test leaves torch's thread count as it found it: building a local engine in process (an app under
+    TestClient) loads with one thread, process-wide, and a later test's float sums would then run in another
+    order (the native step's agreement with the module tree is measured at the machine's thread count)."""
+    import torch
+
+    before = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != before:
+        torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="session")
 def config() -> DeltafinConfig:
     return compose_config()
