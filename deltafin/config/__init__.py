@@ -11,6 +11,7 @@ from deltafin.config.schema import (
     PlacementConfig,
     QueueConfig,
     ServerConfig,
+    SpeculativeConfig,
 )
 from deltafin.config.validate import ConfigError, plain_config, validate_config
 
@@ -29,6 +30,7 @@ __all__ = [
     "PlacementConfig",
     "QueueConfig",
     "ServerConfig",
+    "SpeculativeConfig",
     "compose_config",
     "compose_raw",
     "conf_dir",

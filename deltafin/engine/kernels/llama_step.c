@@ -7,10 +7,12 @@
    projection, RMSNorm, gate/up, SiLU-gate, down, then the final norm and the LM head.
 
    Each token t has its own position, KV cache row `kv_row[t]` and column `kv_col[t]` (where its key and value
-   are written). A decode step passes the batch's attention mask [rows, width] (0 = left padding): token t sees
-   the columns its row's mask shows. A prefill window passes no mask: token t sees columns 0 .. kv_col[t].
+   are written). A decode step passes the batch's attention mask [rows, width] (0 = padding or a column the row
+   does not hold): token t sees the columns 0 .. kv_col[t] its row's mask shows. A prefill window passes no
+   mask: token t sees columns 0 .. kv_col[t]. With a mask, a row may bring several tokens (a speculative draft
+   verified in one pass: deltafin/engine/local/speculative): they come one after another, in column order.
 
-   The KV cache stays transformers' (deltafin/engine/native_step.py hands in the buffers of each layer's
+   The KV cache stays transformers' (deltafin/engine/llama/native.py hands in the buffers of each layer's
    `DynamicCache` tensors): keys stored rotated, [rows, kv heads, capacity, head dim].
 
    A token's result depends only on its own inputs and the cache columns it sees, never on the other tokens
@@ -252,7 +254,7 @@ static void attend(const llama_model *model, const attention_args *a, int64_t l,
                    qrows *q, float *work, int64_t *cols, int64_t t, int64_t g) {
     const int64_t D = model->head_dim, Hq = model->heads, Hk = model->kv_heads, A = Hq * D, half = D / 2;
     const int64_t group = Hq / Hk;
-    const int64_t columns = a->mask ? a->width : a->kv_col[t] + 1;
+    const int64_t columns = a->kv_col[t] + 1;  /* a decode step's token sits at its row's last column */
     const float *keys = a->keys[l] + (a->kv_row[t] * Hk + g) * a->capacity * D;
     const float *values = a->values[l] + (a->kv_row[t] * Hk + g) * a->capacity * D;
     int64_t count = columns;
@@ -334,8 +336,8 @@ static void attend(const llama_model *model, const attention_args *a, int64_t l,
    [rows, kv heads, capacity, head dim]; cos, sin: [positions, head_dim / 2]; logits: [T - first_logit, vocab]
    for tokens first_logit .. T-1. Returns 0; -1 when out of memory, -2 for widths not in blocks of 32.
 
-   Seven barriers a layer (eight for a prefill window, whose keys must all be written before any token
-   attends): norm | q,k,v | rotary + cache write + attention + quantize, per (token, kv head) |
+   Seven barriers a layer (eight for a prefill window or a row of several tokens, whose keys must all be
+   written before any token attends): norm | q,k,v | rotary + cache write + attention + quantize, per (token, kv head) |
    o (+ residual) | norm | gate and up by blocks of 32 columns, SiLU-gate and quantize | down (+ residual). */
 int deltafin_llama_forward(const llama_model *model, const int64_t *tokens, const int64_t *positions,
                            const int64_t *kv_row, const int64_t *kv_col, const int64_t *mask, int64_t count,
@@ -347,6 +349,9 @@ int deltafin_llama_forward(const llama_model *model, const int64_t *tokens, cons
     const int64_t widest = I > H ? (I > A ? I : A) : (H > A ? H : A);
     int64_t columns = width;
     for (int64_t t = 0; !mask && t < T; t++) columns = kv_col[t] + 1 > columns ? kv_col[t] + 1 : columns;
+    /* a row with several tokens: each sees the keys of the ones before it, so all are written first */
+    int several = !mask;
+    for (int64_t t = 1; !several && t < T; t++) several = kv_row[t] == kv_row[t - 1];
     if (H % QK || I % QK || D % QK || !matrices_fit(model)) return -2;
     float *x = malloc(sizeof(float) * T * H);
     float *h = malloc(sizeof(float) * T * widest);
@@ -392,7 +397,7 @@ int deltafin_llama_forward(const llama_model *model, const int64_t *tokens, cons
                 matrices_for(mats, outs, qkv_width, 3, &q, T, NULL);
             }
             SYNC();
-            if (mask) {  /* a decode step: each token sees only its own row's columns, its own key included */
+            if (!several) {  /* one token a row: each sees only its own row's columns, its own key included */
                 #pragma omp for schedule(static) nowait
                 for (int64_t task = 0; task < T * Hk; task++) {
                     write_kv(model, &args, l, qkv, task / Hk, task % Hk);

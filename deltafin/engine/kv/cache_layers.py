@@ -119,22 +119,43 @@ def join(into: Any, row: Any, *, width: int, copies: int) -> None:
         _copy_state_facts(into, row)
 
 
-def select(layer: Any, index: torch.Tensor, trim: int) -> None:
-    """Keeps the rows `index` (in that order) and drops `trim` leading attention positions."""
+def select(layer: Any, index: torch.Tensor, first: int, last: int) -> None:
+    """Keeps the rows `index` (in that order) and the attention positions [first, last)."""
     if has_kv(layer) and layer.is_initialized:
-        layer.keys = layer.keys.index_select(0, index)[:, :, trim:]
-        layer.values = layer.values.index_select(0, index)[:, :, trim:]
+        layer.keys = layer.keys.index_select(0, index)[:, :, first:last]
+        layer.values = layer.values.index_select(0, index)[:, :, first:last]
     if has_states(layer):
         for i, table in _initialized(layer):
             getattr(layer, table)[i] = getattr(layer, table)[i].index_select(0, index)
 
 
-def single_row(layer: Any, row: int, pad: int) -> Any:
-    """A one-row layer holding row `row`'s cache, its `pad` leading attention positions left out. Attention
-    tensors are views (the batch replaces, never writes, them); states are clones (the batch writes them)."""
+def narrow(layer: Any, width: int) -> None:
+    """Keeps the first `width` attention positions (a view: the columns after them are dropped)."""
+    if has_kv(layer) and layer.is_initialized:
+        layer.keys, layer.values = layer.keys[:, :, :width], layer.values[:, :, :width]
+
+
+def gather_columns(layer: Any, index: torch.Tensor) -> None:
+    """index [B, W]: row b's new column j is its old column index[b, j] (a copy into new tensors)."""
+    if has_kv(layer) and layer.is_initialized:
+        rows, heads, _, dim = layer.keys.shape
+        where = index[:, None, :, None].expand(rows, heads, index.shape[1], dim)
+        layer.keys, layer.values = layer.keys.gather(2, where), layer.values.gather(2, where)
+
+
+def single_row(
+    layer: Any, row: int, start: int = 0, end: int | None = None, *, columns: torch.Tensor | None = None
+) -> Any:
+    """A one-row layer holding row `row`'s cache: its attention positions [start, end), or the positions
+    `columns` (a copy). Attention tensors are otherwise views (the batch replaces, or writes past, them);
+    states are clones (the batch writes them)."""
     out = empty_like(layer)
     if has_kv(layer) and layer.is_initialized:
-        keys, values = layer.keys[row : row + 1, :, pad:], layer.values[row : row + 1, :, pad:]
+        if columns is not None:
+            keys = layer.keys[row : row + 1].index_select(2, columns)
+            values = layer.values[row : row + 1].index_select(2, columns)
+        else:
+            keys, values = layer.keys[row : row + 1, :, start:end], layer.values[row : row + 1, :, start:end]
         out.lazy_initialization(keys, values)
         out.keys, out.values = keys, values
     if has_states(layer):

@@ -127,34 +127,58 @@ class FusedLlamaStep:
         `write(layer, keys, values)` stores the new position's keys and values [B, Hk, 1, D] in the layer's
         cache and returns the keys and values to attend over ([B, Hk, S, D]): the eager step appends
         (`_append`), the static one writes into a preallocated buffer (`deltafin.engine.llama.fused_static`)."""
-        rows = tokens.shape[0]
+        return self.forward_tokens(tokens, attention_mask, positions, write)[:, -1]
+
+    def forward_tokens(
+        self,
+        tokens: torch.Tensor,
+        attention_mask: torch.Tensor,
+        positions: torch.Tensor,
+        write: Callable[[int, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    ) -> torch.Tensor:
+        """`forward` for C tokens of each row at once (C = 1: a decode step; more: a speculative draft checked in
+        one pass), written at the last C columns of the mask: tokens [B, C], attention_mask [B, S], positions
+        [B, C] -> logits [B, C, V]. Token j sees the columns its row's mask shows up to its own (S - C + j)."""
+        rows, count = tokens.shape
         heads, kv_heads, dim = self.heads, self.kv_heads, self.head_dim
-        x = self.embed(tokens)  # [B, 1, H]
+        x = self.embed(tokens)  # [B, C, H]
         width = x.shape[-1]
-        cos, sin = self.rotary(x, positions)  # [B, 1, D] each
-        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, 1, D]: broadcast over heads
+        cos, sin = self.rotary(x, positions)  # [B, C, D] each
+        cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [B, 1, C, D]: broadcast over heads
         half = dim // 2
         # Additive mask, once per step: padding columns get -inf (a boolean mask is converted in every call).
-        hidden = attention_mask.new_zeros(attention_mask.shape, dtype=x.dtype)
-        hidden = hidden.masked_fill_(attention_mask == 0, float("-inf"))[:, None, None, :]  # [B, 1, 1, S]
+        visible = (attention_mask != 0)[:, None, None, :]  # [B, 1, 1, S]
+        if count > 1:  # each token sees the columns up to its own
+            columns = torch.arange(attention_mask.shape[1], device=tokens.device)
+            own = attention_mask.shape[1] - count + torch.arange(count, device=tokens.device)
+            visible = visible & (columns[None, :] <= own[:, None])[None, None]  # [B, 1, C, S]
+        hidden = torch.zeros(visible.shape, dtype=x.dtype, device=x.device).masked_fill_(~visible, float("-inf"))
         for i, layer in enumerate(self.layers):
             h = F.rms_norm(x, (width,), layer.input_norm, self.eps)
-            qkv = layer.qkv.forward(h).view(rows, 1, heads + 2 * kv_heads, dim).transpose(1, 2)  # [B, Hq+2Hk, 1, D]
+            qkv = layer.qkv.forward(h).view(rows, count, heads + 2 * kv_heads, dim).transpose(1, 2)  # [B, Hq+2Hk, C, D]
             qk = qkv[:, : heads + kv_heads]
             qk = qk * cos + torch.cat([-qk[..., half:], qk[..., :half]], dim=-1) * sin  # rotary, q and k at once
             keys, values = write(i, qk[:, heads:], qkv[:, heads + kv_heads :])
             attended = F.scaled_dot_product_attention(
                 qk[:, :heads], keys, values, attn_mask=hidden, scale=self.scaling, enable_gqa=True
-            )  # [B, Hq, 1, D]
-            x = x + layer.o_proj.forward(attended.transpose(1, 2).reshape(rows, 1, heads * dim))
+            )  # [B, Hq, C, D]
+            x = x + layer.o_proj.forward(attended.transpose(1, 2).reshape(rows, count, heads * dim))
             h = F.rms_norm(x, (width,), layer.post_norm, self.eps)
             gate_up = layer.gate_up.forward(h)
             x = x + layer.down.forward(F.silu(gate_up[..., : self.intermediate]) * gate_up[..., self.intermediate :])
         x = F.rms_norm(x, (width,), self.final_norm, self.eps)
-        return self.head(x)[:, -1]  # [B, V]
+        return self.head(x)  # [B, C, V]
+
+    def verify(
+        self, tokens: torch.Tensor, attention_mask: torch.Tensor, positions: torch.Tensor, cache: Any
+    ) -> torch.Tensor:
+        """Several tokens of each row appended to the cache in one pass: tokens [B, C], attention_mask
+        [B, L + C], positions [B, C] -> logits [B, C, V] (see `forward_tokens`)."""
+        layers = cache.layers
+        return self.forward_tokens(tokens, attention_mask, positions, lambda i, k, v: self._append(layers[i], k, v))
 
     def _append(self, kv: Any, keys: torch.Tensor, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Appends one position to a layer's cache in place when the layer's tensors are views of a buffer
+        """Appends the new positions to a layer's cache in place when the layer's tensors are views of a buffer
         this step allocated with room to spare; otherwise copies them into a new such buffer. A `torch.cat`
         per step would copy the whole cache twice per layer per token.
 
@@ -163,16 +187,16 @@ class FusedLlamaStep:
         tensors (cat, index_select) whenever rows join or leave, which drops the buffer.
         Eager only: under placement.compile the static step (`deltafin.engine.llama.fused_static`) owns the buffers."""
         room = self._room.get(kv)
-        length = kv.keys.shape[2]
+        length, count = kv.keys.shape[2], keys.shape[2]
         if (
             room is None
             or room[0].data_ptr() != kv.keys.data_ptr()
             or room[0].shape[:2] != kv.keys.shape[:2]
             or kv.keys.stride() != room[0].stride()
-            or length >= room[0].shape[2]
+            or length + count > room[0].shape[2]
         ):
             rows, kv_heads, _, dim = kv.keys.shape
-            capacity = length + ROOM
+            capacity = length + count + ROOM
             room = (
                 kv.keys.new_empty(rows, kv_heads, capacity, dim),
                 kv.values.new_empty(rows, kv_heads, capacity, dim),
@@ -180,9 +204,13 @@ class FusedLlamaStep:
             room[0][:, :, :length] = kv.keys
             room[1][:, :, :length] = kv.values
             self._room[kv] = room
-        room[0][:, :, length] = keys[:, :, 0]
-        room[1][:, :, length] = values[:, :, 0]
-        kv.keys, kv.values = room[0][:, :, : length + 1], room[1][:, :, : length + 1]
+        if count == 1:
+            room[0][:, :, length] = keys[:, :, 0]
+            room[1][:, :, length] = values[:, :, 0]
+        else:
+            room[0][:, :, length : length + count] = keys
+            room[1][:, :, length : length + count] = values
+        kv.keys, kv.values = room[0][:, :, : length + count], room[1][:, :, : length + count]
         return kv.keys, kv.values
 
 

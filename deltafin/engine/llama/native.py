@@ -2,7 +2,7 @@
 (deltafin/engine/kernels/llama_step.c): the batched decode step and prefill windows.
 
 `NativeLlamaStep` is callable like `generator.decode_step`: (model, tokens [B, 1], mask [B, L+1], positions
-[B, 1], cache) -> logits [B, V]. `install_native_forward` makes the model's own forward run prefill windows
+[B, 1], cache) -> logits [B, V]; `verify` runs several tokens of each row in one pass (speculative decoding). `install_native_forward` makes the model's own forward run prefill windows
 (one row, a `DynamicCache` or none, no padding) through the same C code, so `generator.prefill`, chunked prefill and
 the prefix cache need nothing special, and a prompt's bits do not depend on how it was windowed or how much
 of it came from the prefix cache. Any other call (padded batches, `generate`, no cache) keeps transformers'
@@ -209,6 +209,34 @@ class NativeLlamaStep:
             rows_index,
             torch.full((rows,), width - 1, dtype=torch.int64),
             attention_mask.to(torch.int64).contiguous(),
+            width,
+            capacity,
+            self._decode_room,
+            0,
+        )
+
+    def verify(
+        self,
+        tokens: torch.Tensor,
+        rows: torch.Tensor,
+        columns: torch.Tensor,
+        positions: torch.Tensor,
+        mask: torch.Tensor,
+        cache: Any,
+    ) -> torch.Tensor:
+        """Several tokens of each row of the batch in one pass (a speculative draft checked as a short prefill:
+        the weights are read once for all of them). tokens, rows, columns, positions: [T], a row's tokens one
+        after another in column order; token t is written at column columns[t] of row rows[t] and sees the
+        columns of its row that mask [B, W] shows, up to its own. Returns logits [T, V]: token t's are the bits a
+        decode step feeding it alone would give (llama_step.c)."""
+        width = mask.shape[1]
+        capacity = self._decode_room.ensure(cache.layers, cache.layers[0].keys.shape[2], width)
+        return self._run(
+            tokens,
+            positions,
+            rows.to(torch.int64).contiguous(),
+            columns.to(torch.int64).contiguous(),
+            mask.to(torch.int64).contiguous(),
             width,
             capacity,
             self._decode_room,

@@ -9,7 +9,8 @@
    prefill queue gets them; one that finishes samples its rows' first tokens and they join the batch (and
    what is left of the budget goes to the next prompt); one that does not goes to the back of the queue
    (round-robin: no prompt waits for another's whole prefill, however long that is);
-4. decodes one token for every running row.
+4. decodes one token for every running row (with speculation, `engine.speculative`: each row's draft checked
+   in the same pass, deltafin.engine.local.speculative).
 So a running stream waits at most one chunk plus one step for its next token, whatever arrives. Finished and
 cancelled rows leave at once, giving their KV cache to the prefix cache; a prompt cancelled or failed in
 prefill gives nothing back (its cache is partial). Admission (`capacity = max_batch` rows) and the memo stand
@@ -32,6 +33,7 @@ import structlog
 import torch
 from transformers import DynamicCache
 
+from deltafin.config import SpeculativeConfig
 from deltafin.engine.events import GenerationJob, PromptLogprobs
 from deltafin.engine.experts import PoolCounters, PoolStats
 from deltafin.engine.experts import charge as charge_experts
@@ -43,6 +45,7 @@ from deltafin.engine.local.generator import PREFILL_CHUNK, PromptPrefill, cache_
 from deltafin.engine.local.prefill_order import finishing_first
 from deltafin.engine.local.row import Row, Submission
 from deltafin.engine.local.sampler import Sampler
+from deltafin.engine.local.speculative import speculation_for
 from deltafin.engine.local.steps import decode_step_for
 from deltafin.engine.stream import GenerationStream
 from deltafin.engine.text.choice_decoder import ChoiceDecoder
@@ -97,6 +100,8 @@ class LocalEngine(EngineClient):
         prefix_cache: PrefixCacheSettings | None = None,
         prefill_chunk: int = PREFILL_CHUNK,
         threads: int | None = None,
+        speculative: SpeculativeConfig | None = None,
+        draft: LoadedModel | None = None,
     ) -> None:
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -131,6 +136,8 @@ class LocalEngine(EngineClient):
         self.experts = loaded.experts
         self.cache_arg = cache_argument(self.model)
         self.decode = decode_step_for(self.model, compile=loaded.compile)
+        #: engine.speculative (None: every step decodes one token a row)
+        self.speculation = speculation_for(speculative, loaded, self.decode, self.cache_arg, draft=draft)
         self._rows: list[Row] = []
         self._prefilling: collections.deque[PromptInPrefill] = collections.deque()
         self._kv = BatchKV(self.device)
@@ -193,7 +200,7 @@ class LocalEngine(EngineClient):
                 if self._prefilling:
                     self._prefill_chunk()
                 if self._rows:
-                    self._step()
+                    self._step() if self.speculation is None else self._speculative_step()
 
     def _admit(self, sub: Submission) -> None:
         """Check the request and queue its distinct prompts for prefill."""
@@ -379,12 +386,7 @@ class LocalEngine(EngineClient):
             logits = self.decode(self.model, tokens, mask, positions, self._kv.cache, cache_arg=self.cache_arg)
             # logits: [B, V]
         except Exception as exc:
-            log.exception("generation_failed")
-            subs = {id(row.submission): row.submission for row in rows}
-            self._rows, self._kv = [], BatchKV(self.device)
-            self._prefilling = collections.deque(p for p in self._prefilling if id(p.sub) not in subs)
-            for sub in subs.values():
-                sub.fail(str(exc))
+            self._fail_batch(rows, exc)
             return
         self._kv.advanced(mask)
         if pool_before is not None:  # the step's expert reads, shared by its rows (request log line)
@@ -412,6 +414,35 @@ class LocalEngine(EngineClient):
                 except Exception as exc:
                     self._fail_row(row, exc, failed)
         self._remove(lambda row: id(row.submission) in failed, finished)
+
+    def _speculative_step(self) -> None:
+        """`_step` with speculation: each row's draft, if it has one, is checked in the same pass."""
+        assert self.speculation is not None
+        rows = self._rows
+        self.step_sizes.append(len(rows))
+        self.schedule.append(("step", len(rows)))
+        pool_before = self.experts.counters() if self.experts is not None else None
+        try:
+            checked = self.speculation.verify(rows, self._kv)
+        except Exception as exc:
+            self._fail_batch(rows, exc)
+            return
+        if pool_before is not None:
+            pool_spent = self.experts.counters() - pool_before
+            for row in rows:
+                charge_experts(row.timings, pool_spent, share=len(rows), decode=True)
+        failed: set[int] = set()
+        finished = self.speculation.settle(checked, self._kv, failed, lambda row, exc: self._fail_row(row, exc, failed))
+        self._remove(lambda row: id(row.submission) in failed, finished)
+
+    def _fail_batch(self, rows: list[Row], exc: Exception) -> None:
+        """A step's forward failed: every running request fails, the batch starts empty."""
+        log.exception("generation_failed", exc_info=exc)
+        subs = {id(row.submission): row.submission for row in rows}
+        self._rows, self._kv = [], BatchKV(self.device)
+        self._prefilling = collections.deque(p for p in self._prefilling if id(p.sub) not in subs)
+        for sub in subs.values():
+            sub.fail(str(exc))
 
     def _fail_row(self, row: Row, exc: Exception, failed: set[int]) -> None:
         log.exception("generation_failed")

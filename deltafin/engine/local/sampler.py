@@ -76,6 +76,12 @@ class Sampler:
             if prompt_ids:
                 self._seen[torch.tensor(list(prompt_ids), device=device)] = True
 
+    @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing to apply: the token is the argmax of the raw float32 logits, so a caller may take
+        the argmax of many positions at once (speculative verification) and get what `sample` would."""
+        return self._plain_greedy
+
     def observe(self, token_id: int) -> None:
         """The row emitted `token_id`: update penalty state and advance the constraint."""
         if self._counts is not None:

@@ -1,0 +1,77 @@
+"""How many tokens each row may draft this step: as many as pay for themselves, judged by the row's acceptance.
+
+A guess costs the pass a token's worth of compute whether it is accepted or not (`relative_cost` of a decode
+step, plus what drafting it costs); it yields a token only if every guess before it was accepted too. With a
+row's acceptance rate a, its j-th guess yields a^j tokens on average. A step's throughput is (tokens it yields)
+/ (what it costs): 1 + c (T - 1) for T tokens fed, in units of a one-token step. Guesses are taken, over all
+rows, in the order of what they yield, while each yields more than it costs at the step's current throughput
+(the ratio only grows while that holds): a copying row drafts long runs, a row whose guesses fail stops guessing,
+and a full batch (already many tokens per pass) guesses only where acceptance is high.
+
+A row's rate is the share of its recent guesses accepted (a prior of `PRIOR` worth `PRIOR_WEIGHT` guesses,
+older steps weighing less). A row that stopped guessing drifts back toward the prior, so it tries again after
+a while: text that starts repeating itself is noticed.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+PRIOR = 0.6
+PRIOR_WEIGHT = 2.0
+#: how much the counts of earlier steps still weigh at each new step with guesses ...
+DECAY = 0.8
+#: ... and at each step without (the rate drifts back toward the prior)
+IDLE_DECAY = 0.95
+
+
+@dataclass
+class _Rate:
+    accepted: float = 0.0
+    tested: float = 0.0
+
+    @property
+    def value(self) -> float:
+        return (self.accepted + PRIOR * PRIOR_WEIGHT) / (self.tested + PRIOR_WEIGHT)
+
+
+class DraftPlanner:
+    def __init__(self, most: int, token_cost: float) -> None:
+        self.most = most
+        self.token_cost = max(token_cost, 1e-6)
+        self._rates: weakref.WeakKeyDictionary[Any, _Rate] = weakref.WeakKeyDictionary()
+
+    def rate(self, row: Any) -> float:
+        found = self._rates.get(row)
+        return found.value if found is not None else PRIOR
+
+    def limits(self, rows: Sequence[Any], room: Sequence[int]) -> list[int]:
+        """Guesses each row may draft this step; `room[i]`: the most row i can use (its budget, the context)."""
+        rates = [self.rate(row) for row in rows]
+        limits = [0] * len(rows)
+        yielded, cost = float(len(rows)), 1.0 + self.token_cost * (len(rows) - 1)
+        # each row's next guess yields rate^(j+1); take the best one while it pays at the current throughput
+        while True:
+            best, gain = -1, 0.0
+            for i, rate in enumerate(rates):
+                if limits[i] < min(self.most, room[i]):
+                    candidate = rate ** (limits[i] + 1)
+                    if candidate > gain:
+                        best, gain = i, candidate
+            if best < 0 or gain <= self.token_cost * yielded / cost:
+                return limits
+            limits[best] += 1
+            yielded += gain
+            cost += self.token_cost
+
+    def record(self, row: Any, accepted: int, tested: int) -> None:
+        """A step checked `tested` of the row's guesses (up to and with the first rejected one), `accepted` held."""
+        rate = self._rates.get(row)
+        if rate is None:
+            rate = self._rates[row] = _Rate()
+        decay = DECAY if tested else IDLE_DECAY
+        rate.accepted = rate.accepted * decay + accepted
+        rate.tested = rate.tested * decay + tested
