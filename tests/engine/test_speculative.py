@@ -92,8 +92,8 @@ def both(plain, ngram, run):
 
 
 def ending(finished: dict[int, Finished]) -> dict[int, tuple]:
-    """What a choice's end says, but its timings."""
-    return {c: (f.reason, f.stop_reason, f.completion_tokens, f.cached_tokens) for c, f in finished.items()}
+    """What a choice's end says of its tokens (not its timings, nor what the prefix cache held)."""
+    return {c: (f.reason, f.stop_reason, f.completion_tokens) for c, f in finished.items()}
 
 
 def greedy(tokenizer, text: str, **params) -> GenerationJob:
@@ -216,3 +216,21 @@ class TestBatched:
         assert end[0].cached_tokens >= len(first) + len(tokens[0]) - 1
         plain.engine.prefix_cache.clear()
         assert again == run(collect(plain, [job]))[0]
+
+
+class TestFloatWeights:
+    def test_the_fused_torch_step_gives_what_it_gives_without(self, float_model, run, tokenizer):
+        """The dequantized weights run the fused torch step: drafts are appended to every row (padded), and the
+        tokens are none's (float reassociation between a [B, C] pass and C steps moves no argmax here)."""
+        plain, spec = front_for(float_model), front_for(float_model, "ngram")
+        jobs = [greedy(tokenizer, COPY, max_tokens=80), greedy(tokenizer, OPEN, max_tokens=40, ignore_eos=True)]
+        solo = [run(collect(plain, [job]))[0] for job in jobs]
+
+        async def together():
+            tasks = [asyncio.ensure_future(collect(spec, [job])) for job in jobs]
+            return [tokens for tokens, _, _ in await asyncio.gather(*tasks)]
+
+        assert run(together()) == solo
+        assert spec.engine.speculation.accepted > 10
+        run(plain.engine.aclose())
+        run(spec.engine.aclose())

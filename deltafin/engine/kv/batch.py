@@ -93,14 +93,15 @@ class BatchKV:
         return Placement(list(counts), firsts, fed, mask, appended=not own_columns)
 
     def accept(self, placement: Placement, kept: Sequence[int]) -> None:
-        """After the forward over `placement`: row i keeps the first `kept[i]` (at least one) of its tokens, the
-        rest are masked out; with an appended layout, columns past the last kept one of every row are cut off."""
+        """After the forward over `placement`: row i keeps the first `kept[i]` of its tokens, the rest are masked
+        out; with an appended layout, columns past the last kept one of every row are cut off."""
         mask = placement.mask
         for i, (first, n, keep) in enumerate(zip(placement.firsts, placement.fed, kept)):
             if keep < n:
                 mask[i, first + keep : first + n] = 0
-            self.ends[i] = first + keep
-            self.lengths[i] += keep
+            if keep:
+                self.ends[i] = first + keep
+                self.lengths[i] += keep
         self.mask = mask
         self.positions = self.positions + torch.tensor(list(kept), device=self.device)
         width = max(self.ends)
@@ -109,6 +110,16 @@ class BatchKV:
             self.mask = self.mask[:, :width]
             for layer in self.cache.layers:
                 cache_layers.narrow(layer, width)
+
+    def truncate(self, row: int, length: int) -> None:
+        """Row `row` keeps only its first `length` (at least one) real tokens; the others are masked out."""
+        if length >= self.lengths[row]:
+            return
+        columns = torch.nonzero(self.mask[row]).squeeze(-1)
+        self.mask[row, columns[length:]] = 0
+        self.lengths[row] = length
+        self.ends[row] = int(columns[length - 1]) + 1
+        self.positions[row] = length
 
     @property
     def holes(self) -> int:

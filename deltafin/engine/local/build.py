@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 from deltafin.config import DeltafinConfig
@@ -22,12 +23,20 @@ def build_local_engine(config: DeltafinConfig) -> EngineClient:
     loaded = load_model(config.model, config.placement, max_batch=config.engine.max_batch)
     if loaded.experts is not None and config.placement.num_threads is None:
         threads = loaded.experts.compute_threads(threads)  # a core for the expert reads' copies
+    speculative = config.engine.speculative
+    draft = None
+    if speculative.method == "draft":  # a second model, loaded as the main one is (placement, GGUF blocks)
+        draft_model = copy.deepcopy(config.model)
+        draft_model.path, draft_model.context_length = speculative.draft_path, None
+        draft = load_model(draft_model, config.placement)
     return LocalEngine(
         loaded,
         threads=threads,
         max_batch=config.engine.max_batch,
         prefill_chunk=config.engine.prefill_chunk_tokens,
         prefix_cache=prefix_cache_settings(config, loaded),
+        speculative=speculative,
+        draft=draft,
     )
 
 

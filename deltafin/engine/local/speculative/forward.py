@@ -79,7 +79,7 @@ class _PaddedForward(ManyTokenForward):
 
     def run(self, kv: BatchKV, tokens: Sequence[Sequence[int]], placement: Placement) -> list[torch.Tensor]:
         width = max(len(t) for t in tokens)
-        padded = [list(t) + [t[-1]] * (width - len(t)) for t in tokens]
+        padded = [list(t) + [t[-1] if t else 0] * (width - len(t)) for t in tokens]
         ids = torch.tensor(padded, device=self.device)  # [B, C]
         positions = kv.positions.unsqueeze(1) + torch.arange(width, device=self.device)  # [B, C]
         logits = self.forward(ids, placement.mask, positions, kv.cache)  # [B, C, V]
