@@ -27,7 +27,7 @@ def build_local_engine(config: DeltafinConfig) -> EngineClient:
     draft = None
     if speculative.method == "draft":  # a second model, loaded as the main one is (placement, GGUF blocks)
         draft_model = copy.deepcopy(config.model)
-        draft_model.path, draft_model.context_length = speculative.draft_path, None
+        draft_model.path, draft_model.context_length = str(speculative.draft_path), None
         draft = load_model(draft_model, config.placement)
     return LocalEngine(
         loaded,

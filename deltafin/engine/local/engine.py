@@ -328,6 +328,8 @@ class LocalEngine(EngineClient):
         if joining:
             self._kv.add(work.cache, len(ids), copies=len(joining))
             self._rows.extend(joining)
+        if self.speculation is not None:
+            self.speculation.joined(joining, work)
         # The prompt's cache is offered again whatever happened (a row that ended at its first token included).
         self.prefix_cache.give_back(work.cache, ids, sub.jobs[prompt.choices[0]].cache_scope)
 

@@ -76,7 +76,7 @@ class DraftModelDrafter:
             return [[] for _ in rows]
         with torch.inference_mode():
             self._join([row for row in rows if id(row) in wanted and row not in self._held])
-            feed = []
+            feed: list[list[int]] = []
             for i, row in enumerate(self._rows):
                 if id(row) not in wanted:
                     feed.append([])

@@ -106,6 +106,13 @@ class Speculation:
         logits = self.forward.run(kv, fed, placement)
         return Verification(rows, fed, logits, self._argmax(rows, logits), placement, saved, width)
 
+    def joined(self, rows: list[Row], work: Any) -> None:
+        """Rows joined the batch from the prompt `work` (a PromptPrefill; a drafter that reads the model's
+        hidden states takes the prompt's, and drops them when no row joined)."""
+        hook = getattr(self.drafter, "joined", None)
+        if hook is not None:
+            hook(rows, work)
+
     def _plain(self, rows: list[Row], kv: BatchKV, fed: list[list[int]]) -> Verification:
         """No row drafted: the engine's own decode step."""
         tokens = torch.tensor(fed, device=self.device)  # [B, 1]
@@ -157,6 +164,10 @@ class Speculation:
                 self.planner.record(row, 0, 0)
         if checked.placement is not None:
             kv.accept(checked.placement, kept)
+        hook = getattr(self.drafter, "verified", None)
+        if hook is not None:  # a drafter that reads the pass's hidden states (before a refeed runs another pass)
+            hook(checked.rows, checked.fed, kept, kv.cache)
+        if checked.placement is not None:
             if checked.saved is not None:
                 for i, keep in enumerate(kept):
                     if keep < checked.placement.fed[i]:  # its state saw tokens it does not keep
