@@ -96,6 +96,7 @@ def checked_config(overrides: Sequence[str] = (), *, check_path: bool = False) -
     if check_path:
         _check_model_path(config)
         _check_cache_folder(config)
+        _check_speculation(config)
 
     from deltafin.families import check_model  # after composition: these import the prompt formats (~1 s)
     from deltafin.rules import build_pipeline
@@ -180,6 +181,24 @@ def _check_cache_folder(config: DeltafinConfig) -> None:
     except OSError as exc:
         reason = exc.strerror or str(exc)
         raise ConfigError(f"server.prefix_cache.disk_dir: {folder!r} cannot be used as a folder ({reason})") from None
+
+
+def _check_speculation(config: DeltafinConfig) -> None:
+    """A draft model must exist; MTP needs a checkpoint whose files hold its MTP layers (read from the files,
+    before anything loads)."""
+    from deltafin.engine.weights.mtp_layers import mtp_layer_index
+    from deltafin.engine.weights.paths import ModelLoadError, resolve_model_path
+
+    speculative = config.engine.speculative
+    if speculative.method == "draft":
+        try:
+            resolve_model_path(str(speculative.draft_path))
+        except ModelLoadError as exc:
+            raise ConfigError(str(exc).replace("model.path:", "engine.speculative.draft_path:", 1)) from None
+    elif speculative.method == "mtp":
+        index, why = mtp_layer_index(resolve_model_path(config.model.path))
+        if index is None:
+            raise ConfigError(f"engine.speculative.method: mtp needs the checkpoint's MTP layers; {why}")
 
 
 def _check_expert_pool(config: DeltafinConfig) -> None:

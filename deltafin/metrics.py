@@ -43,6 +43,15 @@ class Metrics:
         self.cached_tokens = Counter(
             "deltafin_prefix_cache_tokens", "Prompt tokens served from the prefix cache", model, registry=r
         )
+        self.spec_draft_tokens = Counter(
+            "deltafin_spec_draft_tokens",
+            "Tokens guessed by speculative decoding (engine.speculative)",
+            model,
+            registry=r,
+        )
+        self.spec_accepted_tokens = Counter(
+            "deltafin_spec_accepted_tokens", "Guessed tokens the model kept (speculative decoding)", model, registry=r
+        )
         self.ttft = Histogram(
             "deltafin_time_to_first_token_seconds", "Time to first token", model, buckets=_TOKEN_BUCKETS, registry=r
         )

@@ -104,6 +104,9 @@ class RequestContext:
             if stats.cached_tokens:
                 m.prefix_hits.labels(model=model).inc()
                 m.cached_tokens.labels(model=model).inc(stats.cached_tokens)
+            if stats.spec_draft_tokens:
+                m.spec_draft_tokens.labels(model=model).inc(stats.spec_draft_tokens)
+                m.spec_accepted_tokens.labels(model=model).inc(stats.spec_accepted_tokens)
             if stats.ttft_s is not None:
                 m.ttft.labels(model=model).observe(stats.ttft_s)
                 if stats.generated_tokens > 1:
@@ -138,6 +141,7 @@ class RequestContext:
             finish_reasons=stats.finish_reasons or None,
             rules=stats.rules,
             **stats.expert_fields(),
+            **stats.spec_fields(),
         )
         return total
 

@@ -47,6 +47,9 @@ class RequestStats:
     expert_misses: float = 0.0
     expert_prefill_bytes: float = 0.0
     expert_decode_bytes: float = 0.0
+    # speculative decoding (engine.speculative): tokens guessed for this request's choices, and of them kept
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)
     rules: list[str] = field(default_factory=list)
     #: whose stored responses the request may read: a digest of its API key ("" on a server without keys)
@@ -82,6 +85,8 @@ class RequestStats:
         if self.prefill_s is None and "prefill_s" in finished.timings:
             self.prefill_s = finished.timings["prefill_s"]
         timings = finished.timings
+        self.spec_draft_tokens += int(timings.get("spec_draft_tokens", 0))
+        self.spec_accepted_tokens += int(timings.get("spec_accepted_tokens", 0))
         if "expert_hits" in timings:  # each choice carries its own share (deltafin.engine.experts.charge)
             self.expert_hits += timings["expert_hits"]
             self.expert_misses += timings["expert_misses"]
@@ -102,6 +107,16 @@ class RequestStats:
             # a choice's first token comes from the prefill; each later one from a decode step
             "expert_bytes_per_token": round(self.expert_decode_bytes / max(1, self.generated_tokens - self._choices)),
             "expert_prefill_bytes": round(self.expert_prefill_bytes),
+        }
+
+    def spec_fields(self) -> dict[str, float]:
+        """The request log line's speculation fields (none when nothing was guessed for it)."""
+        if not self.spec_draft_tokens:
+            return {}
+        return {
+            "spec_draft_tokens": self.spec_draft_tokens,
+            "spec_accepted_tokens": self.spec_accepted_tokens,
+            "spec_acceptance": round(self.spec_accepted_tokens / self.spec_draft_tokens, 4),
         }
 
     def first_token(self) -> None:

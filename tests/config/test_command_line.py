@@ -60,6 +60,15 @@ def assert_config_error(result: subprocess.CompletedProcess, key: str) -> str:
         (['+models.e=["model.aliases=[]","model.name="]'], "models.e"),
         (["model.name= "], "model.name"),
         (["model.aliases=[a,'']"], "model.aliases"),
+        (["engine.speculative.method=fast"], "engine.speculative.method"),
+        (["engine.speculative.tokens=0"], "engine.speculative.tokens"),
+        (["engine.speculative.ngram_min=6", "engine.speculative.ngram_max=3"], "engine.speculative"),
+        (["engine.speculative.method=draft"], "engine.speculative"),  # no draft_path
+        (
+            ["engine.speculative.method=draft", "engine.speculative.draft_path=/nonexistent.gguf"],
+            "engine.speculative.draft_path",
+        ),
+        (["engine.speculative.method=mtp"], "engine.speculative.method"),  # the default GGUF has no MTP layers
     ],
 )
 def test_config_error_is_one_line_naming_the_key(args, key):

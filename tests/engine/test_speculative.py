@@ -234,3 +234,49 @@ class TestFloatWeights:
         assert spec.engine.speculation.accepted > 10
         run(plain.engine.aclose())
         run(spec.engine.aclose())
+
+
+class RaisingGrammar:
+    """A ready grammar whose row matcher allows everything, then raises at its `after`-th mask."""
+
+    def __init__(self, after: int):
+        self.after = after
+
+    def matcher(self):
+        grammar = self
+
+        class Row:
+            calls = 0
+
+            def fill_mask(self, logits):
+                self.calls += 1
+                if self.calls >= grammar.after:
+                    raise RuntimeError("the matcher broke")
+
+            def accept(self, token_id):
+                pass
+
+            def is_terminated(self):
+                return False
+
+        return Row()
+
+
+class TestFailures:
+    def test_a_row_that_fails_inside_a_draft_costs_the_others_nothing(self, ngram, plain, run, tokenizer):
+        other = greedy(tokenizer, COPY, max_tokens=80)
+        expected = run(collect(plain, [other]))[0]
+        params = SamplingParams(max_tokens=80, temperature=0.0, constraint=Constraint("test", "raise"))
+        broken = GenerationJob(chat_ids(tokenizer, COPY), params, RaisingGrammar(after=30))
+
+        async def together():
+            failing = asyncio.ensure_future(collect(ngram, [broken]))
+            fine = asyncio.ensure_future(collect(ngram, [other]))
+            results = await asyncio.gather(failing, fine, return_exceptions=True)
+            return results
+
+        failed, fine = run(together())
+        assert isinstance(failed, Exception)  # its request fails (the reason goes to the server log)
+        assert fine[0] == expected
+        # the engine goes on
+        assert run(collect(ngram, [other]))[0] == expected

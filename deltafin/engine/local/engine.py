@@ -434,7 +434,13 @@ class LocalEngine(EngineClient):
             for row in rows:
                 charge_experts(row.timings, pool_spent, share=len(rows), decode=True)
         failed: set[int] = set()
-        finished = self.speculation.settle(checked, self._kv, failed, lambda row, exc: self._fail_row(row, exc, failed))
+        try:  # a row's own failure (its sampler, its grammar) fails only its request; anything else, the batch
+            finished = self.speculation.settle(
+                checked, self._kv, failed, lambda row, exc: self._fail_row(row, exc, failed)
+            )
+        except Exception as exc:
+            self._fail_batch(rows, exc)
+            return
         self._remove(lambda row: id(row.submission) in failed, finished)
 
     def _fail_batch(self, rows: list[Row], exc: Exception) -> None:
