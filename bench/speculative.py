@@ -144,7 +144,7 @@ def main() -> None:
             "copy-heavy": (copy_messages(), 400, False),
             "open-ended": ([{"role": "user", "content": STORY}], 256, True),
         }
-        for name, base in bases.items():  # warm-up: kernels, the prompt caches
+        for base in bases.values():  # warm-up: kernels, the prompt caches
             for messages, _, _ in tasks.values():
                 chat(base, messages, 4)
         rates: dict[tuple[str, str], list[float]] = {}
