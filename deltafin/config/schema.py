@@ -280,9 +280,7 @@ class ModelConfig:
     # prompt + completion tokens; null = the checkpoint's max_position_embeddings
     context_length: Optional[int] = ranged(None, 1, 1 << 30)
     chat_format: ChatFormatName = ChatFormatName.template  # who renders the prompt
-    content_format: ContentFormat = (
-        ContentFormat.string
-    )  # how the template reads message content (a string, or OpenAI's parts)
+    content_format: ContentFormat = ContentFormat.string  # how the template reads message content (a string, or OpenAI's parts)
     thinking_kwarg: Optional[str] = None  # the chat_template_kwargs key that turns thinking on/off (/parse reads it)
     trust_remote_code: bool = False  # run the checkpoint's own model and tokenizer code
     dtype: ModelDtype = ModelDtype.auto  # the weights' dtype; auto = placement.dtype
@@ -345,12 +343,8 @@ class QueueConfig:
     # a request that waited this long (for a prompt thread, then the engine) gets 429; 8 rows of 64-token answers
     # take ~9 s on 2 cores, so 16 waiters fit (docs/benchmarks.md)
     timeout_s: float = ranged(30.0, 0, 86400)
-    large_body_bytes: int = ranged(
-        65536, 1, 1 << 40
-    )  # bodies this large have their prompt worked on in a lane of their own ...
-    max_large_prompts: int = ranged(
-        2, 1, 1 << 20
-    )  # ... which holds at most this many (queued or running); past that, 429
+    large_body_bytes: int = ranged(65536, 1, 1 << 40)  # bodies this large have their prompt worked on in a lane of their own ...
+    max_large_prompts: int = ranged(2, 1, 1 << 20)  # ... which holds at most this many (queued or running); past that, 429
     # smaller bodies have their prompt rendered on the event loop itself (~0.1 ms, less than the hop to a prompt
     # thread and back); 0 sends every prompt to a thread
     inline_body_bytes: int = ranged(8192, 0, 1 << 40)
@@ -394,12 +388,8 @@ class PrefixCacheConfig:
 
 @dataclass
 class TemplateConfig:
-    trust_request_chat_template: bool = (
-        False  # true lets a request's chat_template_kwargs.chat_template replace the model's
-    )
-    render_timeout_s: float = ranged(
-        2.0, 0.01, 600
-    )  # a chat template render (the model's or a request's) past this is a 400
+    trust_request_chat_template: bool = False  # true lets a request's chat_template_kwargs.chat_template replace the model's
+    render_timeout_s: float = ranged(2.0, 0.01, 600)  # a chat template render (the model's or a request's) past this is a 400
     max_rendered_chars: int = ranged(8 * 1024 * 1024, 1, 1 << 34)  # a rendered prompt larger than this is a 400
 
 
@@ -471,9 +461,7 @@ class ServerConfig:
     # routes served without an API key when api_keys is set: a subset of /health, /metrics, /schema (/schema
     # covers /schema/openapi.json and the UIs); every other route, unknown paths included, needs the key
     open_routes: list[str] = checked(_open_routes, default_factory=lambda: list(OPENABLE_ROUTES))
-    shutdown_grace_s: float = ranged(
-        10.0, 0, 3600
-    )  # SIGTERM/SIGINT: in-flight generations get this long, then end with an error event
+    shutdown_grace_s: float = ranged(10.0, 0, 3600)  # SIGTERM/SIGINT: in-flight generations get this long, then end with an error event
     templates: TemplateConfig = field(default_factory=TemplateConfig)
     connections: ConnectionsConfig = field(default_factory=ConnectionsConfig)
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
@@ -499,9 +487,7 @@ class SpeculativeConfig:
     # none | ngram (guesses copied from the prompt and the text so far) | draft (a smaller model with the same
     # tokenizer guesses: draft_path) | mtp (the checkpoint's own multi-token-prediction layers guess)
     method: SpeculativeMethod = SpeculativeMethod.none
-    tokens: int = ranged(
-        10, 1, 64
-    )  # most tokens guessed for a row in one step (each row's count adapts to its acceptance)
+    tokens: int = ranged(10, 1, 64)  # most tokens guessed for a row in one step (each row's count adapts to its acceptance)
     ngram_min: int = ranged(2, 1, 64)  # ngram: shortest run of the latest tokens looked up earlier in the text
     ngram_max: int = ranged(5, 1, 64)  # ngram: longest such run (longer matches are tried first)
     # draft: the draft model, a HF folder, .gguf file or pkg:PACKAGE/FILE served by the same engine kinds as the
@@ -516,9 +502,7 @@ class EngineConfig:
 
     # who generates: a callable `(config) -> EngineClient` (the local torch engine, or an upstream's builder)
     _target_: str = "deltafin.engine.local.build.build_local_engine"
-    max_batch: int = ranged(
-        8, 1, 1024
-    )  # local: rows (choices of requests) decoded together in one step; more wait in the queue
+    max_batch: int = ranged(8, 1, 1024)  # local: rows (choices of requests) decoded together in one step; more wait in the queue
     # local: prompt positions prefilled between two decode steps (chunked prefill): a running stream waits about one
     # chunk plus one step for its next token while a long prompt prefills; smaller chunks make that wait shorter and
     # a long prefill slower (docs/benchmarks.md: 64 prefills a 3k prompt as fast as 128, with half the wait)
@@ -535,16 +519,10 @@ class EngineConfig:
     api: UpstreamApi = UpstreamApi.auto  # vLLM upstream: its route (auto: /inference/v1/generate, else /v1/completions)
     model: Optional[str] = None  # upstream: the `model` field sent; null leaves it out (the upstream serves one model)
     api_key: Optional[str] = None  # upstream: sent as `Authorization: Bearer <key>` when set
-    max_inflight: int = ranged(
-        64, 1, 1 << 16
-    )  # upstream: generations (choices) in flight at once; the queue holds the rest
-    connect_timeout_s: float = ranged(
-        5.0, 0.001, 3600
-    )  # upstream: TCP connect (and write) timeout; a failed connect is 503
+    max_inflight: int = ranged(64, 1, 1 << 16)  # upstream: generations (choices) in flight at once; the queue holds the rest
+    connect_timeout_s: float = ranged(5.0, 0.001, 3600)  # upstream: TCP connect (and write) timeout; a failed connect is 503
     read_timeout_s: float = ranged(600.0, 0.001, 86400)  # upstream: longest silence between two stream events; then 504
-    retry_after_s: int = ranged(
-        2, 0, 3600
-    )  # upstream: Retry-After sent with 503s (and 429s when the upstream names none)
+    retry_after_s: int = ranged(2, 0, 3600)  # upstream: Retry-After sent with 503s (and 429s when the upstream names none)
     spare_connections: int = ranged(1, 0, 64)  # upstream: connections opened ahead of need (0: connect on demand)
 
 
