@@ -5,13 +5,15 @@ config without speculation and against llama-server with its own n-gram speculat
 
 Every server is started first (Deltafin without speculation, Deltafin with n-gram speculation, llama-server
 without speculation and once per `--spec-type` tried), then the requests go round-robin over them, `--reps`
-times, so slow and quiet moments of the machine are shared; figures are medians. Single stream, through the
-chat endpoint, greedy:
+times, so slow and quiet moments of the machine are shared; figures are medians (llama-server's n-gram kinds
+are tried once each first, and the best per task is the one repeated). Single stream, through the chat
+endpoint, greedy:
 - copy-heavy: an agent's edit, the ~300-token function of COPY renamed (`max_tokens` 400, the model stops where
   it stops: every Deltafin gives the same tokens, llama-server nearly the same);
 - open-ended: a story (`max_tokens` 256, `ignore_eos`).
 Completion tokens over the request's wall time (its short prefill included; both servers reuse the repeated
-prompt's cache). Then `--streams` concurrent copy-heavy requests (each a different rename) on the two Deltafins:
+prompt's cache), and over the CPU time the server process spent on it (/proc: what the request costs whatever
+else the machine runs; spinning threads count too). Then `--streams` concurrent copy-heavy requests (each a different rename) on the two Deltafins:
 total completion tokens over the wall time. Acceptance comes from the Deltafin request log lines.
 """
 
@@ -87,15 +89,28 @@ def copy_messages(name: str = NEW_NAMES[0]) -> list[dict]:
     return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": task}]
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process so far (all its threads), from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 def chat(base: str, messages: list[dict], tokens: int, *, ignore_eos: bool = False) -> tuple[int, float, str]:
     """(completion tokens, seconds, request id) of one greedy chat request."""
     request_id = uuid.uuid4().hex
     body = {"messages": messages, "max_tokens": tokens, "temperature": 0, "ignore_eos": ignore_eos}
     started = time.perf_counter()
-    response = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=900, headers={"x-request-id": request_id})
+    response = httpx.post(f"{base}/v1/chat/completions", json=body, timeout=3600, headers={"x-request-id": request_id})
     seconds = time.perf_counter() - started
     response.raise_for_status()
     return response.json()["usage"]["completion_tokens"], seconds, request_id
+
+
+def measured(base: str, pid: int, messages: list[dict], tokens: int, ignore_eos: bool) -> tuple[float, float, str]:
+    """(tokens per wall second, tokens per CPU second of the server process, request id)."""
+    cpu = cpu_seconds(pid)
+    count, seconds, request_id = chat(base, messages, tokens, ignore_eos=ignore_eos)
+    return count / seconds, count / max(cpu_seconds(pid) - cpu, 1e-6), request_id
 
 
 def streams(base: str, count: int) -> float:
@@ -114,13 +129,19 @@ def streams(base: str, count: int) -> float:
     return sum(counts) / (time.perf_counter() - started)
 
 
+TASKS = {
+    "copy-heavy": (copy_messages(), 400, False),
+    "open-ended": ([{"role": "user", "content": STORY}], 256, True),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--streams", type=int, default=8)
     parser.add_argument("--llama-types", nargs="*", default=list(LLAMA_KINDS), help="llama-server kinds to try")
     args = parser.parse_args()
-    common = ["server.memo.entries=0", "server.queue.timeout_s=900", "server.queue.max_waiting=64"]
+    common = ["server.memo.entries=0", "server.queue.timeout_s=3600", "server.queue.max_waiting=64"]
     deltafins = {
         "deltafin none": LiveServer(common),
         "deltafin ngram": LiveServer([*common, "engine.speculative.method=ngram"]),
@@ -129,41 +150,55 @@ def main() -> None:
     try:
         for server in deltafins.values():
             server.wait_ready(timeout=600)
+        servers = {name: (server.base_url, server.process.pid) for name, server in deltafins.items()}
         if llama_server_binary().exists():
             gguf = resolve_model_path(compose_config().model.path)
             for name in ["none", *args.llama_types]:
                 extra = [] if name == "none" else LLAMA_KINDS[name]
-                llamas[f"llama-server {name}"] = start_llama_server(
-                    gguf, parallel=1, context=4096, threads=2, ready_s=600, extra=extra
-                )
+                process, base = start_llama_server(gguf, parallel=1, context=4096, threads=2, ready_s=600, extra=extra)
+                llamas[f"llama-server {name}"] = (process, base)
+                servers[f"llama-server {name}"] = (base, process.pid)
         else:
             print(f"llama-server not found at {llama_server_binary()} (scripts/build-llama-server): no comparison")
-        bases = {name: server.base_url for name, server in deltafins.items()}
-        bases.update({name: base for name, (_, base) in llamas.items()})
-        tasks = {
-            "copy-heavy": (copy_messages(), 400, False),
-            "open-ended": ([{"role": "user", "content": STORY}], 256, True),
-        }
-        for base in bases.values():  # warm-up: kernels, the prompt caches
-            for messages, _, _ in tasks.values():
+        for base, _ in servers.values():  # warm-up: kernels, the prompt caches
+            for messages, _, _ in TASKS.values():
                 chat(base, messages, 4)
-        rates: dict[tuple[str, str], list[float]] = {}
+        # llama-server's kinds, once each: the best per task joins the repeated measurements
+        best: dict[str, str] = {}
+        for task, (messages, tokens, ignore_eos) in TASKS.items():
+            tried = {
+                name: measured(base, pid, messages, tokens, ignore_eos)[0]
+                for name, (base, pid) in servers.items()
+                if name.startswith("llama-server ngram")
+            }
+            print(f"screening, {task}: " + json.dumps({k: round(v, 1) for k, v in tried.items()}), flush=True)
+            if tried:
+                best[task] = max(tried, key=tried.get)  # type: ignore[arg-type]
+        wall: dict[tuple[str, str], list[float]] = {}
+        cpu: dict[tuple[str, str], list[float]] = {}
         acceptance: dict[str, list[float]] = {}
         for rep in range(args.reps):
-            for task, (messages, tokens, ignore_eos) in tasks.items():
-                order = list(bases.items())
-                order = order if rep % 2 == 0 else order[::-1]
-                for name, base in order:
-                    count, seconds, request_id = chat(base, messages, tokens, ignore_eos=ignore_eos)
-                    rates.setdefault((task, name), []).append(count / seconds)
+            for task, (messages, tokens, ignore_eos) in TASKS.items():
+                names = [
+                    "deltafin none",
+                    "deltafin ngram",
+                    *(["llama-server none", best[task]] if task in best else []),
+                ]
+                for name in names if rep % 2 == 0 else names[::-1]:
+                    base, pid = servers[name]
+                    per_wall, per_cpu, request_id = measured(base, pid, messages, tokens, ignore_eos)
+                    wall.setdefault((task, name), []).append(per_wall)
+                    cpu.setdefault((task, name), []).append(per_cpu)
                     if name == "deltafin ngram":
                         line = deltafins[name].request_log(request_id)
                         acceptance.setdefault(task, []).append(line.get("spec_acceptance", 0.0))
+                    print(f"rep {rep} {task} {name}: {per_wall:.1f} tok/s, {per_cpu:.1f} tok/CPU-s", flush=True)
         stream_rates: dict[str, list[float]] = {}
         for rep in range(args.reps):
             order = list(deltafins.items()) if rep % 2 == 0 else list(deltafins.items())[::-1]
             for name, server in order:
                 stream_rates.setdefault(name, []).append(streams(server.base_url, args.streams))
+                print(f"rep {rep} {args.streams} streams {name}: {stream_rates[name][-1]:.1f} tok/s", flush=True)
     finally:
         for server in deltafins.values():
             server.stop()
@@ -171,18 +206,17 @@ def main() -> None:
             process.terminate()
             process.wait(timeout=15)
 
-    median = {key: statistics.median(values) for key, values in rates.items()}
     print(f"reps {args.reps}, load average {os.getloadavg()[0]:.1f}")
-    print("figures: " + json.dumps({f"{t} | {n}": round(v, 1) for (t, n), v in median.items()}))
-    for task in ("copy-heavy", "open-ended"):
-        own, none = median[(task, "deltafin ngram")], median[(task, "deltafin none")]
-        print(f"{task}: deltafin ngram {own:.1f} tok/s, none {none:.1f}: {own / none:.2f}x "
-              f"(acceptance {statistics.median(acceptance.get(task, [0.0])):.2f})")  # fmt: skip
-        speculating = {n: v for (t, n), v in median.items() if t == task and n.startswith("llama-server ngram")}
-        if speculating:
-            best = max(speculating, key=speculating.get)  # type: ignore[arg-type]
-            print(f"  llama-server's best n-gram kind here: {best} {speculating[best]:.1f} tok/s: "
-                  f"{own / speculating[best]:.2f}x; llama-server none {median[(task, 'llama-server none')]:.1f}")  # fmt: skip
+    for label, rates in (("wall", wall), ("CPU", cpu)):
+        median = {key: statistics.median(values) for key, values in rates.items()}
+        print(f"{label} figures: " + json.dumps({f"{t} | {n}": round(v, 1) for (t, n), v in median.items()}))
+        for task in TASKS:
+            own, none = median[(task, "deltafin ngram")], median[(task, "deltafin none")]
+            line = f"{label}, {task}: deltafin ngram / none {own / none:.2f}x"
+            if task in best:
+                line += (f", / llama-server's best n-gram kind ({best[task]}) {own / median[(task, best[task])]:.2f}x"
+                         f", llama-server none / deltafin none {median[(task, 'llama-server none')] / none:.2f}x")  # fmt: skip
+            print(line + f" (acceptance {statistics.median(acceptance.get(task, [0.0])):.2f})")
     own, none = statistics.median(stream_rates["deltafin ngram"]), statistics.median(stream_rates["deltafin none"])
     print(f"{args.streams} streams, copy-heavy: deltafin ngram {own:.1f} tok/s, none {none:.1f}: {own / none:.2f}x")
 

@@ -487,9 +487,9 @@ class SpeculativeConfig:
     # none | ngram (guesses copied from the prompt and the text so far) | draft (a smaller model with the same
     # tokenizer guesses: draft_path) | mtp (the checkpoint's own multi-token-prediction layers guess)
     method: SpeculativeMethod = SpeculativeMethod.none
-    tokens: int = ranged(10, 1, 64)  # most tokens guessed for a row in one step (each row's count adapts to its acceptance)
+    tokens: int = ranged(16, 1, 64)  # most tokens guessed for a row in one step (each row's count adapts to its acceptance)
     ngram_min: int = ranged(2, 1, 64)  # ngram: shortest run of the latest tokens looked up earlier in the text
-    ngram_max: int = ranged(5, 1, 64)  # ngram: longest such run (longer matches are tried first)
+    ngram_max: int = ranged(8, 1, 64)  # ngram: longest such run (longer matches are tried first)
     # draft: the draft model, a HF folder, .gguf file or pkg:PACKAGE/FILE served by the same engine kinds as the
     # main model (a GGUF in its own blocks included); its tokenizer must be the main model's
     draft_path: Optional[str] = None

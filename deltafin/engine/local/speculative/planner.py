@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-PRIOR = 0.6
+PRIOR = 0.7
 PRIOR_WEIGHT = 2.0
 #: how much the counts of earlier steps still weigh at each new step with guesses ...
 DECAY = 0.8
