@@ -66,7 +66,7 @@ class TestDraftPlanner:
         for _ in range(6):
             planner.record(row, 0, 1)
         assert planner.limits([row], [100]) == [0]
-        for _ in range(60):  # steps without guesses: the rate drifts back to the prior
+        for _ in range(90):  # steps without guesses: the rate drifts back to the prior
             planner.record(row, 0, 0)
         assert abs(planner.rate(row) - PRIOR) < 0.05 and planner.limits([row], [100])[0] >= 1
 
