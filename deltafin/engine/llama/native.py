@@ -2,9 +2,10 @@
 (deltafin/engine/kernels/llama_step.c): the batched decode step and prefill windows.
 
 `NativeLlamaStep` is callable like `generator.decode_step`: (model, tokens [B, 1], mask [B, L+1], positions
-[B, 1], cache) -> logits [B, V]; `verify` runs several tokens of each row in one pass (speculative decoding). `install_native_forward` makes the model's own forward run prefill windows
-(one row, a `DynamicCache` or none, no padding) through the same C code, so `generator.prefill`, chunked prefill and
-the prefix cache need nothing special, and a prompt's bits do not depend on how it was windowed or how much
+[B, 1], cache) -> logits [B, V]; `verify` runs several tokens of each row in one pass (speculative decoding).
+`install_native_forward` makes the model's own forward run prefill windows (one row, a `DynamicCache` or none,
+no padding) through the same C code, so `generator.prefill`, chunked prefill and the prefix cache need nothing
+special, and a prompt's bits do not depend on how it was windowed or how much
 of it came from the prefix cache. Any other call (padded batches, `generate`, no cache) keeps transformers'
 module tree, whose projections run the same GGML kernels.
 
