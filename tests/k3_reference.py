@@ -57,33 +57,18 @@ def wheel() -> Path:
 
 @cache
 def _modules() -> types.ModuleType:
-    """The reference package `k3ref` (configuration_kimi_k3, modeling_kimi_linear) imported from the wheel."""
-    import torch
-    from torch import nn
+    """The reference package `k3ref` (configuration_kimi_k3, modeling_kimi_linear) imported from the wheel, its
+    `fla` / `einops` imports served by the computing stand-ins of tests/k3_standins.py."""
+    from transformers.activations import ACT2FN
+    from transformers.pytorch_utils import ALL_LAYERNORM_LAYERS
 
-    class ShortConvolution(nn.Conv1d):  # fla.modules.ShortConvolution: a depthwise Conv1d
-        def __init__(self, hidden_size: int, kernel_size: int, bias: bool = False, activation: Any = None, **_: Any):
-            super().__init__(
-                hidden_size, hidden_size, kernel_size, groups=hidden_size, bias=bias, padding=kernel_size - 1
-            )
+    from tests.k3_standins import MODULES
 
-    class FusedRMSNormGated(nn.Module):  # fla.modules.FusedRMSNormGated: one weight of the head size
-        def __init__(self, hidden_size: int, eps: float = 1e-5, activation: Any = None, **_: Any):
-            super().__init__()
-            self.weight = nn.Parameter(torch.ones(hidden_size))
-
-    stand_ins = {
-        "fla.modules": {"ShortConvolution": ShortConvolution, "FusedRMSNormGated": FusedRMSNormGated},
-        "fla.ops.kda": {"chunk_kda": None, "fused_recurrent_kda": None},
-        "fla.ops.utils.index": {"prepare_cu_seqlens_from_mask": None, "prepare_lens_from_mask": None},
-        "fla.utils": {"tensor_cache": lambda f: f},
-        "einops": {"rearrange": None},
-        "llmcompressor.modeling.moe.context": {"get_calibrate_all_experts_flag": lambda: False},
-    }
-    saved = {name: sys.modules.get(name) for name in _parents(stand_ins)}
-    for name in _parents(stand_ins):
+    saved = {name: sys.modules.get(name) for name in _parents(MODULES)}
+    layernorms = list(ALL_LAYERNORM_LAYERS)
+    for name in _parents(MODULES):
         sys.modules[name] = types.ModuleType(name)
-    for name, attributes in stand_ins.items():
+    for name, attributes in MODULES.items():
         sys.modules[name].__dict__.update(attributes)
     source = Path(tempfile.mkdtemp(prefix="k3ref-"))
     with zipfile.ZipFile(wheel()) as archive:
@@ -99,12 +84,17 @@ def _modules() -> types.ModuleType:
             sys.modules[spec.name] = module
             spec.loader.exec_module(module)
             setattr(package, member, module)
-    finally:  # the stand-ins served the imports only
+    finally:
+        # The stand-ins served the imports only: left in sys.modules, transformers' own Kimi Linear would find a
+        # "fla" and call them with its argument convention. The reference also registers globally what it binds
+        # by name anyway (ACT2FN["situ"], its RMSNorm among the layer norms): undone, so no other model sees them.
         for name, module in saved.items():
             if module is None:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = module
+        ACT2FN.pop("situ", None)
+        ALL_LAYERNORM_LAYERS[:] = layernorms
     return package
 
 
@@ -123,3 +113,47 @@ def reference_kimi_linear(text_config: dict[str, Any]) -> Any:
     config = package.configuration_kimi_k3.KimiLinearConfig(**text_config)
     config._attn_implementation = "eager"
     return package.modeling_kimi_linear.KimiLinearForCausalLM(config)
+
+
+def reference_model(text_config: dict[str, Any], state_dict: dict[str, Any], dtype: Any = None) -> Any:
+    """The reference `KimiLinearForCausalLM` on `text_config` with the weights `state_dict` (names without the
+    `language_model.` prefix; every parameter must be there: the reference's initialisation is a no-op and would
+    leave uninitialised memory), in eval mode."""
+    import torch
+
+    package = _modules()
+    config = package.configuration_kimi_k3.KimiLinearConfig(**text_config)
+    config._attn_implementation = "eager"
+    with torch.device("meta"):
+        model = package.modeling_kimi_linear.KimiLinearForCausalLM(config)
+    model.load_state_dict(state_dict, strict=True, assign=True)
+    if dtype is not None:
+        model.to(dtype)
+    return model.eval()
+
+
+def checkpoint_state(folder: Any) -> dict[str, Any]:
+    """The language model's weights of a K3-layout folder, under the reference's names (prefix stripped)."""
+    from safetensors.torch import load_file
+
+    prefix = "language_model."
+    state: dict[str, Any] = {}
+    for file in sorted(Path(folder).glob("*.safetensors")):
+        for name, tensor in load_file(str(file)).items():
+            if name.startswith(prefix):
+                state[name.removeprefix(prefix)] = tensor
+    return state
+
+
+def reference_greedy(model: Any, ids: list[int], n: int) -> list[int]:
+    """The reference model's greedy continuation of `ids`, `n` tokens, through its own cache (its `generate` does
+    not run its cache under transformers 5: it is fed one token without its past)."""
+    import torch
+
+    with torch.inference_mode():
+        out = model(input_ids=torch.tensor([list(ids)]), use_cache=True)
+        cache, tokens = out.past_key_values, []
+        for _ in range(n):
+            tokens.append(int(out.logits[0, -1].argmax()))
+            out = model(input_ids=torch.tensor([[tokens[-1]]]), past_key_values=cache, use_cache=True)
+    return tokens

@@ -45,7 +45,8 @@ FLOORS: list[set[str]] = [
 ENGINE_FLOORS: list[set[str]] = [
     {"deltafin.engine.local", "deltafin.engine.upstream"},  # the engines
     {"deltafin.engine.weights"},  # loading: builds models from the rooms below
-    {"deltafin.engine.experts", "deltafin.engine.llama"},  # the expert pool; Llama decode steps
+    # the expert pool; Llama decode steps; Deltafin's own model classes (Kimi K3)
+    {"deltafin.engine.experts", "deltafin.engine.llama", "deltafin.engine.models"},
     {"deltafin.engine.kv", "deltafin.engine.quant"},  # caches; weight formats
     {"deltafin.engine.kernels"},  # C kernels
     {"deltafin.engine.text"},  # tokens to text

@@ -20,4 +20,4 @@ class KimiK3(ModelFamily):
         return XTML
 
     def tiny_recipe(self, variant: str | None) -> TinyRecipe:
-        return TinyRecipe("kimi_linear", TOKENS, ["<|end_of_msg|>"])
+        return TinyRecipe("kimi_k3", TOKENS, ["<|end_of_msg|>"])

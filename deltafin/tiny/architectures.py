@@ -82,14 +82,13 @@ def qwen3(vocab: int) -> Any:
 #: Qwen3-Next's pattern, scaled down: three linear-attention layers to one full-attention layer, with a linear
 #: layer after the attention one (its state then depends on what attention computed)
 _HYBRID_LAYERS = ["linear_attention", "linear_attention", "full_attention", "linear_attention"]
-#: Kimi Linear's, in two layers: a KDA layer first, as in the real one, then MLA. Two, not four: training the
-#: tiny K3 (deltafin/tiny/taught.py) runs transformers' reference KDA, about 0.1 s of CPU per layer per step
+#: Kimi Linear's, in two layers: a KDA layer first, as in the real one, then MLA
 _KIMI_LAYERS = ["linear_attention", "full_attention"]
 
 
 def kimi_linear(vocab: int) -> Any:
-    """Kimi K3's language model is a Kimi Linear (KDA linear attention + NoPE MLA full attention + MoE): its
-    layer kinds and MoE shape (first layer dense, then routed experts and a shared one), scaled down."""
+    """transformers' Kimi Linear (KDA linear attention + NoPE MLA full attention + MoE, Kimi-Linear-48B's
+    architecture): its layer kinds and MoE shape (first layer dense, then routed experts and a shared one)."""
     from transformers import KimiLinearConfig, KimiLinearForCausalLM
 
     config = KimiLinearConfig(
@@ -176,8 +175,16 @@ def falcon_h1(vocab: int) -> Any:
     return FalconH1ForCausalLM(config)
 
 
+def kimi_k3(vocab: int) -> Any:
+    """Kimi K3's language model, every released feature on (Deltafin's own class: transformers has none)."""
+    from deltafin.tiny.kimi_k3 import kimi_k3 as build
+
+    return build(vocab)
+
+
 #: name (a family's `TinyRecipe.model`) -> vocabulary size -> the scaled-down model
 ARCHITECTURES: dict[str, Callable[[int], Any]] = {
+    "kimi_k3": kimi_k3,
     "deepseek_v3": deepseek_v3,
     "glm4_moe": glm4_moe,
     "qwen3": qwen3,
@@ -185,3 +192,13 @@ ARCHITECTURES: dict[str, Callable[[int], Any]] = {
     "qwen3_next": qwen3_next,
     "falcon_h1": falcon_h1,
 }
+
+
+def _save_k3(model: Any, folder: Any) -> None:
+    from deltafin.tiny.kimi_k3 import save_k3
+
+    save_k3(model, folder)
+
+
+#: name -> how the model is written, where that is not transformers' `save_pretrained` (a released layout)
+SAVERS: dict[str, Callable[[Any, Any], None]] = {"kimi_k3": _save_k3}

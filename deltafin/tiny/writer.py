@@ -27,7 +27,7 @@ def write_tiny_model(
     import torch
 
     from deltafin.families import get_family
-    from deltafin.tiny.architectures import ARCHITECTURES
+    from deltafin.tiny.architectures import ARCHITECTURES, SAVERS
     from deltafin.tiny.tokenizer import train_tokenizer
 
     spec = get_family(family)
@@ -51,6 +51,8 @@ def write_tiny_model(
     model.generation_config.eos_token_id = stop_ids
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     out.mkdir(parents=True, exist_ok=True)
+    if save is None and architecture is None:
+        save = SAVERS.get(recipe.model)
     (save or (lambda m, folder: m.save_pretrained(folder)))(model, out)
     tokenizer.save_pretrained(out)
     (out / "deltafin_tiny.json").write_text(json.dumps({"family": family, "variant": variant, "seed": seed}))

@@ -416,28 +416,6 @@ class TestStartupChecks:
         assert result.stderr.strip().splitlines() == [result.stderr.strip()]  # one line, no traceback
         assert result.stderr.startswith(f"deltafin: config error: {message}")
 
-    def test_a_multimodal_k3_checkpoint_with_a_pool_stops_the_server_with_one_line(self, tmp_path):
-        import subprocess
-        import sys
-
-        from deltafin.tiny import write_tiny_model
-        from deltafin.tiny.multimodal import write_k3_checkpoint
-        from tests.conftest import REPO
-
-        k3 = write_k3_checkpoint(write_tiny_model("kimi_k3", tmp_path / "text"), tmp_path / "k3")
-        result = subprocess.run(
-            [sys.executable, "-m", "deltafin", "model=kimi_k3", f"model.path={k3}", "placement.experts.pool_mb=1"],
-            cwd=REPO,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-        assert result.returncode == 2
-        assert result.stderr.strip().splitlines() == [
-            "deltafin: config error: placement.experts.pool_mb: the expert pool reads a text-only checkpoint; this "
-            "one is multimodal (its language model under language_model.*): serve it with pool_mb=0"
-        ]
-
     def test_load_model_names_the_key(self, moe):
         cfg = compose_config(["model=qwen3", f"model.path={moe('qwen3_moe')}", "placement.experts.pool_mb=1"])
         with pytest.raises(ModelLoadError, match=r"^placement\.experts\.pool_mb: 1 MiB holds 10 experts"):

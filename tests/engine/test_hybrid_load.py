@@ -1,7 +1,6 @@
 """What the local engine loads, decided at load: architectures it cannot run are refused with one line naming
-them and why (before any weight is read), and Kimi K3's multimodal checkpoint is served for text through its
-Kimi Linear language model, the vision tower left out. The K3 layout is checked against the reference model
-code of the checkpoint (`modeling_kimi_linear.py`, as carried by the llmcompressor wheel: tests/k3_reference.py)."""
+them and why (before any weight is read), and Kimi K3's multimodal checkpoint is served for text through
+Deltafin's own K3 language model, the vision tower left out; a plain Kimi Linear stays transformers'."""
 
 from __future__ import annotations
 
@@ -9,22 +8,16 @@ import json
 
 import pytest
 import torch
-from safetensors import safe_open
 
 from deltafin.engine.weights.loader import ModelLoadError, load_model
 from deltafin.tiny import write_tiny_model
-from deltafin.tiny.multimodal import write_k3_checkpoint
+from deltafin.tiny.architectures import kimi_linear
 from tests.conftest import tiny_config
 
 
 @pytest.fixture(scope="module")
-def kimi_linear(tmp_path_factory):
-    return write_tiny_model("kimi_k3", tmp_path_factory.mktemp("k3") / "text")
-
-
-@pytest.fixture(scope="module")
-def k3_folder(kimi_linear, tmp_path_factory):
-    return write_k3_checkpoint(kimi_linear, tmp_path_factory.mktemp("k3") / "multimodal")
+def k3_folder(tmp_path_factory):
+    return write_tiny_model("kimi_k3", tmp_path_factory.mktemp("k3") / "k3")
 
 
 def load(family: str, path, *extra: str):
@@ -63,28 +56,23 @@ class TestRefusedAtLoad:
         assert message.startswith("model.path: Qwen3ForCausalLM (qwen3) cannot run on the local engine: layers 0-1")
         assert "sliding-window attention" in message
 
-    def test_kimi_k3_features_transformers_does_not_implement(self, k3_folder, tmp_path):
-        """The real K3's language model: its config says KimiLinearForCausalLM, its features are not in
-        transformers' class. Refused by name, before any weight is read (this folder has none)."""
+    def test_a_k3_turning_on_what_deltafin_lacks(self, k3_folder, tmp_path):
+        """A K3 language model with rotary MLA (the reference asserts NoPE) and grouped key-value heads (the
+        reference's shapes break): refused by name, in one line, before any weight is read (this folder has none)."""
 
-        def real_k3(config):
-            text = config["text_config"]
-            text.update(
-                attn_res_block_size=12, routed_expert_hidden_size=32, hidden_act="situ", mla_use_output_gate=True
-            )
-            text["linear_attn_config"].update(gate_lower_bound=-5.0, use_full_rank_gate=True)
+        def unserved(config):
+            config["text_config"].update(mla_use_nope=False, num_key_value_heads=2)
 
-        folder = with_config(k3_folder, tmp_path / "k3", real_k3)
+        folder = with_config(k3_folder, tmp_path / "k3", unserved)
         with pytest.raises(ModelLoadError) as refused:
             load("kimi_k3", folder)
         message = str(refused.value)
         assert "\n" not in message
         assert message.startswith(
-            "model.path: KimiK3ForConditionalGeneration (kimi_k3) cannot run on the local "
-            "engine: it uses attention residuals (attn_res_block_size), a latent MoE"
+            "model.path: KimiK3ForConditionalGeneration (kimi_k3) cannot run on the local engine: it uses rotary MLA "
+            "(mla_use_nope is not true; the reference asserts NoPE), MLA with fewer key-value heads than heads "
+            "(num_key_value_heads), which Deltafin's Kimi K3 does not implement"
         )
-        for feature in ("hidden_act=situ", "mla_use_output_gate", "gate_lower_bound", "use_full_rank_gate"):
-            assert feature in message
 
     def test_a_multimodal_checkpoint_without_its_language_model_config(self, k3_folder, tmp_path):
         folder = with_config(k3_folder, tmp_path / "k3", lambda config: config.pop("text_config"))
@@ -93,36 +81,39 @@ class TestRefusedAtLoad:
 
 
 class TestKimiK3Checkpoint:
-    def test_its_language_model_is_served_with_the_vision_tower_left_out(self, kimi_linear, k3_folder):
-        direct, wrapped = load("kimi_k3", kimi_linear), load("kimi_k3", k3_folder)
-        assert type(wrapped.model).__name__ == "KimiLinearForCausalLM"
-        assert not any("vision" in name or "mm_projector" in name for name, _ in wrapped.model.named_parameters())
-        for (name, theirs), (_, ours) in zip(direct.model.state_dict().items(), wrapped.model.state_dict().items()):
-            assert torch.equal(theirs, ours), name
-        assert wrapped.stop_token_ids == direct.stop_token_ids and wrapped.context_length == direct.context_length
-        # K3's A_log layout was accepted during that load only: transformers' own table is back
-        from transformers import conversion_mapping
+    def test_its_language_model_is_deltafins_own_with_the_vision_tower_left_out(self, k3_folder):
+        from safetensors.torch import load_file
 
-        table = conversion_mapping.get_checkpoint_conversion_mapping("kimi_linear")
-        assert not any(type(op).__name__ == "ViewAsParameter" for t in table for op in getattr(t, "operations", ()))
-        assert "kimi_linear" not in conversion_mapping.USER_REGISTERED_MAPPINGS
+        loaded = load("kimi_k3", k3_folder)
+        assert type(loaded.model).__name__ == "KimiK3ForCausalLM"
+        assert not any("vision" in name or "mm_projector" in name for name, _ in loaded.model.named_parameters())
+        stored = load_file(str(k3_folder / "model.safetensors"))
+        state = loaded.model.state_dict()
+        assert torch.equal(
+            state["model.layers.0.self_attn.A_log"], stored["language_model.model.layers.0.self_attn.A_log"]
+        )
+        experts = state["model.layers.2.block_sparse_moe.experts.gate_up_proj"]  # [E, 2I, H]: w1 rows, then w3
+        prefix = "language_model.model.layers.2.block_sparse_moe.experts.5."
+        assert torch.equal(experts[5], torch.cat([stored[prefix + "w1.weight"], stored[prefix + "w3.weight"]]))
+        assert loaded.stop_token_ids == {json.loads((k3_folder / "config.json").read_text())["eos_token_id"]}
 
-    def test_the_layout_is_the_reference_models(self, k3_folder):
-        """Every `language_model.` tensor is a parameter of the checkpoint's own Kimi Linear (the reference
-        code, built on the folder's text_config), with its shape, and none is missing."""
-        from tests.k3_reference import reference_kimi_linear
+    def test_a_text_only_k3_language_model_is_deltafins_too(self, k3_folder, tmp_path):
+        """The K3 language model without the wrapper (its text_config as config.json, no prefix): a Kimi Linear
+        config turning on K3's features is not transformers' Kimi Linear's to run."""
+        from safetensors.torch import load_file, save_file
 
-        config = json.loads((k3_folder / "config.json").read_text())
-        reference = {
-            name: tuple(t.shape) for name, t in reference_kimi_linear(config["text_config"]).state_dict().items()
-        }
-        with safe_open(str(k3_folder / "model.safetensors"), "pt") as weights:
-            names = weights.keys()  # safetensors 0.8's handles are not iterable themselves
-            ours = {
-                name.removeprefix("language_model."): tuple(weights.get_slice(name).get_shape())
-                for name in names
-                if name.startswith("language_model.")
-            }
-            others = {name.split(".")[0] for name in names if not name.startswith("language_model.")}
-        assert ours == reference
-        assert others == {"vision_tower", "mm_projector"}
+        config = json.loads((k3_folder / "config.json").read_text())["text_config"]
+        (tmp_path / "config.json").write_text(json.dumps(config))
+        tensors = load_file(str(k3_folder / "model.safetensors"))
+        save_file(
+            {k.removeprefix("language_model."): v for k, v in tensors.items() if k.startswith("language_model.")},
+            str(tmp_path / "model.safetensors"),
+        )
+        for name in ("tokenizer.json", "tokenizer_config.json"):
+            (tmp_path / name).write_bytes((k3_folder / name).read_bytes())
+        assert type(load("kimi_k3", tmp_path).model).__name__ == "KimiK3ForCausalLM"
+
+    def test_a_plain_kimi_linear_stays_transformers(self, tmp_path):
+        folder = write_tiny_model("kimi_k3", tmp_path / "kimi_linear", architecture=kimi_linear)
+        model = load("kimi_k3", folder).model
+        assert type(model).__name__ == "KimiLinearForCausalLM" and type(model).__module__.startswith("transformers.")

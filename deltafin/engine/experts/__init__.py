@@ -21,6 +21,7 @@ from deltafin.engine.experts.checkpoint import CheckpointLayoutError
 from deltafin.engine.experts.model import NotPoolable, experts_modules, meta_model, model_shape
 from deltafin.engine.experts.pool import ExpertPool, PoolCounters, PoolStats
 from deltafin.engine.experts.sizing import PoolPlan, PoolTooSmall, plan_pool
+from deltafin.engine.models import ModelSource
 
 log = structlog.get_logger("deltafin.engine")
 
@@ -42,11 +43,18 @@ LFRU_HALF_LIFE_PASSES = 8
 
 
 def check_pool(
-    folder: Path, placement: Any, *, dtype: torch.dtype, trust_remote_code: bool, max_batch: int
+    folder: Path,
+    placement: Any,
+    *,
+    dtype: torch.dtype,
+    trust_remote_code: bool,
+    max_batch: int,
+    model_source: ModelSource | None = None,
 ) -> PoolPlan:
     """The pool `placement.experts` asks for, checked against the model's config (no weights read);
-    PoolTooSmall / NotPoolable with a one-line reason."""
-    _, _, meta = meta_model(folder, dtype=dtype, trust_remote_code=trust_remote_code)
+    PoolTooSmall / NotPoolable with a one-line reason. `model_source`: how the model is built (None:
+    transformers' Auto classes on the folder)."""
+    _, _, meta = meta_model(folder, dtype=dtype, trust_remote_code=trust_remote_code, source=model_source)
     shape = model_shape(meta, experts_modules(meta))
     return plan_pool(
         shape,
@@ -66,6 +74,7 @@ def load_pooled_model(
     trust_remote_code: bool,
     max_batch: int,
     cache_dir: Path | None = None,
+    model_source: ModelSource | None = None,
 ) -> tuple[Any, ExpertPool]:
     """The model with its dense weights loaded and its routed experts served by a new pool. With int8 slots,
     `placement.experts.quantized_copy` and a `cache_dir`, misses read the int8 copy of the experts there
@@ -76,7 +85,9 @@ def load_pooled_model(
     from deltafin.engine.experts.slots import slots_class
     from deltafin.engine.experts.store import CheckpointSource, open_int8_copy
 
-    model, experts, index, shape = load_dense(folder, dtype=dtype, trust_remote_code=trust_remote_code)
+    model, experts, index, shape = load_dense(
+        folder, dtype=dtype, trust_remote_code=trust_remote_code, source=model_source
+    )
     settings = placement.experts
     plan = plan_pool(
         shape,

@@ -119,15 +119,24 @@ class ExpertIndex:
         return self.pieces[0][0][0].dtype
 
 
-def build_index(folder: Path, model: Any, experts: dict[str, Any]) -> ExpertIndex:
+def build_index(
+    folder: Path,
+    model: Any,
+    experts: dict[str, Any],
+    *,
+    key_mapping: dict[str, str] | None = None,
+    ignored: tuple[str, ...] = (),
+) -> ExpertIndex:
     """Map the checkpoint in `folder` onto `model` (a meta-device instance) whose experts modules are
-    `experts` (name -> module); raises CheckpointLayoutError where an expert cannot be read as slices."""
+    `experts` (name -> module); raises CheckpointLayoutError where an expert cannot be read as slices.
+    `key_mapping` renames checkpoint keys first (as `from_pretrained(key_mapping=...)`: a multimodal
+    checkpoint's prefix); keys starting with an `ignored` prefix (its other towers) are never read."""
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
     files = checkpoint_files(folder)
     table = tensor_table(files)
-    transforms = get_model_conversion_mapping(model)
+    transforms = get_model_conversion_mapping(model, key_mapping=key_mapping)
     renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
     converters = [t for t in transforms if isinstance(t, WeightConverter)]
     by_pattern = {pattern: converter for converter in converters for pattern in converter.source_patterns}
@@ -148,6 +157,8 @@ def build_index(folder: Path, model: Any, experts: dict[str, Any]) -> ExpertInde
     number_of = {name: i for i, name in enumerate(layers)}
     dense: list[str] = []
     for key, entry in table.items():
+        if key.startswith(ignored) and ignored:
+            continue
         target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_state)
         if target not in meta_state and key in meta_state:  # as from_pretrained: an exact name wins
             target, pattern = key, None

@@ -15,6 +15,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from deltafin.engine.models import ModelSource
+
 
 class NotPoolable(ValueError):
     """The model cannot be served with an expert pool (the message says why)."""
@@ -77,12 +79,19 @@ def model_class(config: Any, folder: Path, trust_remote_code: bool) -> Any:
         raise NotPoolable(f"{type(config).__name__} has no causal-LM class in transformers") from None
 
 
-def meta_model(folder: Path, *, dtype: torch.dtype, trust_remote_code: bool) -> tuple[Any, Any, Any]:
-    """(config, class, the model built on the meta device: shapes only, no memory)."""
+def meta_model(
+    folder: Path, *, dtype: torch.dtype, trust_remote_code: bool, source: ModelSource | None = None
+) -> tuple[Any, Any, Any]:
+    """(config, class, the model built on the meta device: shapes only, no memory). `source`: the config and
+    class to build (None: read from the folder by transformers' Auto classes)."""
     from transformers import AutoConfig
 
-    config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
-    cls = model_class(config, folder, trust_remote_code)
+    config = source.config if source is not None and source.config is not None else None
+    if config is None:
+        config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    cls: Any = source.model_class if source is not None else None
+    if cls is None:
+        cls = model_class(config, folder, trust_remote_code)
     with torch.device("meta"):
         model = cls._from_config(config, dtype=dtype)
     return config, cls, model
@@ -104,7 +113,7 @@ def model_shape(model: Any, experts: dict[str, Any]) -> ModelShape:
 
 
 def load_dense(
-    folder: Path, *, dtype: torch.dtype, trust_remote_code: bool
+    folder: Path, *, dtype: torch.dtype, trust_remote_code: bool, source: ModelSource | None = None
 ) -> tuple[nn.Module, dict[str, nn.Module], Any, ModelShape]:
     """The model with every weight loaded except the routed experts, which hold no memory; its experts
     modules; the index of where the experts lie in the checkpoint (`checkpoint.ExpertIndex`); its shape.
@@ -112,16 +121,18 @@ def load_dense(
     transformers' own loader runs (`from_pretrained`, with its renamings and conversions for the dense
     weights) on a state dict of lazy slices of the dense tensors, plus one zero-stride tensor of the fused
     shape for each expert parameter: it is accepted as loaded, so nothing allocates or initializes [E, 2I, H]
-    floats; the pool's forward never reads it, and it is then replaced by an empty tensor."""
+    floats; the pool's forward never reads it, and it is then replaced by an empty tensor. `source` as for
+    `meta_model`, its key renaming and ignored prefixes applied to the checkpoint's keys."""
     from safetensors import safe_open
     from transformers import GenerationConfig
 
     from deltafin.engine.experts.checkpoint import build_index
 
-    config, cls, meta = meta_model(folder, dtype=dtype, trust_remote_code=trust_remote_code)
+    config, cls, meta = meta_model(folder, dtype=dtype, trust_remote_code=trust_remote_code, source=source)
     meta_experts = experts_modules(meta)
     shape = model_shape(meta, meta_experts)
-    index = build_index(folder, meta, meta_experts)
+    key_mapping = source.key_mapping if source is not None else None
+    index = build_index(folder, meta, meta_experts, key_mapping=key_mapping, ignored=source.ignored if source else ())
     handles = {path: safe_open(str(path), framework="pt", device="cpu") for path in index.files}
     try:
         located = {}
@@ -132,7 +143,7 @@ def load_dense(
             module = meta.get_submodule(name)
             for part in ("gate_up_proj", "down_proj"):
                 state[f"{name}.{part}"] = torch.zeros((), dtype=dtype).expand(getattr(module, part).shape)
-        model = cls.from_pretrained(None, config=config, state_dict=state, dtype=dtype)
+        model = cls.from_pretrained(None, config=config, state_dict=state, dtype=dtype, key_mapping=key_mapping)
     finally:
         for handle in handles.values():
             handle.__exit__(None, None, None)

@@ -150,7 +150,10 @@ class ExpertPool:
             slot_of, pending = self._acquire(layer, wave)
             try:
                 if self.prefetch and len(waves) == 1:
-                    self._prefetch_next(layer, hidden)
+                    # Routers read the MoE block's input; a latent MoE's experts get a narrower one, so such a
+                    # block hands its routers' input beside (Kimi K3: `router_input`).
+                    router_input = getattr(module, "router_input", None)
+                    self._prefetch_next(layer, hidden if router_input is None else router_input)
                 ready = {e: s for e, s in slot_of.items() if s not in pending}
                 if ready:  # computed while the misses read
                     out = self._run(module, hidden, ids, weights, k, ready, out)

@@ -23,6 +23,7 @@ import torch
 
 from deltafin.config import ModelConfig, PlacementConfig
 from deltafin.engine.kv.cache_layers import unsupported_layers
+from deltafin.engine.models import ModelSource
 from deltafin.engine.quant import quantize
 from deltafin.engine.weights import architecture
 from deltafin.engine.weights.file_key import file_digest
@@ -122,14 +123,11 @@ def check_expert_pool(model_cfg: ModelConfig, placement: PlacementConfig, *, max
     if not (path / "config.json").is_file():
         return
     try:
-        multimodal = architecture.text_model(architecture.read_config(path)) is not None
+        source, problem = architecture.model_source(architecture.read_config(path))
     except ValueError as exc:
         raise ModelLoadError(f"model.path: {exc}") from None
-    if multimodal:
-        raise ModelLoadError(
-            "placement.experts.pool_mb: the expert pool reads a text-only checkpoint; this one is "
-            "multimodal (its language model under language_model.*): serve it with pool_mb=0"
-        )
+    if problem is not None:
+        return  # the load refuses it, with its own line
     from deltafin.engine import experts as expert_pool
 
     try:
@@ -139,6 +137,7 @@ def check_expert_pool(model_cfg: ModelConfig, placement: PlacementConfig, *, max
             dtype=_DTYPES[_dtype_name(model_cfg, placement)],
             trust_remote_code=model_cfg.trust_remote_code,
             max_batch=max_batch,
+            model_source=source,
         )
     except (
         expert_pool.PoolTooSmall,
@@ -184,15 +183,10 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig, *, max_batch:
     log.info(
         "model_load_start", path=str(folder), dtype=dtype_name, device=placement.device, quantize=placement.quantize
     )
-    text = _text_model(folder, model_cfg.trust_remote_code)  # refuses what the engine cannot run, before weights
+    source = _model_source(folder, model_cfg.trust_remote_code)  # refuses what the engine cannot run, before weights
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=model_cfg.trust_remote_code)
     experts = None
     if placement.experts.pool_mb:  # routed experts read on demand into a bounded pool, not loaded
-        if text is not None:
-            raise ModelLoadError(
-                "placement.experts.pool_mb: the expert pool reads a text-only checkpoint; "
-                "this one is multimodal (its language model under language_model.*)"
-            )
         from deltafin.engine import experts as expert_pool
 
         try:
@@ -203,19 +197,18 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig, *, max_batch:
                 trust_remote_code=model_cfg.trust_remote_code,
                 max_batch=max_batch,
                 cache_dir=cache_dir_of(model_cfg),
+                model_source=source,
             )
         except (expert_pool.PoolTooSmall, expert_pool.NotPoolable, expert_pool.CheckpointLayoutError) as exc:
             raise _pool_error(exc) from None
-    elif text is None:
+    elif source is None:
         model = AutoModelForCausalLM.from_pretrained(folder, **kwargs)
-    else:  # the language model of a multimodal checkpoint: transformers' own class, the other towers left out
-        config, layout = text
+    else:  # Deltafin's own class, or the language model of a multimodal checkpoint (other towers left out)
         kwargs["trust_remote_code"] = False
-        with layout.loading():
-            model = AutoModelForCausalLM.from_pretrained(
-                folder, config=config, key_mapping=architecture.key_mapping(layout), **kwargs
-            )
-        log.info("text_model_of_multimodal", model_type=config.model_type, left_out=list(layout.towers))
+        model = (source.model_class or AutoModelForCausalLM).from_pretrained(
+            folder, config=source.config, key_mapping=source.key_mapping, **kwargs
+        )
+        log.info("model_class", served=source.name, model_class=type(model).__name__, left_out=list(source.ignored))
     if not placement.device_map:
         model.to(placement.device)
     model.eval()
@@ -293,27 +286,25 @@ def _towers(config: dict[str, Any]) -> tuple[str, ...]:
     return text[1].towers if text is not None else ()
 
 
-def _text_model(folder: Path, trust_remote_code: bool) -> tuple[Any, architecture.Multimodal] | None:
-    """The language model's config and layout when `folder` is a multimodal checkpoint served for text; None
-    for a plain one. ModelLoadError, one line naming the architecture and why, for a model the engine cannot
-    run (checked from the config alone, before any weight is read)."""
+def _model_source(folder: Path, trust_remote_code: bool) -> ModelSource | None:
+    """How to build the model of `folder` (`architecture.model_source`; None: transformers' Auto classes on the
+    folder). ModelLoadError, one line naming the architecture and why, for a model the engine cannot run
+    (checked from the config alone, before any weight is read)."""
     from transformers import AutoConfig
 
     raw = architecture.read_config(folder)
     try:
-        text = architecture.text_model(raw)
+        source, problem = architecture.model_source(raw)
     except ValueError as exc:
         raise ModelLoadError(f"model.path: {exc}") from None
-    problem = architecture.unimplemented(text[0] if text else raw)
     if problem is None:
-        if text is not None:
-            config = AutoConfig.for_model(**text[0])
-        else:
+        config = source.config if source is not None else None
+        if config is None:
             config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
         problem = unsupported_layers(config)
     if problem is not None:
         raise ModelLoadError(f"model.path: {architecture.name(raw)} cannot run on the local engine: {problem}")
-    return (config, text[1]) if text is not None else None
+    return source
 
 
 def _stop_token_ids(model: Any, tokenizer: Any) -> frozenset[int]:

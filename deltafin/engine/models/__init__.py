@@ -1,0 +1,120 @@
+"""Model code of Deltafin's own, for architectures transformers lacks: one module per architecture, written from
+the reference modeling code's math and proven against that code (tests), using transformers' cache layer kinds
+and experts interface so batching, the prefix cache, the memo, the expert pool and int8 all apply.
+
+    own_model(config, wrapper=...)   the OwnModel that serves a (text) config, or None (transformers' class does)
+    ModelSource                      how the engine builds a folder's model (class, config, key renaming)
+    OwnModel.refusal(config)         what of the config the own class does not implement (one line), or None
+
+Kimi K3 (`kimi_k3.py`): the language model of a `kimi_k3` checkpoint (`KimiK3ForConditionalGeneration`, its
+`text_config` naming `kimi_linear`), and any Kimi Linear config that turns on a K3 feature transformers' Kimi Linear
+lacks. A plain Kimi Linear (Kimi-Linear-48B) stays transformers'.
+"""
+
+from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class ModelSource:
+    """How the engine builds the model of a checkpoint folder: the config object and class (None: transformers'
+    Auto class reads the folder), the checkpoint-key renaming (a multimodal checkpoint's prefix), and the key
+    prefixes never read (its other towers)."""
+
+    config: Any = None
+    model_class: Any = None  # a PreTrainedModel class
+    key_mapping: dict[str, str] | None = None
+    ignored: tuple[str, ...] = ()
+    name: str = ""  # how logs name what is served (own class, or the text model of a multimodal checkpoint)
+
+
+@dataclass(frozen=True)
+class OwnModel:
+    name: str  # how logs and errors name it
+    module: str  # deltafin.engine.models.<module>: the config and model classes
+    config_class: str
+    model_class: str
+    #: (test on the raw config, what it turns on) for what this class does not implement
+    lacks: tuple[tuple[Callable[[dict[str, Any]], bool], str], ...] = ()
+
+    def classes(self) -> tuple[type, type]:
+        module = importlib.import_module(f"deltafin.engine.models.{self.module}")
+        return getattr(module, self.config_class), getattr(module, self.model_class)
+
+    def refusal(self, config: dict[str, Any]) -> str | None:
+        found = [what for test, what in self.lacks if test(config)]
+        return f"it uses {', '.join(found)}, which Deltafin's {self.name} does not implement" if found else None
+
+
+def _set(key: str) -> Callable[[dict[str, Any]], bool]:
+    return lambda config: config.get(key) not in (None, False)
+
+
+def _linear(key: str) -> Callable[[dict[str, Any]], bool]:
+    return lambda config: (config.get("linear_attn_config") or {}).get(key) not in (None, False)
+
+
+#: what turns a Kimi Linear config into K3's language model (transformers' class would compute it wrongly)
+K3_FEATURES: tuple[Callable[[dict[str, Any]], bool], ...] = (
+    _set("attn_res_block_size"),
+    _set("routed_expert_hidden_size"),
+    lambda c: c.get("hidden_act") == "situ",
+    _set("mla_use_output_gate"),
+    _linear("gate_lower_bound"),
+    _linear("use_full_rank_gate"),
+    lambda c: c.get("moe_router_activation_func", "sigmoid") != "sigmoid",
+)
+
+
+def _mla_layers(config: dict[str, Any]) -> bool:
+    """Some layer is not KDA (the reference builds MLA there)."""
+    linear = config.get("linear_attn_config") or {}
+    return len(linear.get("kda_layers") or []) < int(config.get("num_hidden_layers", 32))
+
+
+def _not_nope(config: dict[str, Any]) -> bool:
+    return _mla_layers(config) and config.get("mla_use_nope") is not True
+
+
+def _grouped_kv(config: dict[str, Any]) -> bool:
+    heads = config.get("num_attention_heads", 32)
+    return _mla_layers(config) and config.get("num_key_value_heads") not in (None, heads)
+
+
+def _unknown_activation(config: dict[str, Any]) -> bool:
+    from transformers.activations import ACT2FN
+
+    act = config.get("hidden_act", "silu")
+    return act != "situ" and act not in ACT2FN
+
+
+KIMI_K3 = OwnModel(
+    name="Kimi K3",
+    module="kimi_k3",
+    config_class="KimiK3Config",
+    model_class="KimiK3ForCausalLM",
+    lacks=(
+        (_not_nope, "rotary MLA (mla_use_nope is not true; the reference asserts NoPE)"),
+        (_grouped_kv, "MLA with fewer key-value heads than heads (num_key_value_heads)"),
+        (
+            lambda c: c.get("moe_router_activation_func", "sigmoid") not in ("sigmoid", "softmax"),
+            "an expert router activation other than sigmoid or softmax (moe_router_activation_func)",
+        ),
+        (_unknown_activation, "an unknown activation (hidden_act)"),
+        (_set("quantization_config"), "quantized weights (quantization_config)"),
+    ),
+)
+
+
+def own_model(config: dict[str, Any], *, wrapper: str | None = None) -> OwnModel | None:
+    """The own model class serving `config` (a language model's config; `wrapper`: the model_type of the
+    multimodal checkpoint around it, if any), or None where transformers' class serves it."""
+    if wrapper == "kimi_k3":
+        return KIMI_K3
+    if config.get("model_type") == "kimi_linear" and any(test(config) for test in K3_FEATURES):
+        return KIMI_K3
+    return None
