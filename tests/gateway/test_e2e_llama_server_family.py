@@ -315,3 +315,49 @@ def test_tiny_kimi_k2_runs_in_llama_cpp_as_in_torch(tmp_path):
         position = tokens.index(step["id"], position + 1)
         for top in step["top_logprobs"]:
             assert abs(top["logprob"] - expected[position, top["id"]].item()) < 1e-2, (position, top)
+
+
+def test_tiny_kimi_k3_runs_in_llama_cpp_as_in_deltafin(tmp_path):
+    """The tiny K3 in the released layout, every released feature on, converted by llama.cpp's own converter (its
+    `kimi_k3` conversion: attention-residual scores, latent experts, SiTU, the bounded KDA gate) and served by
+    llama-server's `kimi-k3` graph: a second implementation of K3 beside the reference. Its greedy continuation
+    of a K3 chat prompt is Deltafin's K3 model's, and its logprobs along it are Deltafin's (the bound as for K2:
+    f16 KV cache; measured 4e-4)."""
+    import torch
+
+    from deltafin.engine.weights.architecture import model_source, read_config
+    from tests.e2e.test_families import render
+
+    family, variant = TINY_SPECS["kimi_k3"]
+    path = write_tiny_model(family, tmp_path / "kimi_k3", variant=variant)
+    ids = render("kimi_k3", path, QUESTION)
+    process, url = start_llama_server(tiny_gguf(path), parallel=1, context=4096)
+    try:
+        body = {
+            "prompt": ids,
+            "n_predict": 16,
+            "n_probs": 5,
+            "samplers": ["temperature"],
+            "temperature": 0,
+            "return_tokens": True,
+        }
+        answer = httpx.post(f"{url}/completion", json=body, timeout=120).json()
+    finally:
+        process.terminate()
+        process.wait(timeout=15)
+    steps, tokens = answer["completion_probabilities"], answer["tokens"]
+    assert len(tokens) == 16 and len(steps) >= 8
+    source, _ = model_source(read_config(path))
+    model = source.model_class.from_pretrained(
+        path, config=source.config, key_mapping=source.key_mapping, dtype=torch.float32
+    ).eval()
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor([ids + tokens])).logits
+    expected = logits[0, len(ids) - 1 :].log_softmax(-1)
+    assert expected[:-1].argmax(-1).tolist() == tokens
+    assert expected.std(-1).min() > 0.1
+    position = -1
+    for step in steps:
+        position = tokens.index(step["id"], position + 1)
+        for top in step["top_logprobs"]:
+            assert abs(top["logprob"] - expected[position, top["id"]].item()) < 1e-2, (position, top)
