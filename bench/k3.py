@@ -76,7 +76,11 @@ RELEASED_KDA = (96, 128)
 
 
 def model_folder() -> Path:
-    key = hashlib.sha256(json.dumps(SHAPE, sort_keys=True).encode() + Path(__file__).read_bytes()).hexdigest()[:12]
+    """Written once: keyed by the shape and the tiny K3 writer's code."""
+    from deltafin.tiny import kimi_k3 as writer
+
+    source = Path(writer.__file__).read_bytes()
+    key = hashlib.sha256(json.dumps(SHAPE, sort_keys=True).encode() + source).hexdigest()[:12]
     folder = cache_root() / "bench" / f"k3-shaped-{key}"
     if not (folder / "config.json").exists():
         staging = folder.with_name(folder.name + f".{os.getpid()}")

@@ -1,8 +1,9 @@
 """Hybrid caches (linear-attention state beside attention KV) at the level of the model steps: prefill in
-windows, the batch's rows joining and leaving, a row's cache leaving the batch. Three families, so the mechanism
-is not shaped after one: tiny Kimi Linear (Kimi K3's language model: KDA layers and MLA layers), tiny
-Qwen3-Next (gated delta net layers and gated attention layers) and tiny Falcon-H1 (attention and Mamba-2 in
-one layer), real transformers classes. The oracle is transformers' own `generate`."""
+windows, the batch's rows joining and leaving, a row's cache leaving the batch. Four models, so the mechanism is
+not shaped after one: tiny Kimi Linear (KDA layers and MLA layers), tiny Qwen3-Next (gated delta net layers and
+gated attention layers) and tiny Falcon-H1 (attention and Mamba-2 in one layer), real transformers classes, and
+the tiny Kimi K3 (Deltafin's own class: KDA and MLA with K3's features, checked against the reference in
+tests/engine/test_k3_model.py). The oracle is each model's own `generate`."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from transformers.masking_utils import create_recurrent_attention_mask
 from deltafin.engine.kv.batch import BatchKV
 from deltafin.engine.kv.cache_layers import exact_length_only, has_states, unsupported_layers
 from deltafin.engine.local.generator import decode_step, prefill
-from deltafin.tiny.architectures import falcon_h1, kimi_linear, qwen3_next
+from deltafin.tiny.architectures import falcon_h1, kimi_k3, kimi_linear, qwen3_next
 
 VOCAB = 300
 CPU = torch.device("cpu")
@@ -22,13 +23,14 @@ CPU = torch.device("cpu")
 
 #: model class -> the cache layer kinds it has
 KINDS = {
+    "KimiK3ForCausalLM": {"LinearAttentionLayer", "DynamicLayer"},
     "KimiLinearForCausalLM": {"LinearAttentionLayer", "DynamicLayer"},
     "Qwen3NextForCausalLM": {"LinearAttentionLayer", "DynamicLayer"},
     "FalconH1ForCausalLM": {"LinearAttentionAndFullAttentionLayer"},
 }
 
 
-@pytest.fixture(scope="module", params=[kimi_linear, qwen3_next, falcon_h1], ids=lambda make: make.__name__)
+@pytest.fixture(scope="module", params=[kimi_k3, kimi_linear, qwen3_next, falcon_h1], ids=lambda make: make.__name__)
 def model(request):
     torch.manual_seed(0)
     with torch.device("cpu"):
@@ -143,13 +145,23 @@ def test_rows_that_join_and_leave_give_their_solo_tokens(model):
 
 
 def test_a_one_token_step_gives_linear_layers_no_padding_mask(model):
-    """What the batch relies on: transformers passes linear-attention layers no mask in a one-token step (a
-    generated token is never padding), so the left padding of the attention layers must never reach them;
-    in a longer forward the mask zeroes padded inputs (a batch never prefills padded rows)."""
-    embeds = torch.zeros(2, 1, model.config.hidden_size)
+    """What the batch relies on: a one-token step gives linear-attention layers no mask (a generated token is
+    never padding), so the left padding of the attention layers must never reach them; in a first, longer
+    forward the mask zeroes padded inputs (a batch never prefills padded rows). transformers decides it for its
+    classes; Deltafin's K3 decides it in its model, from whether the rows already hold state."""
     padded = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]])
-    assert create_recurrent_attention_mask(model.config, embeds, padded) is None
     longer = torch.zeros(2, 4, model.config.hidden_size)
+    if type(model).__name__ == "KimiK3ForCausalLM":
+        cache = DynamicCache(config=model.config)
+        with torch.inference_mode():
+            model(input_ids=torch.zeros(2, 4, dtype=torch.long), cache=cache, use_cache=True)
+            step_mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])  # the batch's left padding, and the new token
+            step = model.model._masks(torch.zeros(2, 1, model.config.hidden_size), step_mask, cache)
+        assert step["kda"] is None
+        assert model.model._masks(longer, padded, None)["kda"].tolist() == padded.tolist()
+        return
+    embeds = torch.zeros(2, 1, model.config.hidden_size)
+    assert create_recurrent_attention_mask(model.config, embeds, padded) is None
     assert create_recurrent_attention_mask(model.config, longer, padded).tolist() == padded.tolist()
 
 

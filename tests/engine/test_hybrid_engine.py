@@ -1,6 +1,7 @@
-"""Hybrid models through the real local engine (loader, owner thread, batch, prefix cache, memo): tiny Kimi K3
-(a Kimi Linear) and a tiny Qwen3-Next under the qwen3 family's format. The oracle is transformers' `generate`
-on the same folder: greedy tokens alone, four at once, after a prefix-cache hit and from the memo are its own."""
+"""Hybrid models through the real local engine (loader, owner thread, batch, prefix cache, memo): the tiny Kimi
+K3 (Deltafin's own K3 class, in the released layout) and a tiny Qwen3-Next under the qwen3 family's format. The
+oracle is the loaded model's own `generate` on the same folder: greedy tokens alone, four at once, after a
+prefix-cache hit and from the memo are its own (the K3 class against K3's reference: test_k3_engine.py)."""
 
 from __future__ import annotations
 

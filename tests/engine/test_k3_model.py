@@ -109,6 +109,25 @@ def test_a_left_padded_batch_is_the_references(pair):
     assert (got[1, 5:] - solo[0]).abs().max() < CLOSE
 
 
+def test_mla_with_its_latents_expanded_is_the_references_too():
+    """MLA runs in the latent space where kv_b_proj is float (every test above); a quantized kv_b_proj expands
+    the cached latents to per-head keys and values instead: the same logits, prefill and decode."""
+    torch.manual_seed(0)
+    ours = kimi_k3(VOCAB)
+    reference = reference_model(text_config(ours.config), reference_names(ours))
+    for layer in ours.model.layers:
+        if not layer.kda:
+            layer.self_attn.absorb = False
+    tokens = ids(2, 14, seed=6)
+    cache = DynamicCache(config=ours.config)
+    with torch.inference_mode():
+        expected = reference(input_ids=tokens, use_cache=False).logits
+        pieces = [ours(input_ids=tokens[:, :8], cache=cache, use_cache=True).logits]
+        for t in range(8, 14):
+            pieces.append(ours(input_ids=tokens[:, t : t + 1], cache=cache, use_cache=True).logits)
+    assert (torch.cat(pieces, dim=1) - expected).abs().max() < CLOSE
+
+
 def test_the_checkpoint_names_and_shapes_are_the_reference_classes():
     """Every tensor Deltafin's class reads or writes (checkpoint layout) is a parameter of the reference class built
     on the same text_config, with its shape, and none is missing."""

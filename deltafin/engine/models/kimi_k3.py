@@ -344,7 +344,13 @@ class KimiK3KDA(nn.Module):
 
 class KimiK3MLA(nn.Module):
     """Multi-head latent attention without rotary positions: every head's key is its k_nope (from the cached
-    latent) beside one shared, unrotated k_rot; an optional sigmoid gate on the output."""
+    latent) beside one shared, unrotated k_rot; an optional sigmoid gate on the output.
+
+    With a float `kv_b_proj`, attention runs in the latent space (`absorb`, as llama.cpp and vLLM run MLA):
+    each head's query is taken through its slice of kv_b_proj to the latent's width, scored against the cached
+    latents themselves, and the probability-weighted latent taken through the value slice: the cache is never
+    expanded to per-head keys and values, which for a long context cost more than the rest of a decode step.
+    A quantized kv_b_proj (placement.quantize) expands the latents instead; both are the same math."""
 
     def __init__(self, config: KimiK3Config, layer: int) -> None:
         super().__init__()
@@ -353,6 +359,7 @@ class KimiK3MLA(nn.Module):
         self.nope, self.rope = config.need("qk_nope_head_dim"), config.need("qk_rope_head_dim")
         self.v_dim, self.rank = config.need("v_head_dim"), config.need("kv_lora_rank")
         self.scale = (self.nope + self.rope) ** -0.5
+        self.absorb = True
         hidden, q_width = config.hidden_size, self.heads * (self.nope + self.rope)
         if config.q_lora_rank is not None:
             rank = config.need("q_lora_rank")
@@ -373,24 +380,35 @@ class KimiK3MLA(nn.Module):
         batch, tokens, _ = x.shape
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if hasattr(self, "q_a_proj") else self.q_proj(x)
         q = q.view(batch, tokens, self.heads, -1).transpose(1, 2)  # [B, H, T, dn + dr]
+        q_nope, q_rot = q.split([self.nope, self.rope], dim=-1)
         latent, k_rot = self.kv_a_proj_with_mqa(x).split([self.rank, self.rope], dim=-1)
         latent = self.kv_a_layernorm(latent).unsqueeze(1)  # [B, 1, T, rank]
         k_rot = k_rot.unsqueeze(1)  # [B, 1, T, dr]
         if cache is not None:
             latent, k_rot = cache.update(latent, k_rot, self.layer)  # [B, 1, S, .]
-        positions = latent.shape[2]
-        kv = self.kv_b_proj(latent[:, 0]).view(batch, positions, self.heads, -1).transpose(1, 2)
-        k_nope, value = kv.split([self.nope, self.v_dim], dim=-1)  # [B, H, S, dn], [B, H, S, dv]
-        scores = (
-            q[..., : self.nope] @ k_nope.transpose(-1, -2) + q[..., self.nope :] @ k_rot.transpose(-1, -2)
-        ) * self.scale
-        if mask is not None:
-            scores = scores + mask
-        probs = scores.softmax(dim=-1, dtype=torch.float32).to(x.dtype)
-        out = (probs @ value).transpose(1, 2).reshape(batch, tokens, -1)  # [B, T, H dv]
+        rope_scores = q_rot @ k_rot.transpose(-1, -2)  # [B, H, T, S]: k_rot is every head's
+        if self.absorb and type(self.kv_b_proj) is nn.Linear:
+            weight = self.kv_b_proj.weight.view(self.heads, self.nope + self.v_dim, self.rank)
+            k_up, v_up = weight.split([self.nope, self.v_dim], dim=1)  # [H, dn, rank], [H, dv, rank]
+            scores = (q_nope @ k_up) @ latent.transpose(-1, -2) + rope_scores
+            probs = self._probs(scores, mask, x.dtype)
+            out = (probs @ latent) @ v_up.transpose(-1, -2)  # [B, H, T, dv]
+        else:
+            positions = latent.shape[2]
+            kv = self.kv_b_proj(latent[:, 0]).view(batch, positions, self.heads, -1).transpose(1, 2)
+            k_nope, value = kv.split([self.nope, self.v_dim], dim=-1)  # [B, H, S, dn], [B, H, S, dv]
+            probs = self._probs(q_nope @ k_nope.transpose(-1, -2) + rope_scores, mask, x.dtype)
+            out = probs @ value
+        out = out.transpose(1, 2).reshape(batch, tokens, -1)  # [B, T, H dv]
         if hasattr(self, "g_proj"):
             out = out * torch.sigmoid(self.g_proj(x))
         return self.o_proj(out)
+
+    def _probs(self, scores: torch.Tensor, mask: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+        scores = scores * self.scale
+        if mask is not None:
+            scores = scores + mask
+        return scores.softmax(dim=-1, dtype=torch.float32).to(dtype)
 
 
 class ResidualScore(nn.Module):
@@ -463,6 +481,12 @@ class KimiK3PreTrainedModel(PreTrainedModel):
     # a K3 checkpoint's vision tower and projector sit beside the language model and are never read
     _keys_to_ignore_on_load_unexpected = [r"^vision_tower\.", r"^mm_projector\."]
     _keep_in_fp32_modules_strict = ["e_score_correction_bias", "gate.weight", "dt_bias", "A_log"]
+
+    def get_correct_experts_implementation(self, requested_experts: str | None) -> str:
+        """Unless asked otherwise, the routed experts run this class's own forward: it computes only the experts
+        the tokens chose, where transformers' grouped kernel, on a CPU, loops over every expert of the layer
+        (896 in the release, 16 of them chosen per token)."""
+        return super().get_correct_experts_implementation("eager" if requested_experts is None else requested_experts)
 
     @torch.no_grad()
     def _init_weights(self, module: nn.Module) -> None:
