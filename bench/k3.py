@@ -10,10 +10,13 @@ MoE layers of 48 experts (4 per token, width 384 in a 512-wide latent space) wit
 430 M parameters, 1.7 GB in float32.
 
 Deltafin runs in this process through its local engine (float32, the engine's prefill windows, a greedy request
-at a time); llama-server (`-t` the same thread count, `-np 1`, prompt cache off) reports its own prompt and
-generation timings. Printed: prefill tokens/s of a `--prompt`-token prompt and decode tokens/s of `--tokens`
-greedy tokens for each, their ratios, and the time of KDA's chunked prefill over 1k tokens for one layer at this
-model's shape and at the released K3's (96 heads of 128), the gate, convolution and recurrence only.
+at a time: its prefill rate from the time to the first token of a 1-token answer, its decode rate from a
+`--tokens` answer's tokens after the first); llama-server (`-t` the same thread count, `-np 1`, prompt cache
+off) reports its own prompt and generation timings. The two alternate, request by request, so both see the same
+load. Printed: each one's prefill tokens/s of a `--prompt`-token prompt and decode tokens/s (medians), their
+ratios, the load average, and the CPU time of KDA's chunked prefill over 1k tokens for one layer (one thread) at
+this model's shape and at the released K3's (96 heads of 128): the gate, convolution and recurrence, without
+the projections.
 """
 
 from __future__ import annotations
@@ -93,55 +96,51 @@ def prompt_ids(tokens: int) -> list[int]:
     return torch.randint(10, 400, (tokens,), generator=torch.Generator().manual_seed(0)).tolist()
 
 
-def deltafin_run(folder: Path, ids: list[int], tokens: int, reps: int, threads: int) -> tuple[float, float]:
-    """(prefill tokens/s, decode tokens/s), medians over `reps`, through the local engine."""
-    config = compose_config(["model=kimi_k3", f"model.path={folder}"])
-    loaded = load_model(config.model, config.placement)
-    engine = LocalEngine(loaded, prefix_cache_min_tokens=None, max_batch=1, threads=threads)
-    front = EngineFront(engine, max_waiting=4, timeout_s=3600, memo_entries=0)
-    loop = asyncio.new_event_loop()
+class DeltafinSide:
+    """The K3 folder served by Deltafin's local engine in this process (float32, the engine's prefill windows)."""
 
-    async def run(n: int) -> tuple[float, float]:
-        started = time.perf_counter()
-        stream = await front.start(
-            [GenerationJob(tuple(ids), SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True))]
-        )
-        first = None
-        async for event in stream:
-            if isinstance(event, TextDelta) and first is None:
-                first = time.perf_counter()
-        return first - started, time.perf_counter() - started
+    def __init__(self, folder: Path, threads: int) -> None:
+        config = compose_config(["model=kimi_k3", f"model.path={folder}"])
+        loaded = load_model(config.model, config.placement)
+        self.engine = LocalEngine(loaded, prefix_cache_min_tokens=None, max_batch=1, threads=threads)
+        self.front = EngineFront(self.engine, max_waiting=4, timeout_s=3600, memo_entries=0)
+        self.loop = asyncio.new_event_loop()
 
-    prefill, decode = [], []
-    loop.run_until_complete(run(2))  # warm-up
-    for _ in range(reps):
-        ttft, _ = loop.run_until_complete(run(1))
-        prefill.append(len(ids) / ttft)
-        first, total = loop.run_until_complete(run(tokens))
-        decode.append((tokens - 1) / (total - first))
-    loop.run_until_complete(engine.aclose())
-    loop.close()
-    return statistics.median(prefill), statistics.median(decode)
+    def _run(self, ids: list[int], n: int) -> tuple[float, float]:
+        async def run() -> tuple[float, float]:
+            params = SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True)
+            started = time.perf_counter()
+            stream = await self.front.start([GenerationJob(tuple(ids), params)])
+            first = None
+            async for event in stream:
+                if isinstance(event, TextDelta) and first is None:
+                    first = time.perf_counter()
+            assert first is not None
+            return first - started, time.perf_counter() - started
 
+        return self.loop.run_until_complete(run())
 
-def llama_run(gguf: Path, ids: list[int], tokens: int, reps: int, threads: int) -> tuple[float, float]:
-    process, url = start_llama_server(gguf, parallel=1, context=4096, threads=threads)
-    try:
-        body = {"prompt": ids, "n_predict": tokens, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
-        httpx.post(f"{url}/completion", json={**body, "n_predict": 2}, timeout=3600)  # warm-up
-        prefill, decode = [], []
-        for _ in range(reps):
-            timings = httpx.post(f"{url}/completion", json=body, timeout=3600).json()["timings"]
-            prefill.append(timings["prompt_per_second"])
-            decode.append(timings["predicted_per_second"])
-    finally:
-        process.terminate()
-        process.wait(timeout=30)
-    return statistics.median(prefill), statistics.median(decode)
+    def measure(self, ids: list[int], tokens: int) -> tuple[float, float]:
+        """(prefill tokens/s, decode tokens/s) of one request each: a 1-token answer, a `tokens` one."""
+        ttft, _ = self._run(ids, 1)
+        first, total = self._run(ids, tokens)
+        return len(ids) / ttft, (tokens - 1) / (total - first)
+
+    def close(self) -> None:
+        self.loop.run_until_complete(self.engine.aclose())
+        self.loop.close()
 
 
-def kda_prefill_ms(heads: int, dim: int, tokens: int = 1024, reps: int = 3) -> float:
-    """Milliseconds for one KDA layer's gate, short convolution and chunked recurrence over `tokens` tokens."""
+def llama_measure(url: str, ids: list[int], tokens: int) -> tuple[float, float]:
+    """(prefill tokens/s, decode tokens/s) from llama-server's own timings, prompt cache off."""
+    body = {"prompt": ids, "n_predict": tokens, "temperature": 0, "ignore_eos": True, "cache_prompt": False}
+    timings = httpx.post(f"{url}/completion", json=body, timeout=3600).json()["timings"]
+    return timings["prompt_per_second"], timings["predicted_per_second"]
+
+
+def kda_prefill_cpu_s(heads: int, dim: int, tokens: int = 1024, reps: int = 3) -> float:
+    """CPU seconds (process time: a busy machine's other jobs do not count) for one KDA layer's gate, short
+    convolution and chunked recurrence over `tokens` tokens."""
     generator = torch.Generator().manual_seed(0)
     width = heads * dim
     mixed = torch.randn(1, 3 * width, tokens, generator=generator)
@@ -152,14 +151,14 @@ def kda_prefill_ms(heads: int, dim: int, tokens: int = 1024, reps: int = 3) -> f
     times = []
     with torch.inference_mode():
         for _ in range(reps):
-            started = time.perf_counter()
+            started = time.process_time()
             qkv = torch.nn.functional.silu(kda.short_conv(mixed, weight, tokens))
             q, k, v = (part.reshape(1, tokens, heads, dim) for part in qkv.chunk(3, dim=-1))
             g = kda.gate(raw, a_log, dt_bias, -5.0)
             state = torch.zeros(1, heads, dim, dim)
             kda.chunked(kda.l2norm(q) * dim**-0.5, kda.l2norm(k), v, g, beta, state)
-            times.append(time.perf_counter() - started)
-    return 1000 * statistics.median(times)
+            times.append(time.process_time() - started)
+    return statistics.median(times)
 
 
 def main() -> None:
@@ -173,18 +172,33 @@ def main() -> None:
     gguf = tiny_gguf(folder)
     size = sum(p.stat().st_size for p in folder.glob("*.safetensors")) / 1e9
     print(f"model {folder.name}: {size:.2f} GB float32; GGUF {gguf.stat().st_size / 1e9:.2f} GB", flush=True)
+    print(f"load average at start: {os.getloadavg()[0]:.1f}", flush=True)
     ids = prompt_ids(args.prompt)
-    llama = llama_run(gguf, ids, args.tokens, args.reps, args.threads)
-    print(f"llama-server: prefill {llama[0]:.1f} tok/s, decode {llama[1]:.2f} tok/s", flush=True)
-    ours = deltafin_run(folder, ids, args.tokens, args.reps, args.threads)
-    print(f"deltafin:     prefill {ours[0]:.1f} tok/s, decode {ours[1]:.2f} tok/s", flush=True)
-    print(f"deltafin/llama-server: prefill {ours[0] / llama[0]:.2f}x, decode {ours[1] / llama[1]:.2f}x")
-    torch.set_num_threads(args.threads)
+    ours, theirs = DeltafinSide(folder, args.threads), []
+    mine = []
+    process, url = start_llama_server(gguf, parallel=1, context=4096, threads=args.threads)
+    try:
+        llama_measure(url, ids[:16], 2), ours.measure(ids[:16], 2)  # warm-up
+        for _ in range(args.reps):  # alternating, so both sides see the same load
+            theirs.append(llama_measure(url, ids, args.tokens))
+            mine.append(ours.measure(ids, args.tokens))
+    finally:
+        process.terminate()
+        process.wait(timeout=30)
+        ours.close()
+    llama = [statistics.median(run[i] for run in theirs) for i in (0, 1)]
+    deltafin = [statistics.median(run[i] for run in mine) for i in (0, 1)]
+    print(f"llama-server: prefill {llama[0]:.1f} tok/s, decode {llama[1]:.2f} tok/s")
+    print(f"deltafin:     prefill {deltafin[0]:.1f} tok/s, decode {deltafin[1]:.2f} tok/s")
+    print(f"deltafin/llama-server: prefill {deltafin[0] / llama[0]:.2f}x, decode {deltafin[1] / llama[1]:.2f}x")
+    print(f"load average at end: {os.getloadavg()[0]:.1f}", flush=True)
+    torch.set_num_threads(1)
     heads, dim = SHAPE["linear_attn_config"]["num_heads"], SHAPE["linear_attn_config"]["head_dim"]
-    print(f"KDA prefill per 1k tokens, one layer ({heads} heads of {dim}): {kda_prefill_ms(heads, dim):.0f} ms")
+    print(f"KDA prefill per 1k tokens, one layer, {heads} heads of {dim}: {kda_prefill_cpu_s(heads, dim):.2f} CPU s")
+    heads, dim = RELEASED_KDA
     print(
-        f"KDA prefill per 1k tokens, one layer, released K3 ({RELEASED_KDA[0]} heads of {RELEASED_KDA[1]}): "
-        f"{kda_prefill_ms(*RELEASED_KDA):.0f} ms"
+        f"KDA prefill per 1k tokens, one layer, released K3 ({heads} heads of {dim}): "
+        f"{kda_prefill_cpu_s(heads, dim):.2f} CPU s"
     )
 
 

@@ -85,44 +85,48 @@ def chunked(
     chunk: int = CHUNK,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The same outputs and final state as `recurrent`, `chunk` tokens at a time (see the module docstring)."""
-    batch, tokens, heads, _ = q.shape
+    batch, tokens, heads, key_dim = q.shape
+    value_dim = v.shape[-1]
     pad = -tokens % chunk
     # Padding tokens at the end have k = v = 0, g = 0, beta = 0: they neither decay nor write the state.
     q, k, v, g = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v, g))
     beta = F.pad(beta, (0, 0, 0, pad))
-    n = (tokens + pad) // chunk
+    n, rows = (tokens + pad) // chunk, batch * heads
 
-    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, D] -> [B, H, N, C, D]
-        return x.reshape(batch, n, chunk, heads, -1).permute(0, 3, 1, 2, 4)
+    def chunks(x: torch.Tensor) -> torch.Tensor:  # [B, T, H, D] -> [N, B H, C, D]: a chunk's slice is contiguous
+        return x.reshape(batch, n, chunk, heads, -1).permute(1, 0, 3, 2, 4).reshape(n, rows, chunk, -1).contiguous()
 
     q, k, v, g = chunks(q), chunks(k), chunks(v), chunks(g)
-    beta = beta.reshape(batch, n, chunk, heads).permute(0, 3, 1, 2).unsqueeze(-1)  # [B, H, N, C, 1]
-    cum = g.cumsum(dim=3)  # [B, H, N, C, K]: decay from the chunk start through each token
+    beta = chunks(beta.unsqueeze(-1))  # [N, B H, C, 1]
+    cum = g.cumsum(dim=2)  # decay from the chunk start through each token
+    grow = cum.exp()
+    k_grown, q_grown = k * grow, q * grow  # k_i exp(G_i), q_i exp(G_i)
     strict = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
     inclusive = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     if cum.min() >= -_FACTOR_LIMIT:
-        grow, shrink = cum.exp(), (-cum).exp()
+        k_shrunk = k * torch.reciprocal(grow)  # k_j exp(-G_j)
         # kk[i, j] = k_i^T diag(exp(G_i - G_j)) k_j, qk likewise with q_i
-        kk = (k * grow) @ (k * shrink).transpose(-1, -2)
-        qk = (q * grow) @ (k * shrink).transpose(-1, -2)
+        kk = k_grown @ k_shrunk.transpose(-1, -2)
+        qk = q_grown @ k_shrunk.transpose(-1, -2)
+        k_to_end = k_shrunk * grow[:, :, -1:]  # each token's key decayed to the chunk's end
     else:  # [.., C, C, K] pairwise decays, masked before the exp so nothing overflows
         diff = (cum.unsqueeze(-2) - cum.unsqueeze(-3)).masked_fill(~inclusive.unsqueeze(-1), float("-inf")).exp()
-        kk = torch.einsum("bhnik,bhnijk,bhnjk->bhnij", k, diff, k)
-        qk = torch.einsum("bhnik,bhnijk,bhnjk->bhnij", q, diff, k)
+        kk = torch.einsum("nrik,nrijk,nrjk->nrij", k, diff, k)
+        qk = torch.einsum("nrik,nrijk,nrjk->nrij", q, diff, k)
+        k_to_end = k * (cum[:, :, -1:] - cum).exp()
     eye = torch.eye(chunk, dtype=q.dtype, device=q.device)
     lower = (beta * kk).masked_fill(~strict, 0.0)  # L[i, j] = beta_i k_i^T D_ij k_j, j < i
     inverse = torch.linalg.solve_triangular(eye + lower, eye.expand_as(lower), upper=False, unitriangular=True)
-    u = inverse @ (beta * v)  # [B, H, N, C, V]
-    w = inverse @ (beta * k * cum.exp())  # [B, H, N, C, K]
+    u = inverse @ (beta * v)  # [N, B H, C, V]
+    w = inverse @ (beta * k_grown)  # [N, B H, C, K]
     qk = qk.masked_fill(~inclusive, 0.0)
-    q_decayed = q * cum.exp()
-    last = cum[:, :, :, -1:]  # [B, H, N, 1, K]
-    k_to_end = k * (last - cum).exp()  # each token's key decayed to the chunk's end
-    outputs = []
-    for c in range(n):  # only the state is sequential
-        residual = u[:, :, c] - w[:, :, c] @ state  # the delta-rule residuals given the state at the chunk start
-        outputs.append(q_decayed[:, :, c] @ state + qk[:, :, c] @ residual)
-        state = last[:, :, c].transpose(-1, -2).exp() * state + k_to_end[:, :, c].transpose(-1, -2) @ residual
-    out = torch.stack(outputs, dim=2)  # [B, H, N, C, V]
-    out = out.permute(0, 2, 3, 1, 4).reshape(batch, n * chunk, heads, -1)
-    return out[:, :tokens], state
+    decay = grow[:, :, -1].unsqueeze(-1)  # [N, B H, K, 1]: the whole chunk's decay
+    k_to_end = k_to_end.transpose(-1, -2).contiguous()  # [N, B H, K, C]
+    state = state.reshape(rows, key_dim, value_dim).clone()  # updated in place below: never the caller's
+    out = q.new_empty(n, rows, chunk, value_dim)
+    for c in range(n):  # only the state is sequential; in place, each chunk's tensors are used once
+        residual = u[c].baddbmm_(w[c], state, alpha=-1)  # the delta-rule residuals given the chunk's start
+        torch.bmm(qk[c], residual, out=out[c]).baddbmm_(q_grown[c], state)
+        state.mul_(decay[c]).baddbmm_(k_to_end[c], residual)
+    out = out.reshape(n, batch, heads, chunk, value_dim).permute(1, 0, 3, 2, 4).reshape(batch, n * chunk, heads, -1)
+    return out[:, :tokens], state.reshape(batch, heads, key_dim, value_dim)
