@@ -74,6 +74,22 @@ class TestRefusedAtLoad:
             "(num_key_value_heads), which Deltafin's Kimi K3 does not implement"
         )
 
+    def test_a_k3_config_missing_what_its_layers_need(self, k3_folder, tmp_path):
+        """Keys the reference indexes (and fails without) and values no model runs with: named, one line."""
+
+        def broken(config):
+            text = config["text_config"]
+            del text["linear_attn_config"]["head_dim"], text["kv_lora_rank"]
+            text.update(attn_res_block_size=0, num_experts_per_token=99)
+
+        with pytest.raises(ModelLoadError) as refused:
+            load("kimi_k3", with_config(k3_folder, tmp_path / "k3", broken))
+        assert str(refused.value) == (
+            "model.path: KimiK3ForConditionalGeneration (kimi_k3) cannot run on the local engine: its config has no "
+            "linear_attn_config.head_dim, num_experts_per_token=99 outside 1..num_experts (8), no kv_lora_rank, "
+            "attn_res_block_size=0 (a positive number of layers)"
+        )
+
     def test_a_multimodal_checkpoint_without_its_language_model_config(self, k3_folder, tmp_path):
         folder = with_config(k3_folder, tmp_path / "k3", lambda config: config.pop("text_config"))
         with pytest.raises(ModelLoadError, match="KimiK3ForConditionalGeneration .kimi_k3. has no text_config"):

@@ -40,12 +40,17 @@ class OwnModel:
     model_class: str
     #: (test on the raw config, what it turns on) for what this class does not implement
     lacks: tuple[tuple[Callable[[dict[str, Any]], bool], str], ...] = ()
+    #: config -> what is missing or out of range in it (keys the layers it builds need)
+    faults: Callable[[dict[str, Any]], list[str]] = lambda config: []
 
     def classes(self) -> tuple[type, type]:
         module = importlib.import_module(f"deltafin.engine.models.{self.module}")
         return getattr(module, self.config_class), getattr(module, self.model_class)
 
     def refusal(self, config: dict[str, Any]) -> str | None:
+        faults = self.faults(config)
+        if faults:
+            return f"its config has {', '.join(faults)}"
         found = [what for test, what in self.lacks if test(config)]
         return f"it uses {', '.join(found)}, which Deltafin's {self.name} does not implement" if found else None
 
@@ -54,8 +59,13 @@ def _set(key: str) -> Callable[[dict[str, Any]], bool]:
     return lambda config: config.get(key) not in (None, False)
 
 
+def _linear_config(config: dict[str, Any]) -> dict[str, Any]:
+    linear = config.get("linear_attn_config")
+    return linear if isinstance(linear, dict) else {}
+
+
 def _linear(key: str) -> Callable[[dict[str, Any]], bool]:
-    return lambda config: (config.get("linear_attn_config") or {}).get(key) not in (None, False)
+    return lambda config: _linear_config(config).get(key) not in (None, False)
 
 
 #: what turns a Kimi Linear config into K3's language model (transformers' class would compute it wrongly)
@@ -72,8 +82,8 @@ K3_FEATURES: tuple[Callable[[dict[str, Any]], bool], ...] = (
 
 def _mla_layers(config: dict[str, Any]) -> bool:
     """Some layer is not KDA (the reference builds MLA there)."""
-    linear = config.get("linear_attn_config") or {}
-    return len(linear.get("kda_layers") or []) < int(config.get("num_hidden_layers", 32))
+    layers = config.get("num_hidden_layers", 32)
+    return len(_linear_config(config).get("kda_layers") or []) < (layers if isinstance(layers, int) else 32)
 
 
 def _not_nope(config: dict[str, Any]) -> bool:
@@ -83,6 +93,30 @@ def _not_nope(config: dict[str, Any]) -> bool:
 def _grouped_kv(config: dict[str, Any]) -> bool:
     heads = config.get("num_attention_heads", 32)
     return _mla_layers(config) and config.get("num_key_value_heads") not in (None, heads)
+
+
+def _k3_faults(config: dict[str, Any]) -> list[str]:
+    """Keys the layers a K3 config builds need (the reference indexes them and fails without), and values no
+    model can run with."""
+    faults: list[str] = []
+    linear = config.get("linear_attn_config")
+    if linear is not None:
+        keys = ("kda_layers", "full_attn_layers", "head_dim", "num_heads", "short_conv_kernel_size")
+        faults += [
+            f"no linear_attn_config.{key}" for key in keys if not isinstance(linear, dict) or linear.get(key) is None
+        ]
+    if config.get("num_experts") is not None:
+        faults += [f"no {key}" for key in ("num_experts_per_token", "moe_intermediate_size") if config.get(key) is None]
+        experts, top_k = config.get("num_experts"), config.get("num_experts_per_token")
+        if isinstance(experts, int) and isinstance(top_k, int) and not 0 < top_k <= experts:
+            faults.append(f"num_experts_per_token={top_k} outside 1..num_experts ({experts})")
+    if _mla_layers(config):
+        keys = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        faults += [f"no {key}" for key in keys if config.get(key) is None]
+    block = config.get("attn_res_block_size")
+    if block is not None and (not isinstance(block, int) or block < 1):
+        faults.append(f"attn_res_block_size={block!r} (a positive number of layers)")
+    return faults
 
 
 def _unknown_activation(config: dict[str, Any]) -> bool:
@@ -107,6 +141,7 @@ KIMI_K3 = OwnModel(
         (_unknown_activation, "an unknown activation (hidden_act)"),
         (_set("quantization_config"), "quantized weights (quantization_config)"),
     ),
+    faults=_k3_faults,
 )
 
 
