@@ -57,6 +57,8 @@ def short_conv(window: torch.Tensor, weight: torch.Tensor, tokens: int) -> torch
     if window.shape[-1] < need:
         window = F.pad(window, (need - window.shape[-1], 0))
     window = window[..., -need:].float()
+    if tokens == 1:  # a decode step: one dot product per channel (a convolution call costs more than it)
+        return (window * weight.float()).sum(-1).unsqueeze(1)
     out = F.conv1d(window, weight.float().unsqueeze(1), groups=weight.shape[0])  # [B, D, tokens]
     return out.transpose(1, 2)
 
@@ -68,10 +70,11 @@ def recurrent(
     new state [B, H, K, V] (a new tensor; `state` is not written)."""
     outputs = []
     for t in range(q.shape[1]):
+        key = k[:, t].unsqueeze(-2)  # [B, H, 1, K]
         state = state * g[:, t].exp().unsqueeze(-1)
-        residual = v[:, t] - torch.einsum("bhk,bhkv->bhv", k[:, t], state)
-        state = state + k[:, t].unsqueeze(-1) * (beta[:, t].unsqueeze(-1) * residual).unsqueeze(-2)
-        outputs.append(torch.einsum("bhk,bhkv->bhv", q[:, t], state))
+        residual = (v[:, t].unsqueeze(-2) - key @ state) * beta[:, t, :, None, None]  # [B, H, 1, V]
+        state = state + key.transpose(-1, -2) @ residual
+        outputs.append((q[:, t].unsqueeze(-2) @ state).squeeze(-2))
     return torch.stack(outputs, dim=1), state
 
 

@@ -197,6 +197,15 @@ class KimiK3Experts(nn.Module):
     def forward(self, hidden: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor) -> torch.Tensor:
         """hidden [N, H]; top_k_index, top_k_weights [N, k] -> [N, H]: each expert's output in hidden's dtype,
         weighted and summed in float32 (the reference's order), cast once."""
+        if hidden.shape[0] == 1:  # a decode step of one row: its k experts in turn, no gathering
+            weights = top_k_weights[0].float().tolist()
+            total = None
+            for expert, weight in zip(top_k_index[0].tolist(), weights):
+                inner = self._apply_gate(F.linear(hidden, self.gate_up_proj[expert]))
+                part = F.linear(inner, self.down_proj[expert]).float() * weight
+                total = part if total is None else total + part
+            assert total is not None
+            return total.to(hidden.dtype)
         out = torch.zeros(hidden.shape[0], self.down_proj.shape[1], dtype=torch.float32, device=hidden.device)
         for expert in torch.unique(top_k_index).tolist():
             tokens, choice = torch.where(top_k_index == expert)
