@@ -101,9 +101,11 @@ def _k3_faults(config: dict[str, Any]) -> list[str]:
     faults: list[str] = []
     linear = config.get("linear_attn_config")
     if linear is not None:
-        keys = ("kda_layers", "full_attn_layers", "head_dim", "num_heads", "short_conv_kernel_size")
+        kda_keys = ("kda_layers", "full_attn_layers", "head_dim", "num_heads", "short_conv_kernel_size")
         faults += [
-            f"no linear_attn_config.{key}" for key in keys if not isinstance(linear, dict) or linear.get(key) is None
+            f"no linear_attn_config.{key}"
+            for key in kda_keys
+            if not isinstance(linear, dict) or linear.get(key) is None
         ]
     if config.get("num_experts") is not None:
         faults += [f"no {key}" for key in ("num_experts_per_token", "moe_intermediate_size") if config.get(key) is None]
@@ -111,8 +113,8 @@ def _k3_faults(config: dict[str, Any]) -> list[str]:
         if isinstance(experts, int) and isinstance(top_k, int) and not 0 < top_k <= experts:
             faults.append(f"num_experts_per_token={top_k} outside 1..num_experts ({experts})")
     if _mla_layers(config):
-        keys = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
-        faults += [f"no {key}" for key in keys if config.get(key) is None]
+        mla_keys = ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim")
+        faults += [f"no {key}" for key in mla_keys if config.get(key) is None]
     block = config.get("attn_res_block_size")
     if block is not None and (not isinstance(block, int) or block < 1):
         faults.append(f"attn_res_block_size={block!r} (a positive number of layers)")
