@@ -90,6 +90,22 @@ class TestRefusedAtLoad:
             "attn_res_block_size=0 (a positive number of layers)"
         )
 
+    @pytest.mark.parametrize("where", ["text_config", "top level"])
+    def test_the_released_mxfp4_experts(self, k3_folder, tmp_path, where):
+        """The released K3 stores its routed experts as compressed-tensors MXFP4, which Deltafin does not read
+        yet: the quantization_config (in text_config, or only at the wrapper's top level) is refused by name."""
+        mxfp4 = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+
+        def quantized(config):
+            (config["text_config"] if where == "text_config" else config)["quantization_config"] = mxfp4
+
+        with pytest.raises(ModelLoadError) as refused:
+            load("kimi_k3", with_config(k3_folder, tmp_path / "k3", quantized))
+        message = str(refused.value)
+        assert "\n" not in message
+        assert message.startswith("model.path: KimiK3ForConditionalGeneration (kimi_k3) cannot run on the local")
+        assert "quantized weights (quantization_config)" in message
+
     def test_a_multimodal_checkpoint_without_its_language_model_config(self, k3_folder, tmp_path):
         folder = with_config(k3_folder, tmp_path / "k3", lambda config: config.pop("text_config"))
         with pytest.raises(ModelLoadError, match="KimiK3ForConditionalGeneration .kimi_k3. has no text_config"):

@@ -92,7 +92,9 @@ def model_source(raw: dict[str, Any]) -> tuple[ModelSource | None, str | None]:
     config = text[0] if text is not None else raw
     own = own_model(config, wrapper=raw.get("model_type") if text is not None else None)
     if own is not None:
-        problem = own.refusal(config)
+        # a multimodal checkpoint may state its quantization at the top level only: it applies to the text model too
+        quantized = {"quantization_config": raw["quantization_config"]} if "quantization_config" in raw else {}
+        problem = own.refusal({**quantized, **config} if text is not None else config)
         if problem is not None:
             return None, problem
         config_class, model_class = own.classes()
