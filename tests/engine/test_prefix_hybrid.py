@@ -1,7 +1,8 @@
-"""Checkpoints of a hybrid model's recurrent state through the real local engine: tiny Kimi K3 (a Kimi Linear:
-KDA layers beside attention) and a tiny Qwen3-Next (gated delta net). A prompt that leaves an earlier one's path
-restarts from the last checkpoint within the shared part, in RAM or after a restart from disk; the oracle is
-transformers' `generate` on the same folder (greedy tokens)."""
+"""Checkpoints of a hybrid model's recurrent state through the real local engine: tiny Kimi K3 (Deltafin's own
+K3 class: KDA layers beside MLA) and a tiny Qwen3-Next (gated delta net). A prompt that leaves an earlier one's
+path restarts from the last checkpoint within the shared part, in RAM or after a restart from disk; the oracle is
+transformers' `generate` on the same model, one cold pass with no cache (greedy tokens; K3's model itself is
+proven against its reference code in test_k3_model.py)."""
 
 from __future__ import annotations
 
