@@ -49,10 +49,8 @@ def k3_sharded(tmp_path_factory) -> dict[str, bytes]:
     from safetensors.torch import load_file, save_file
 
     from deltafin.tiny import write_tiny_model
-    from deltafin.tiny.multimodal import write_k3_checkpoint
 
-    root = tmp_path_factory.mktemp("k3")
-    folder = write_k3_checkpoint(write_tiny_model("kimi_k3", root / "text"), root / "k3")
+    folder = write_tiny_model("kimi_k3", tmp_path_factory.mktemp("k3") / "k3")  # the released (multimodal) layout
     tensors = load_file(str(folder / "model.safetensors"))
     (folder / "model.safetensors").unlink()
     shards = {"model-00001-of-00002.safetensors": {}, "model-00002-of-00002.safetensors": {}}
