@@ -91,10 +91,42 @@ def test_greedy_rows_alone_and_together_equal_none_and_generate(loaded, run):
             await asyncio.sleep(0.02)
         return [tokens[0] for tokens in await asyncio.gather(*tasks)]
 
-    speculation = spec.engine.speculation
-    before = speculation.accepted
     assert run(together()) == solo
-    assert speculation.accepted > before, "no draft was accepted"
+    run(plain.engine.aclose())
+    run(spec.engine.aclose())
+
+
+class OracleDrafter:
+    """Guesses each row's next two tokens right (from the plain run's output) and the third wrong: every step
+    has accepted tokens and a rejected one, which has been through the recurrent state (the random tiny models
+    rarely repeat themselves, so n-gram drafts alone may never be accepted)."""
+
+    cost_per_token = 0.0
+
+    def __init__(self, answers: dict[tuple[int, ...], list[int]], vocab: int) -> None:
+        self.answers, self.vocab = answers, vocab
+
+    def propose(self, rows, limits) -> list[list[int]]:
+        drafts = []
+        for row, limit in zip(rows, limits):
+            context = [*row.ids, row.pending]
+            prompt = next(p for p in self.answers if tuple(context[: len(p)]) == p)
+            truth = self.answers[prompt][len(context) - len(prompt) :]
+            guess = truth[:2] + [(truth[2] + 1) % self.vocab] if len(truth) > 2 else truth
+            drafts.append(guess[:limit])
+        return drafts
+
+
+def test_rejected_drafts_give_the_row_its_state_back(loaded, run):
+    plain, spec = front_for(loaded, "none"), front_for(loaded, "ngram")
+    jobs = [greedy(repetitive_prompt(loaded, seed), n) for seed, n in ((7, 30), (8, 22))]
+    solo = [run(collect(plain, [job]))[0] for job in jobs]
+    speculation = spec.engine.speculation
+    speculation.drafter = OracleDrafter(
+        {job.prompt_ids: answer for job, answer in zip(jobs, solo)}, len(loaded.tokenizer)
+    )
+    assert run(collect(spec, jobs)) == {0: solo[0], 1: solo[1]}
+    assert speculation.accepted > 0, "no draft was accepted"
     assert speculation.drafted > speculation.accepted, "no draft was rejected (nothing rolled back)"
     run(plain.engine.aclose())
     run(spec.engine.aclose())
