@@ -21,7 +21,7 @@ from collections.abc import Callable
 from typing import Any
 
 
-def _direct_backend(tokenizer: Any) -> Any | None:
+def direct_backend(tokenizer: Any) -> Any | None:
     try:
         from transformers.tokenization_utils_base import PreTrainedTokenizerBase
         from transformers.tokenization_utils_tokenizers import TokenizersBackend
@@ -59,7 +59,7 @@ class TokenCodec:
 
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
-        self._backend = _direct_backend(tokenizer)
+        self._backend = direct_backend(tokenizer)
         self._template_ids: dict[str, tuple[int, ...]] = {}
 
     @property
