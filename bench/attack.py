@@ -244,7 +244,7 @@ def parse(args: argparse.Namespace) -> dict[str, Any]:
     glm = write_tiny_model("glm", folder / "glm", variant="glm47")
     live = serve([f'+models.glm=["model=glm","model.path={glm}","model.variant=glm47","model.aliases=[]"]'])
     try:
-        # the shape: 40,000 small calls, 2.8 MB (under the 4 MiB body limit)
+        # the attack's shape: 40,000 small calls, 2.8 MB (under the 4 MiB body limit)
         text = MARKUPS["glm47"].write([("get", {"c": "x"}) for i in range(40000 // args.scale)])
         tools = [
             {

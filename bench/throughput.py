@@ -1,5 +1,5 @@
-"""The default config against `llama-server -np 8` on the same GGUF, side by side in one run (issue 20's
-figures), plus optional extras.
+"""The default config against `llama-server -np 8` on the same GGUF, side by side in one run (the
+default's figures against it), plus optional extras.
 
     .venv/bin/python bench/throughput.py [--single-tokens 128] [--tokens 64] [--streams 8] [--extras]
 
@@ -91,7 +91,7 @@ def ttft(base_url: str, content: str, reps: int = 5, fresh: bool = False) -> tup
 
 
 def side(base_url: str, args: argparse.Namespace, streams: list[int]) -> dict[str, float]:
-    """The issue's three figures (and `streams` aggregates) for one server."""
+    """The three figures against llama-server (and `streams` aggregates) for one server."""
     chat(base_url, 0, 4)  # warm-up
     out = {"single": aggregate(base_url, 1, args.single_tokens)}
     for n in streams:

@@ -1,5 +1,5 @@
 """The TTFT of a repeated ~1.1k-token prompt on the default config, request by request: the client's time to
-the first content chunk beside the server's own prefill time (issue 20's TTFT case, in more detail than
+the first content chunk beside the server's own prefill time (the repeated prompt's TTFT, in more detail than
 bench/throughput.py's median).
 
     flock /tmp/deltafin-bench.lock .venv/bin/python bench/ttft_repeat.py [--reps 12] [override ...]

@@ -5,7 +5,7 @@ and under `if TYPE_CHECKING:` included. Not seen, by design: names imported by s
 in deltafin/families/__init__.py and deltafin/markup/__init__.py loading their own modules; Hydra `_target_`s in
 conf/, resolved by the entry).
 
-deltafin.markup (issue 17) is a floor of its own, below grammar and prompt and above protocol: a markup is
+deltafin.markup is a floor of its own, below grammar and prompt and above protocol: a markup is
 plain parsing code and structural tags as plain data (the JSON whitespace bound comes from protocol.sampling),
 so it needs nothing above protocol, while families and serving pick markups and grammar's GBNF writer
 (grammar/gbnf/xml_style.py) reads their argument styles.
@@ -53,7 +53,7 @@ ENGINE_FLOORS: list[set[str]] = [
     {"deltafin.engine"},  # the contract
 ]
 
-#: Known violations, each fixed on another branch (issue 17); an entry that no longer occurs fails the test,
+#: Known violations; an entry that no longer occurs fails the test,
 #: so this list only shrinks.
 ALLOWED_CIRCLES: set[frozenset[str]] = set()
 ALLOWED_UPWARD: set[tuple[str, str]] = set()

@@ -82,7 +82,7 @@ def unavailable(tier: str, reason: str) -> None:
 _WORKER_BOOTS: list[tuple[str, ...]] = []
 
 
-#: servers a whole run may start (issue 17): a test that needs a configuration of its own declares a model of a
+#: servers a whole run may start: a test that needs a configuration of its own declares a model of a
 #: shared server instead (tests/shared_server.py, tests/gateway/llama_tier.py, vllm_tier.py)
 BOOT_BUDGET = 10
 
@@ -114,7 +114,7 @@ def pytest_testnodedown(node, error) -> None:
 
 
 def pytest_terminal_summary(terminalreporter) -> None:
-    """How many real servers this run booted (issue 17 counts them): each costs seconds of start-up."""
+    """How many real servers this run booted: each costs seconds of start-up."""
     from deltafin.testing import LiveServer
 
     boots = [*LiveServer.boots, *_WORKER_BOOTS]

@@ -1,4 +1,4 @@
-"""No request freezes the others (issue 19), on real server processes over loopback: while a stream decodes and
+"""No request freezes the others, on real server processes over loopback: while a stream decodes and
 /health is polled, hostile schemas (response_format, and tool schemas under an enforced tool_choice on a tiny
 Kimi K2) and a ~3k-token prompt (47 chunks) leave the stream's largest inter-token gap and /health's latency bounded; each
 attack gets 200 or a clear 400.

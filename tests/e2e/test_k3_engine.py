@@ -142,7 +142,7 @@ def test_a_chat_turn_is_the_references_answer_and_the_memo_replays_it(k3, oracle
     greedy tokens for the prompt /tokenize shows; the same request again replays it from the memo.
 
     (Whether it reuses turn one's saved state depends on the render: a state is reused only when the new
-    prompt starts with all the tokens it holds, and K3's prompt today renders a history turn without the
+    prompt starts with all the tokens it holds, and K3's prompt renders a history turn without the
     think channel the generation prompt opened.)"""
     folder, server = k3
     chat = client(server).chat.completions

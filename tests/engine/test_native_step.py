@@ -150,7 +150,7 @@ def test_a_cache_view_given_away_is_not_written_by_a_later_prefill(loaded_model)
 
 
 def test_a_repeated_long_prompt_runs_one_position_through_the_native_forward(loaded_model, monkeypatch):
-    """Issue 20's TTFT case on the default config: the engine reuses the prompt from the prefix cache, the
+    """A repeated long prompt's TTFT on the default config: the engine reuses the prompt from the prefix cache, the
     native forward runs exactly one prompt position, not a window of the prompt again, and appends it in
     place: the ~1.1k cached positions are not copied to new buffers first (that copy, by torch's threads on a
     busy 2-core machine, was most of a ~400 ms TTFT)."""

@@ -1,4 +1,4 @@
-"""The parser behaviours of issue 7, one class each; every case is checked whole and at every chunk boundary."""
+"""The parsers' required behaviours, one class each; every case is checked whole and at every chunk boundary."""
 
 import pytest
 

@@ -183,7 +183,7 @@ static inline __m512 tree16(const __m512 *a) {
    partial sums (lane j: elements i = j mod ATTN_LANES, in order) added in a fixed tree: the same IEEE operations in
    every variant (no contraction, no reassociation), which the compiler turns into vector code. A plain
    `dot += q[i] * k[i]` loop was a chain of D dependent adds per column; at ~1k columns attention then cost more
-   than all the matmuls of a decode step (a repeated long prompt's TTFT, issue 20). */
+   than all the matmuls of a decode step (a repeated long prompt's TTFT). */
 static void group_scores(const float *const *query, int64_t group, const float *keys, const int64_t *cols,
                          int64_t D, int64_t count, float scale, float *scores, int64_t stride) {
     int64_t first = 0;
