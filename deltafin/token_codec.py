@@ -5,7 +5,7 @@ transformers wraps each call in ~20 us (encode) and ~2 us (decode) of Python: ar
 twice per token, so in front of an upstream that wrapper cost more CPU than the tokenizing itself. The backend
 is called directly only where transformers' own call reduces to the same backend call: a `TokenizersBackend`
 whose encode and decode are not overridden, with no cleanup of decoded spaces and no truncation or padding set
-on the backend. Anything else (a slow or remote-code tokenizer) goes through transformers as before.
+on the backend. Anything else (a slow or remote-code tokenizer) goes through transformers.
 
 Template text (a system prompt, role headers, tool definitions) comes back request after request, so its ids
 are kept in a small cache; message text, which rarely repeats, is not.

@@ -124,7 +124,7 @@ class RequestContext:
         log.info(
             "request",
             method=scope.get("method"),
-            route=scope.get("path", "")[:_MAX_LOGGED_PATH],  # the path asked for, as before
+            route=scope.get("path", "")[:_MAX_LOGGED_PATH],  # the path asked for
             route_template=route,  # what metrics are labelled with
             status=status,
             model=stats.model,

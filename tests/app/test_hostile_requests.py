@@ -1,4 +1,4 @@
-"""Single requests that used to cost a 500 (or a CPU burn): each is now a 400 naming its field."""
+"""Single requests that could cost a 500 (or a CPU burn): each is a 400 naming its field."""
 
 import time
 

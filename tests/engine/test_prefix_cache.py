@@ -88,7 +88,7 @@ class TestChoosingAnEntry:
         assert getattr(kept, SOLE_OWNER) and len(cache) == 0
 
     def test_a_prompt_that_uses_part_of_an_entry_gets_views_and_the_entry_stays(self):
-        """Two chats that share only a system prompt no longer cut each other back: B starts from views of
+        """Two chats that share only a system prompt do not cut each other back: B starts from views of
         A's shared positions, and A's next turn still finds all of A."""
         cache = pc()
         system = list(range(100, 124))

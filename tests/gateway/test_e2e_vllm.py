@@ -112,8 +112,8 @@ def detokenize(gateway: LiveServer, ids: list[int]) -> str:
 
 
 def test_vllm_computes_the_converted_folder_as_transformers_does(replicas, float_model):
-    """vLLM's logprobs along its own greedy continuation are transformers' on the same folder (the folder Deltafin
-    converted before this fix made vLLM answer `<|endoftext|>` forever, every logprob ln(1/vocab))."""
+    """vLLM's logprobs along its own greedy continuation are transformers' on the same folder (a folder in
+    the wrong layout makes vLLM answer `<|endoftext|>` forever, every logprob ln(1/vocab))."""
     import torch
 
     # float_model: the converted (dequantized) folder itself, which vLLM serves; the default native GGUF path

@@ -347,7 +347,7 @@ def _native_window(input_ids, attention_mask, position_ids, cache, kwargs) -> bo
 
 
 def install_native_forward(model: Any, step: NativeLlamaStep) -> None:
-    """The model's forward runs prefill windows natively (see the module docstring); other calls as before."""
+    """The model's forward runs prefill windows natively (see the module docstring); other calls run the model's own forward."""
     original = type(model).forward
 
     def forward(

@@ -4,7 +4,7 @@ A turn starts at a user message; system and developer messages are never dropped
 (nothing would be left to answer). What a turn costs is measured once: each item's text is tokenized (linear in
 the conversation) and the template's own tokens spread over the items, from the prompt the failed render
 counted. The cut then drops as few of the oldest turns as cover the excess. Dropping one turn and rendering the
-whole conversation again per turn (as before) cost a render per dropped turn: 1,200 stored turns took 120 s.
+whole conversation again per turn would cost a render per dropped turn: 1,200 stored turns take 120 s so.
 """
 
 from __future__ import annotations
