@@ -6,7 +6,7 @@ frames per layer (separate q/k/v and gate/up projections, rotary through helpers
 bookkeeping, mask construction per layer); at one token per row a 135M model spends more time there than in
 its matmuls. Here each layer is: RMSNorm, one qkv projection, rotary on q and k together, the cache append,
 SDPA (grouped-query heads handled by the kernel), the output projection, RMSNorm, one gate+up projection,
-SiLU-gate, the down projection. Measured on the default model: docs/benchmarks.md ("Decode step").
+SiLU-gate, the down projection. Measured on the default model: docs/benchmarks.md (bench/step_cpu.py).
 
 The step keeps transformers' semantics exactly where they matter to other code: the KV cache is the same
 `DynamicCache` (keys stored rotated, left-padded rows, `BatchKV` unchanged), prefill still runs the
