@@ -1,6 +1,6 @@
 """Strict decoding of request bodies: raw JSON bytes -> the typed request, or a 400 naming the field.
 
-Strict means what the README promises and OpenAI does: `"max_tokens": "2"`, `"stream": "true"` and
+Strict means what docs/api.md promises and OpenAI does: `"max_tokens": "2"`, `"stream": "true"` and
 `"n": 1.0` are type errors, not silently coerced (Litestar's own body conversion is lax, so routes decode
 with this instead).
 """

@@ -216,7 +216,7 @@ class TestStoreFailures:
         assert [e["sequence_number"] for e in events] == list(range(len(events)))
 
     def test_anything_unexpected_after_the_stream_began_ends_it_with_response_failed(self, client, monkeypatch):
-        """README's promise for every error after the first byte, not only Deltafin's own (it was a cut stream)."""
+        """docs/api.md's promise for every error after the first byte, not only Deltafin's own (it was a cut stream)."""
         from deltafin.serving.responses import service
 
         real = service.sse
