@@ -471,7 +471,8 @@ class ServerConfig:
 
 def _speculation(spec: Any) -> str | None:
     """ngram_min at most ngram_max; a draft_path with method draft"""
-    if spec.ngram_min > spec.ngram_max:
+    # (a value outside its own range is named by its own check, which runs after this one)
+    if spec.ngram_min > spec.ngram_max and spec.ngram_max >= 1 and spec.ngram_min <= 64:
         return f"ngram_min ({spec.ngram_min}) is above ngram_max ({spec.ngram_max})"
     if spec.method == SpeculativeMethod.draft and not spec.draft_path:
         return "method=draft needs a draft model (engine.speculative.draft_path=PATH)"

@@ -36,9 +36,19 @@ def field_type(key: str) -> object:
     return typing.get_type_hints(node)[name]
 
 
+#: keys checked against another key, and the partner's value that lets each of their own bounds pass
+#: (ngram_min may not be above ngram_max)
+PARTNERS = {
+    "engine.speculative.ngram_min": ("engine.speculative.ngram_max", 64),
+    "engine.speculative.ngram_max": ("engine.speculative.ngram_min", 1),
+}
+
+
 def validate_with(key: str, value) -> DeltafinConfig:
     cfg = OmegaConf.structured(DeltafinConfig)
     cfg.model.merge_with({"name": "m", "family": "generic", "path": "/m"})
+    if key in PARTNERS:
+        OmegaConf.update(cfg, *PARTNERS[key])
     OmegaConf.update(cfg, key, value)
     return validate_config(cfg)
 

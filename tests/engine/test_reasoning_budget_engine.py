@@ -85,7 +85,7 @@ def test_a_taught_model_answers_after_the_forced_end(tmp_path):
     thought_ids = tokenizer(thought, add_special_tokens=False).input_ids
     end = tokenizer(END, add_special_tokens=False).input_ids
     cuts = [(prompt + thought_ids[:k] + end, answer) for k in (0, 2, 4, 6, 9, 13)]
-    path = taught(fresh, [(prompt, thought + END + answer), *cuts], lr=1e-2)
+    path = taught(fresh, [(prompt, thought + END + answer), *cuts], lr=3e-3, steps=800)
     loaded = load_model(tiny_config("kimi_k2", path).model, config.placement)
     stop = loaded.tokenizer.convert_tokens_to_ids("<|im_end|>")
     jobs = [
