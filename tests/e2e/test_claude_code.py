@@ -43,7 +43,7 @@ def prepare(root: Path) -> tuple[Path, list[str]]:
     words = [i for i in range(len(tokenizer)) if i not in tokenizer.all_special_ids]
     rng = random.Random(0)
     examples = [([rng.choice(words) for _ in range(n)] + turn_end, REPLY + "<|im_end|>") for n in (4, 64, 256, 1024)]
-    path = taught(path, examples, steps=150)  # cached by what it is made from
+    path = taught(path, examples, steps=400)  # cached by what it is made from
     return path, [*TINY_OVERRIDES["qwen3"], f"model.path={path}", "model.aliases=[claude-*]"]
 
 
