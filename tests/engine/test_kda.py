@@ -85,3 +85,17 @@ def test_the_gate():
     assert torch.allclose(bounded, -5.0 * torch.sigmoid(rate * x))
     assert bool((bounded >= -5).all() and (bounded <= 0).all())
     assert torch.allclose(kda.gate(raw, a_log, dt_bias, None), -rate * F.softplus(x))
+
+
+@pytest.mark.parametrize("lowest", [-5.0, -40.0], ids=["bounded", "steep"])
+def test_serving_and_teaching_run_the_same_chunked_steps(lowest):
+    """Serving (no autograd) updates the state in place; teaching a tiny model (autograd) runs the same steps out
+    of place: the same outputs and state, and gradients that reach every input."""
+    q, k, v, g, beta, state = inputs(2, 40, 3, 16, lowest, seed=2)
+    with torch.inference_mode():
+        served, served_state = kda.chunked(q, k, v, g, beta, state)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, beta)]
+    taught, taught_state = kda.chunked(leaves[0], leaves[1], leaves[2], g, leaves[3], state)
+    assert torch.allclose(taught, served, atol=1e-5) and torch.allclose(taught_state, served_state, atol=1e-5)
+    (taught.square().sum() + taught_state.square().sum()).backward()
+    assert all(x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0 for x in leaves)

@@ -126,10 +126,18 @@ def chunked(
     decay = grow[:, :, -1].unsqueeze(-1)  # [N, B H, K, 1]: the whole chunk's decay
     k_to_end = k_to_end.transpose(-1, -2).contiguous()  # [N, B H, K, C]
     state = state.reshape(rows, key_dim, value_dim).clone()  # updated in place below: never the caller's
-    out = q.new_empty(n, rows, chunk, value_dim)
-    for c in range(n):  # only the state is sequential; in place, each chunk's tensors are used once
-        residual = u[c].baddbmm_(w[c], state, alpha=-1)  # the delta-rule residuals given the chunk's start
-        torch.bmm(qk[c], residual, out=out[c]).baddbmm_(q_grown[c], state)
-        state.mul_(decay[c]).baddbmm_(k_to_end[c], residual)
+    if torch.is_grad_enabled():  # teaching a tiny model: the same steps out of place, which autograd can follow
+        outs = []
+        for c in range(n):
+            residual = u[c] - torch.bmm(w[c], state)
+            outs.append(torch.bmm(qk[c], residual) + torch.bmm(q_grown[c], state))
+            state = state * decay[c] + torch.bmm(k_to_end[c], residual)
+        out = torch.stack(outs)
+    else:
+        out = q.new_empty(n, rows, chunk, value_dim)
+        for c in range(n):  # only the state is sequential; in place, each chunk's tensors are used once
+            residual = u[c].baddbmm_(w[c], state, alpha=-1)  # the delta-rule residuals given the chunk's start
+            torch.bmm(qk[c], residual, out=out[c]).baddbmm_(q_grown[c], state)
+            state.mul_(decay[c]).baddbmm_(k_to_end[c], residual)
     out = out.reshape(n, batch, heads, chunk, value_dim).permute(1, 0, 3, 2, 4).reshape(batch, n * chunk, heads, -1)
     return out[:, :tokens], state.reshape(batch, heads, key_dim, value_dim)
