@@ -94,8 +94,8 @@ def test_serving_and_teaching_run_the_same_chunked_steps(lowest):
     q, k, v, g, beta, state = inputs(2, 40, 3, 16, lowest, seed=2)
     with torch.inference_mode():
         served, served_state = kda.chunked(q, k, v, g, beta, state)
-    leaves = [x.clone().requires_grad_() for x in (q, k, v, beta)]
-    taught, taught_state = kda.chunked(leaves[0], leaves[1], leaves[2], g, leaves[3], state)
+    leaves = [x.clone().requires_grad_() for x in (q, k, v, g, beta)]
+    taught, taught_state = kda.chunked(*leaves, state)
     assert torch.allclose(taught, served, atol=1e-5) and torch.allclose(taught_state, served_state, atol=1e-5)
     (taught.square().sum() + taught_state.square().sum()).backward()
     assert all(x.grad is not None and torch.isfinite(x.grad).all() and x.grad.abs().sum() > 0 for x in leaves)

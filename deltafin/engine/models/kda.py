@@ -107,7 +107,8 @@ def chunked(
     strict = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril(-1)
     inclusive = torch.ones(chunk, chunk, dtype=torch.bool, device=q.device).tril()
     if cum.min() >= -_FACTOR_LIMIT:
-        k_shrunk = k * torch.reciprocal(grow)  # k_j exp(-G_j)
+        # k_j exp(-G_j); under autograd as exp(-G): the reciprocal's gradient, -1/exp(G)^2, overflows to NaN
+        k_shrunk = k * ((-cum).exp() if torch.is_grad_enabled() else torch.reciprocal(grow))
         # kk[i, j] = k_i^T diag(exp(G_i - G_j)) k_j, qk likewise with q_i
         kk = k_grown @ k_shrunk.transpose(-1, -2)
         qk = q_grown @ k_shrunk.transpose(-1, -2)
