@@ -112,7 +112,7 @@ def _without_triton(config: DeltafinConfig) -> None:
     model code imports torch._dynamo); on the CPU nothing runs it, and its bindings print "nanobind: leaked ..."
     lines at exit. A None in sys.modules makes `import triton` fail as if it were not installed."""
     if config.placement.device == Device.cpu:
-        sys.modules.setdefault("triton", None)  # type: ignore[arg-type]
+        sys.modules.setdefault("triton", None)  # type: ignore[arg-type]  # a None entry blocks the import (sys.modules' stubs allow modules only)
 
 
 def _parse(args: list[str]) -> tuple[bool | None, list[str]]:

@@ -172,7 +172,7 @@ def error_for_status(status: int, message: str) -> DeltafinError:
         return cls(message)
     if 400 <= status < 500:
         err = InvalidRequestError(message)
-        err.status = status  # type: ignore[misc]
+        err.status = status  # type: ignore[misc]  # this instance carries the 4xx it was given (a ClassVar elsewhere)
         return err
     return InternalError(message)
 

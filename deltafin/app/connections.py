@@ -25,7 +25,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 try:  # httptools parses and frames in C: several times less CPU per streamed chunk than h11 (a pyproject dependency)
     from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as _BaseProtocol
 except ImportError:  # pragma: no cover - an install without it falls back to pure-Python h11
-    _BaseProtocol = H11Protocol  # type: ignore[assignment,misc]
+    _BaseProtocol = H11Protocol  # type: ignore[assignment,misc]  # the pure-Python fallback: the same protocol interface, another class
 
 from deltafin.config.schema import ConnectionsConfig
 from deltafin.errors import DeltafinError, EngineUnavailableError, HeadersTooLargeError, RequestTimeoutError

@@ -90,7 +90,7 @@ def handle_exception(request: Request, exc: Exception) -> Response:
     if type(exc) is NotFoundException:  # the router found no route (handlers raise DeltafinErrors)
         exc = NotFoundError(f"{request.method} {request.url.path} is not served. {SERVED}", code="route_not_found")
     err = to_deltafin_error(exc)
-    status, body = error_answer(err, request.scope)  # type: ignore[arg-type]
+    status, body = error_answer(err, request.scope)  # type: ignore[arg-type]  # Litestar's Scope is a TypedDict; error_answer reads it as a plain dict
     return Response(body, status_code=status, headers=err.headers)
 
 

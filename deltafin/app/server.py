@@ -66,7 +66,7 @@ def serve(app: Any, config: DeltafinConfig, listener: socket.socket) -> None:
         access_log=False,  # the request-context layer writes one richer line per request
         http=guarded_http(server.connections),
         # uvicorn annotates these as int but only hands them to loop.call_later / asyncio.wait_for: seconds
-        timeout_keep_alive=server.connections.keep_alive_s,  # type: ignore[arg-type]
-        timeout_graceful_shutdown=server.shutdown_grace_s + _UVICORN_MARGIN_S,  # type: ignore[arg-type]
+        timeout_keep_alive=server.connections.keep_alive_s,  # type: ignore[arg-type]  # seconds as a float (see above)
+        timeout_graceful_shutdown=server.shutdown_grace_s + _UVICORN_MARGIN_S,  # type: ignore[arg-type]  # seconds as a float (see above)
     )
     GracefulServer(uvicorn_config, on_signal=app.drain.begin_from_signal).run(sockets=[listener])

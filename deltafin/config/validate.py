@@ -30,7 +30,7 @@ def validate_config(cfg: DictConfig | dict[str, Any]) -> DeltafinConfig:
     except OmegaConfBaseException as exc:
         raise ConfigError(omegaconf_reason(exc)) from None
     check_fields(plain_config(merged))
-    return merged  # type: ignore[return-value]
+    return merged  # type: ignore[return-value]  # the merged DictConfig reads as the schema it was built from
 
 
 def omegaconf_reason(exc: OmegaConfBaseException) -> str:
@@ -75,6 +75,6 @@ def plain_config(config: Any) -> DeltafinConfig:
     A config that is already plain is returned as it is."""
     if not isinstance(config, DictConfig):
         return config
-    return OmegaConf.to_container(  # type: ignore[return-value]
+    return OmegaConf.to_container(  # type: ignore[return-value]  # SCMode.INSTANTIATE returns the schema's dataclass
         config, resolve=True, throw_on_missing=False, structured_config_mode=SCMode.INSTANTIATE
     )

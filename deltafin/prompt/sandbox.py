@@ -184,7 +184,7 @@ def _install() -> None:
         return
     if getattr(chat_template_utils, "ImmutableSandboxedEnvironment", None) is ImmutableSandboxedEnvironment:
         # a module attribute of transformers' (pinned by tests/prompt/test_sandbox*.py), not a type we define
-        chat_template_utils.ImmutableSandboxedEnvironment = BoundedSandboxedEnvironment  # type: ignore[misc]
+        chat_template_utils.ImmutableSandboxedEnvironment = BoundedSandboxedEnvironment  # type: ignore[misc]  # a module attribute of transformers' (see above), not a type we define
         chat_template_utils._compile_jinja_template.cache_clear()
 
 

@@ -23,7 +23,7 @@ from deltafin.config import ConfigError
 
 def check_arguments(target: type, arguments: dict[str, Any], where: str) -> None:
     """ConfigError `WHERE.NAME: ...` for the first argument `target`'s constructor does not take or type."""
-    init = target.__init__  # type: ignore[misc]
+    init = target.__init__  # type: ignore[misc]  # the constructor's signature is read, not called
     parameters = inspect.signature(init).parameters
     hints = typing.get_type_hints(init, include_extras=True)
     keywords = getattr(target, "argument_types", None)

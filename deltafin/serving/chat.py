@@ -299,7 +299,7 @@ class ChatService:
         def chunk(index: int, delta: dict[str, Any], *, finish: str | None = None, logprobs: Any = None) -> dict:
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             if finish is not None:  # vLLM's stop_reason, as in the whole body
-                choice["stop_reason"] = choices[index].finished.stop_reason  # type: ignore[union-attr]
+                choice["stop_reason"] = choices[index].finished.stop_reason  # type: ignore[union-attr]  # a finish chunk is sent only after its choice finished
             body = {**base, "choices": [choice]}
             if include_usage:
                 body["usage"] = None

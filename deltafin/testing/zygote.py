@@ -61,7 +61,7 @@ class ForkedProcess:
             if deadline is not None and time.monotonic() > deadline:
                 raise subprocess.TimeoutExpired(f"pid {self.pid}", timeout or 0.0)
             time.sleep(0.05)
-        return self.returncode  # type: ignore[return-value]
+        return self.returncode  # type: ignore[return-value]  # poll() set it before the loop ended
 
     def send_signal(self, sig: int) -> None:
         if self.poll() is None:
@@ -114,7 +114,7 @@ class Zygote:
 
     def close(self) -> None:
         if self._process.poll() is None:
-            self._process.stdin.close()  # type: ignore[union-attr]
+            self._process.stdin.close()  # type: ignore[union-attr]  # started with stdin=PIPE
             try:
                 self._process.wait(timeout=10)
             except subprocess.TimeoutExpired:

@@ -161,7 +161,7 @@ class BatchKV:
         if len(rows) == self.rows:
             return
         if not rows:
-            self.__init__(self.device)  # type: ignore[misc]
+            self.__init__(self.device)  # type: ignore[misc]  # an empty batch: the state a fresh one starts in
             return
         first = min(self.starts[i] for i in rows)
         last = max(self.ends[i] for i in rows)

@@ -185,7 +185,7 @@ class NativeLlamaStep:
             _matrix(model.lm_head),
             inner.norm.weight.data_ptr(),
         )
-        self._forward = ggml().deltafin_llama_forward  # type: ignore[union-attr]
+        self._forward = ggml().deltafin_llama_forward  # type: ignore[union-attr]  # the native step is chosen only when ggml() loaded
         self._cos = self._sin = torch.empty(0, self.head_dim // 2)
         self._decode_room = _Room(len(inner.layers))
         self._prefill_room = _Room(len(inner.layers))

@@ -27,6 +27,7 @@ import queue
 import threading
 import time
 from collections.abc import Sequence
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 import structlog
@@ -195,7 +196,7 @@ class LocalEngine(EngineClient):
                         return
                     if item is _WAKE:
                         continue
-                    self._admit(item)  # type: ignore[arg-type]
+                    self._admit(item)  # type: ignore[arg-type]  # the inbox holds submissions besides the two sentinels handled above
                 self._drop_cancelled()
                 if self._prefilling:
                     self._prefill_chunk()
@@ -381,7 +382,7 @@ class LocalEngine(EngineClient):
         self.schedule.append(("step", len(rows)))
         tokens = torch.tensor([[row.pending] for row in rows], device=self.device)  # [B, 1]
         for row in rows:
-            row.ids.append(row.pending)  # type: ignore[arg-type]
+            row.ids.append(row.pending)  # type: ignore[arg-type]  # a row in a decode step has its pending token
         mask, positions = self._kv.step_inputs()
         pool_before = self.experts.counters() if self.experts is not None else None
         try:
@@ -470,7 +471,7 @@ class LocalEngine(EngineClient):
                     prompt.sub.row_left()
             self._prefilling = kept
 
-    def _remove(self, predicate, finished: set[int] = frozenset()) -> None:  # type: ignore[assignment]
+    def _remove(self, predicate, finished: AbstractSet[int] = frozenset()) -> None:
         """Rows that finished (by index) or match `predicate` leave the batch; their caches go to the prefix cache."""
         keep: list[int] = []
         for i, row in enumerate(self._rows):

@@ -69,7 +69,7 @@ class Row:
         logprob = None
         if self.sampler.params.logprobs and not decoder.ends_at(token_id):
             logprob = self.sampler.logprob(logits, token_id)
-        self.stream.emit(decoder.push(token_id, logprob))  # type: ignore[arg-type]
+        self.stream.emit(decoder.push(token_id, logprob))  # type: ignore[arg-type]  # push returns None only once done, and a finished row takes no token
         if decoder.done:  # a stop id or a stop string
             return self._finish(None)
         self.sampler.observe(token_id)

@@ -215,7 +215,7 @@ class Response:
         self._watchdog.cancel()
         if self._conn is not None:
             self._pool._release(self._conn, reusable=self._complete and self._keep_alive)
-            self._conn = None  # type: ignore[assignment]
+            self._conn = None  # type: ignore[assignment]  # released: no read follows, so the attribute stays typed as set
 
     async def __aenter__(self) -> Response:
         return self
