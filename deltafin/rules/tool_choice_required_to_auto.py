@@ -1,4 +1,4 @@
-"""tool_choice_required_to_auto (glm_tool_choice_required in para): tool_choice "required" is served as "auto".
+"""tool_choice_required_to_auto: tool_choice "required" is served as "auto".
 
 Acts on: chat requests with tool_choice "required". Leaves alone: every other tool_choice. Para scopes it to
 the glm family, whose templates have no way to force a call.

@@ -13,7 +13,7 @@
   for room: a schema xgrammar refuses is a 400 naming the field; one over a limit or the time budget, a 400
   saying it is too complex.
 Rules run before this, so a rule that rewrites tool_choice to "auto" (force_tool_choice_auto,
-glm_tool_choice_required) turns enforcement off for that request.
+tool_choice_required_to_auto) turns enforcement off for that request.
 """
 
 from __future__ import annotations

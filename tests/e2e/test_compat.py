@@ -153,13 +153,13 @@ class TestToolChoice:
         raw = client_for(glm_para).chat.completions.with_raw_response.create(
             model=GLM_PARA.name, messages=user(), tools=self.TOOLS, tool_choice="required", max_tokens=2
         )
-        assert "glm_tool_choice_required" in rules_header(raw)
+        assert "tool_choice_required_to_auto" in rules_header(raw)
 
     def test_glm_none_stays_none(self, glm_para):
         raw = client_for(glm_para).chat.completions.with_raw_response.create(
             model=GLM_PARA.name, messages=user(), tools=self.TOOLS, tool_choice="none", max_tokens=2
         )
-        assert "glm_tool_choice_required" not in rules_header(raw)
+        assert "tool_choice_required_to_auto" not in rules_header(raw)
 
     @pytest.mark.parametrize("choice", ["required", "none", {"type": "function", "function": {"name": "get_time"}}])
     def test_force_auto_serves_any_explicit_choice_as_auto(self, kimi_para, choice):

@@ -44,7 +44,7 @@ class TestBuild:
             "chat_default_max_tokens",
             "max_tokens_cap",
             "force_tool_choice_auto",
-            "glm_tool_choice_required",
+            "tool_choice_required_to_auto",
             "glm_context_413",
             "glm_reasoning_usage",
             "flatten_tool_text",
