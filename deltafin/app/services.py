@@ -100,7 +100,7 @@ def build_engine(config: DeltafinConfig) -> EngineClient:
 
 
 def _start_fork_server() -> None:
-    from deltafin.grammar.workers import fork_server
+    from deltafin.grammar.lanes import fork_server
 
     try:
         fork_server()
@@ -116,8 +116,8 @@ def grammars_for(config: DeltafinConfig, engine: EngineFront) -> Any:
     if not caps.grammar:
         return None
     from deltafin.grammar.compiled import tokenizer_info
+    from deltafin.grammar.lanes import default_workers
     from deltafin.grammar.service import Grammars
-    from deltafin.grammar.workers import default_workers
 
     # An upstream compiles for itself: its workers only check (limits, and xgrammar's reading of the schema).
     info = tokenizer_info(engine.tokenizer, engine.vocab_size, engine.stop_token_ids) if caps.compiled_grammar else None

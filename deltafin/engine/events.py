@@ -14,7 +14,7 @@ FinishReason = Literal["stop", "length"]
 class GenerationJob:
     prompt_ids: tuple[int, ...]
     params: SamplingParams
-    #: `params.constraint` compiled for the local engine's tokenizer (deltafin.engine.local.row_constraint.ReadyGrammar),
+    #: `params.constraint` compiled for the local engine's tokenizer (deltafin.engine.local.matcher.MatcherSource),
     #: prepared before the job is submitted; upstream engines send the constraint itself. Not part of the job's
     #: identity (memo keys): it is the constraint, compiled.
     grammar: Any = field(default=None, compare=False, repr=False)

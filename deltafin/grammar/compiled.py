@@ -14,7 +14,7 @@ from typing import Any
 import xgrammar as xgr
 
 from deltafin.grammar.row import XGrammarRow
-from deltafin.grammar.worker import build, compile_grammar, make_compiler
+from deltafin.grammar.worker_process import build, compile_grammar, make_compiler
 from deltafin.protocol.sampling import Constraint
 
 
@@ -32,7 +32,7 @@ def tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: Iterable[int
 
 @dataclass(frozen=True, eq=False)
 class ReadyGrammar:
-    """A grammar compiled for the engine's tokenizer (deltafin.engine.local.row_constraint.ReadyGrammar)."""
+    """A grammar compiled for the engine's tokenizer (deltafin.engine.local.matcher.MatcherSource)."""
 
     compiled: xgr.CompiledGrammar
     vocab_size: int

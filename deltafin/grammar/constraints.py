@@ -1,5 +1,5 @@
 """Engine-neutral constraints: what serving asks for, as `Constraint` values, and xgrammar's reading of them
-(`grammar_of`, run in a grammar worker process: deltafin.grammar.worker)."""
+(`grammar_of`, run in a grammar worker process: deltafin.grammar.worker_process)."""
 
 from __future__ import annotations
 

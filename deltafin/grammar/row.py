@@ -15,7 +15,7 @@ log = structlog.get_logger("deltafin.grammar")
 
 
 class XGrammarRow:
-    """deltafin.engine.local.row_constraint.RowConstraint over a compiled grammar. After the grammar is complete only
+    """deltafin.engine.local.matcher.RowMatcher over a compiled grammar. After the grammar is complete only
     stop tokens are allowed; accepting one terminates the matcher."""
 
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:

@@ -1,7 +1,7 @@
 """Constraint -> a grammar ready for the engine, prepared off the event loop and the engine's owner thread.
 
 `Grammars.prepare(constraint)` answers from a cache of outcomes, or has a worker process prove it (limits,
-xgrammar's reading of it and a trial compile, all within the time budget: `deltafin.grammar.worker`) and then
+xgrammar's reading of it and a trial compile, all within the time budget: `deltafin.grammar.worker_process`) and then
 compiles the proven grammar on the lane's thread, while the request waits in its own lane, before it asks the
 engine for room: rows already decoding never wait for a grammar, and the engine receives it compiled
 (`GenerationJob.grammar`).
@@ -10,7 +10,7 @@ engine for room: rows already decoding never wait for a grammar, and the engine 
   refusal (LRU of `failures`), so a schema that failed, or ran past the time budget, is answered again in
   microseconds however often it is sent.
 - Requests for a constraint being compiled share that compile; compiles wait in their API key's turn
-  (`owner`: deltafin.grammar.workers.FairQueue).
+  (`owner`: deltafin.grammar.lanes.FairQueue).
 - A worker lost on a constraint (killed from outside, crashed) is `WorkerLost`, not cached: the server's failure,
   worth a retry. A constraint on which a worker dies twice in a row is refused like an invalid one, and cached.
 - A request that cannot get a worker by its deadline is refused (429) and its queued compile dropped if nobody
@@ -34,10 +34,10 @@ from typing import Any
 import xgrammar as xgr
 
 from deltafin.errors import EngineBusyError
-from deltafin.grammar import worker as worker_module
+from deltafin.grammar import worker_process as worker_module
 from deltafin.grammar.compiled import ReadyGrammar
+from deltafin.grammar.lanes import CompileWorkers, WorkerLost
 from deltafin.grammar.limits import TooComplex
-from deltafin.grammar.workers import CompileWorkers, WorkerLost
 from deltafin.protocol.sampling import Constraint
 
 

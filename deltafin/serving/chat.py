@@ -15,7 +15,7 @@ from deltafin.prompt import PromptOptions, RenderedPrompt
 from deltafin.prompt.sandbox import TemplateBudget, template_budget
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.rules import RuleContext
-from deltafin.serving.constraints import ToolUse, prepared_constraint, tool_use
+from deltafin.serving.chat_constraint import ToolUse, prepared_constraint, tool_use
 from deltafin.serving.context import RequestStats, ServingContext, new_id
 from deltafin.serving.logprobs import chat_logprobs
 from deltafin.serving.plan import Budget, RequestPlan, plan_chat

@@ -15,7 +15,7 @@ from deltafin.markup import OutputParser, ParsedDelta, ToolCallDelta
 from deltafin.protocol.chat import ChatCompletionRequest, ChatMessage
 from deltafin.protocol.parse import ParseRequest
 from deltafin.serving.chat import ChatService, ChoiceAssembly
-from deltafin.serving.constraints import ToolUse
+from deltafin.serving.chat_constraint import ToolUse
 
 #: /parse feeds the text to the parser in pieces of this many characters, as a stream arrives: a parser scans
 #: and copies what follows a marker, so a whole text fed at once was scanned again from each of its markers

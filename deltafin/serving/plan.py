@@ -1,11 +1,11 @@
 """One plan per generation request: what is decided about it before the engine sees it, each thing decided once.
 
 A chat request, and everything served as one (/v1/responses, /v1/messages), is planned in two steps:
-- `tool_use` (deltafin.serving.constraints), before the prompt is rendered: whether the output may hold tool
+- `tool_use` (deltafin.serving.chat_constraint), before the prompt is rendered: whether the output may hold tool
   calls, and which calls a family without a tool-call syntax must make as plain JSON; a request that cannot be
   served this way is refused before any prompt work.
 - `plan_chat`, with the rendered prompt: the constraint the output is generated under
-  (deltafin.serving.constraints) and the completion budget (`token_budget`).
+  (deltafin.serving.chat_constraint) and the completion budget (`token_budget`).
 /v1/completions has neither tools nor a constraint: each of its prompts gets its budget from `token_budget` too,
 so every API counts the room a prompt leaves, and refuses one that does not fit, the same way.
 """
@@ -19,7 +19,7 @@ from deltafin.families import BoundFamily
 from deltafin.prompt import RenderedPrompt
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.sampling import Constraint
-from deltafin.serving.constraints import ToolUse, request_constraint
+from deltafin.serving.chat_constraint import ToolUse, request_constraint
 
 
 @dataclass(frozen=True)

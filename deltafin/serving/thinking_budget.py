@@ -26,7 +26,7 @@ from deltafin.families import get_family
 from deltafin.markup import Markup
 from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.protocol.sampling import Constraint, ReasoningBudget
-from deltafin.serving.constraints import ToolUse, request_constraint
+from deltafin.serving.chat_constraint import ToolUse, request_constraint
 from deltafin.token_codec import TokenCodec
 
 if TYPE_CHECKING:

@@ -36,7 +36,7 @@ PRELOAD = (
     "deltafin.app",
     "deltafin.app.server",
     "deltafin.engine.weights.loader",
-    "deltafin.grammar.worker",
+    "deltafin.grammar.worker_process",
     "transformers.models.llama.modeling_llama",
     "transformers.models.qwen3.modeling_qwen3",
 )

@@ -26,7 +26,7 @@ class AllowList:
 
 
 class AllowListGrammar:
-    """A fake ready grammar (deltafin.engine.local.row_constraint.ReadyGrammar): an AllowList per row, each kept in `rows`."""
+    """A fake ready grammar (deltafin.engine.local.matcher.MatcherSource): an AllowList per row, each kept in `rows`."""
 
     def __init__(self, allowed, length):
         self.allowed, self.length = list(allowed), length

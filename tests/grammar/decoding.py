@@ -1,4 +1,4 @@
-"""A hand-written greedy decode loop with a RowConstraint, the way the batched sampler applies one: mask after
+"""A hand-written greedy decode loop with a RowMatcher, the way the batched sampler applies one: mask after
 penalties/bias (none here), before the (greedy) choice; accept; stop on a stop token or a terminated grammar."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 from transformers import DynamicCache
 
 from deltafin.engine.local.generator import cache_argument
-from deltafin.engine.local.row_constraint import RowConstraint
+from deltafin.engine.local.matcher import RowMatcher
 from deltafin.grammar.compiled import ReadyGrammar, compile_now, tokenizer_info
 from deltafin.protocol.sampling import Constraint
 
@@ -34,7 +34,7 @@ def row_factory(tokenizer, vocab_size: int, stop_ids):
 
 
 def greedy(
-    model, prompt_ids: Sequence[int], row: RowConstraint | None, *, max_tokens: int, stop_ids: frozenset[int]
+    model, prompt_ids: Sequence[int], row: RowMatcher | None, *, max_tokens: int, stop_ids: frozenset[int]
 ) -> list[int]:
     cache = {cache_argument(model): DynamicCache(config=model.config)}
 

@@ -16,9 +16,9 @@ from deltafin.errors import EngineBusyError
 from deltafin.grammar import limits
 from deltafin.grammar.compiled import ReadyGrammar, tokenizer_info
 from deltafin.grammar.constraints import json_object, json_schema, structural_tag
+from deltafin.grammar.lanes import WORKER_NICENESS, FairQueue, WorkerLost, default_workers
 from deltafin.grammar.limits import TooComplex, check_limits
 from deltafin.grammar.service import Grammars
-from deltafin.grammar.workers import WORKER_NICENESS, FairQueue, WorkerLost, default_workers
 
 
 def prop(schema: dict) -> dict:
@@ -161,7 +161,7 @@ class TestPrepare:
 
     def test_a_compiled_grammar_over_the_size_limit_is_too_complex(self, info, monkeypatch):
         # A 500 KB enum of 40000 values compiles to 114 MiB; here the limit comes down to a usual grammar's size.
-        from deltafin.grammar import worker
+        from deltafin.grammar import worker_process as worker
 
         monkeypatch.setattr(worker, "MAX_COMPILED_BYTES", 1 << 20)
         with pytest.raises(TooComplex, match="compiled grammar would take 2 MiB"):

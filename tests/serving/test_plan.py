@@ -7,7 +7,7 @@ from deltafin.errors import ContextLengthError, InvalidRequestError
 from deltafin.families import bind_family
 from deltafin.prompt import RenderedPrompt
 from deltafin.protocol.chat import ChatCompletionRequest
-from deltafin.serving.constraints import tool_use
+from deltafin.serving.chat_constraint import tool_use
 from deltafin.serving.plan import Budget, plan_chat, token_budget
 
 WEATHER = {

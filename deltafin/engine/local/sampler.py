@@ -12,7 +12,7 @@ from collections.abc import Sequence
 import torch
 
 from deltafin.engine.events import TokenLogprob
-from deltafin.engine.local.row_constraint import RowConstraint
+from deltafin.engine.local.matcher import RowMatcher
 from deltafin.engine.text.reasoning_budget import ReasoningTracker
 from deltafin.protocol.sampling import SamplingParams
 
@@ -41,7 +41,7 @@ class Sampler:
         vocab_size: int,
         device: torch.device,
         prompt_ids: Sequence[int],
-        constraint: RowConstraint | None = None,
+        constraint: RowMatcher | None = None,
         reasoning: ReasoningTracker | None = None,
     ):
         self.params = params

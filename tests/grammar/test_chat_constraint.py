@@ -1,4 +1,4 @@
-"""Which constraint a chat request gets (deltafin.serving.constraints), rules first."""
+"""Which constraint a chat request gets (deltafin.serving.chat_constraint), rules first."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from deltafin.protocol.chat import ChatCompletionRequest
 from deltafin.rules import RuleContext
 from deltafin.rules.force_tool_choice_auto import ForceToolChoiceAuto
 from deltafin.rules.tool_choice_required_to_auto import ToolChoiceRequiredToAuto
-from deltafin.serving.constraints import request_constraint
+from deltafin.serving.chat_constraint import request_constraint
 from tests.conftest import tiny_config
 
 WEATHER = {

@@ -1,4 +1,4 @@
-"""Lanes of grammar worker processes (`deltafin.grammar.worker`), each driven by a thread of this process.
+"""Lanes of grammar worker processes (`deltafin.grammar.worker_process`), each driven by a thread of this process.
 
 Work is queued per API key and the keys take turns (`FairQueue`): a key that queues a dozen slow schemas makes
 another key's schema wait for one compile at most, not for all of them. Each lane takes the next request, sends
@@ -31,10 +31,10 @@ from typing import Any
 
 import structlog
 
-from deltafin.grammar import worker as worker_module
+from deltafin.grammar import worker_process as worker_module
 from deltafin.grammar.failures import WorkerLost
 from deltafin.grammar.limits import TooComplex
-from deltafin.grammar.worker import WORKER_NICENESS
+from deltafin.grammar.worker_process import WORKER_NICENESS
 
 __all__ = ["WORKER_NICENESS", "CompileTimeout", "CompileWorkers", "FairQueue", "WorkerLost", "default_workers"]
 

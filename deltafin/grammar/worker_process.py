@@ -1,4 +1,4 @@
-"""The grammar worker process: proves constraints, one at a time, for `deltafin.grammar.workers`.
+"""The grammar worker process: proves constraints, one at a time, for `deltafin.grammar.lanes`.
 
 xgrammar's work on a constraint is CPU work of unbounded cost inside C++ (a hostile schema takes minutes),
 which no thread can interrupt; a process can be killed. So each constraint is first taken through every step

@@ -1,7 +1,7 @@
 """The per-row constrained-decoding hook: what the sampler asks of a grammar matcher (xgrammar or a fake).
 
 A job with `SamplingParams.constraint` arrives with its grammar ready (`GenerationJob.grammar`, compiled before
-the request asked for room: the engine never compiles). The local engine asks it for one `RowConstraint` per
+the request asked for room: the engine never compiles). The local engine asks it for one `RowMatcher` per
 row; the sampler calls `fill_mask` after penalties and logit_bias and before temperature / top-k / top-p,
 `accept` with every token the row emits, and the row finishes with reason "stop" once `is_terminated()`.
 """
@@ -14,7 +14,7 @@ import torch
 
 
 @runtime_checkable
-class RowConstraint(Protocol):
+class RowMatcher(Protocol):
     def fill_mask(self, logits: torch.Tensor) -> None:
         """logits: [V] float32; set every token the grammar does not allow next to -inf, in place."""
 
@@ -26,8 +26,8 @@ class RowConstraint(Protocol):
 
 
 @runtime_checkable
-class ReadyGrammar(Protocol):
+class MatcherSource(Protocol):
     """A constraint compiled for this engine's tokenizer (deltafin.grammar.compiled.ReadyGrammar, or a fake)."""
 
-    def matcher(self) -> RowConstraint:
+    def matcher(self) -> RowMatcher:
         """A fresh matcher for one row: rows of one request share the grammar, never the matcher's state."""
