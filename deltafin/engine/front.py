@@ -32,7 +32,7 @@ class EngineFront:
         max_long_prefills: int = 1,
     ) -> None:
         """`long_prefill_tokens`, `max_long_prefills`: admission by tokens (deltafin.engine.admission); None: off."""
-        self.engine = engine
+        self.client = engine  # the engine behind this front (local or upstream)
         self.admission = Admission(
             capacity=engine.capacity,
             max_waiting=max_waiting,
@@ -45,43 +45,43 @@ class EngineFront:
     # What serving reads of the engine.
     @property
     def name(self) -> str:
-        return self.engine.name
+        return self.client.name
 
     @property
     def tokenizer(self) -> Any:
-        return self.engine.tokenizer
+        return self.client.tokenizer
 
     @property
     def context_length(self) -> int:
-        return self.engine.context_length
+        return self.client.context_length
 
     @property
     def vocab_size(self) -> int:
-        return self.engine.vocab_size
+        return self.client.vocab_size
 
     @property
     def stop_token_ids(self) -> frozenset[int]:
-        return self.engine.stop_token_ids
+        return self.client.stop_token_ids
 
     @property
     def capabilities(self) -> EngineCapabilities:
-        return self.engine.capabilities
+        return self.client.capabilities
 
     def observe(self, observer: Any) -> None:
         """Hand the engine the app's metrics (upstream latency and errors by kind)."""
-        self.engine.observer = observer
+        self.client.observer = observer
 
     async def readiness(self) -> Readiness:
-        return await self.engine.readiness()
+        return await self.client.readiness()
 
     def expert_stats(self) -> Any:
-        return self.engine.expert_stats()
+        return self.client.expert_stats()
 
     def prefix_cache_stats(self) -> Any:
-        return self.engine.prefix_cache_stats()
+        return self.client.prefix_cache_stats()
 
     async def aclose(self) -> None:
-        await self.engine.aclose()
+        await self.client.aclose()
 
     async def start(self, jobs: Sequence[GenerationJob], *, deadline: float | None = None) -> GenerationStream:
         """Admit the request (or raise 429) and start it; `deadline` is a `time.monotonic()` instant."""
@@ -111,12 +111,12 @@ class EngineFront:
         if self.memo.enabled and any(job.params.deterministic for job in jobs):
             stream.observe(_MemoRecorder(self.memo, jobs, stream))
         try:
-            self.engine.submit(jobs, stream)
+            self.client.submit(jobs, stream)
         except BaseException:
             stream.end()
             raise
         try:
-            await self.engine.started(stream)
+            await self.client.started(stream)
         except BaseException:  # the upstream refused, or the client left while we waited: stop it all
             stream.close()
             raise

@@ -19,7 +19,7 @@ def failing_client(loaded_model, overrides):
     def broken(submission, choices):
         raise RuntimeError("CUDA error: device-side assert triggered")
 
-    engine.engine._admit_group = broken  # fails at prefill, as a broken device would
+    engine.client._admit_group = broken  # fails at prefill, as a broken device would
     return TestClient(build_app(config, Services.from_engine(config, engine)))
 
 

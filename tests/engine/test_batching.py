@@ -82,7 +82,7 @@ class TestSameTokensAloneAndInABatch:
     def test_greedy(self, front, run):
         jobs = [GenerationJob(chat_ids(front, p), SamplingParams(max_tokens=24, temperature=0.0)) for p in PROMPTS]
         solo = [alone(run, front, job)[0][0] for job in jobs]
-        engine = front.engine
+        engine = front.client
         engine.step_sizes.clear()
         batched = [result[0][0] for result in together(run, front, jobs, stagger=0.05)]
         assert max(engine.step_sizes) >= 4, "the requests did not decode together"
@@ -139,10 +139,10 @@ class TestRowsJoinAndLeave:
         short = GenerationJob(
             chat_ids(front, PROMPTS[1]), SamplingParams(max_tokens=3, temperature=0.0, ignore_eos=True)
         )
-        front.engine.step_sizes.clear()
+        front.client.step_sizes.clear()
         (long_tokens, long_end, _), (short_tokens, short_end, _) = together(run, front, [long, short])
         assert long_end[0].completion_tokens == 40 and short_end[0].completion_tokens == 3
-        sizes = front.engine.step_sizes
+        sizes = front.client.step_sizes
         assert 2 in sizes and sizes[-1] == 1
 
     def test_n_choices_share_one_prefill_and_decode_together(self, front, run, loaded_model):
@@ -155,14 +155,14 @@ class TestRowsJoinAndLeave:
         hook = loaded_model.model.register_forward_hook(
             lambda module, args, kwargs, out: prefills.append(kwargs["input_ids"].shape[1] > 1), with_kwargs=True
         )
-        front.engine.prefix_cache.clear()
-        front.engine.step_sizes.clear()
+        front.client.prefix_cache.clear()
+        front.client.step_sizes.clear()
         try:
             tokens, finished, _ = run(collect(front, jobs))
         finally:
             hook.remove()
         assert sum(prefills) == 1
-        assert sorted(finished) == [0, 1, 2] and front.engine.step_sizes[0] == 3
+        assert sorted(finished) == [0, 1, 2] and front.client.step_sizes[0] == 3
         # Each choice keeps its own seed: the same as that seed alone.
         assert tokens[1] == alone(run, front, jobs[1])[0][0]
 
@@ -188,7 +188,7 @@ class TestRowsJoinAndLeave:
 
 class TestPrefixCacheUnderBatching:
     def test_kept_after_a_real_eos_ending(self, front, run):
-        engine = front.engine
+        engine = front.client
         engine.prefix_cache.clear()
         first = chat_ids(front, "Reply with one word: yes or no?")
         tokens, finished, _ = alone(run, front, GenerationJob(first, SamplingParams(max_tokens=64, temperature=0.0)))
@@ -200,7 +200,7 @@ class TestPrefixCacheUnderBatching:
         assert again[0].cached_tokens >= len(first) + len(tokens[0]) - 1
 
     def test_kept_after_a_stop_string_ending(self, front, run):
-        engine = front.engine
+        engine = front.client
         engine.prefix_cache.clear()
         first = chat_ids(front, PROMPTS[0])
         full, _, _ = alone(
@@ -216,7 +216,7 @@ class TestPrefixCacheUnderBatching:
         assert again[0].cached_tokens == len(first)
 
     def test_reuse_gives_the_same_tokens_as_a_fresh_prefill_in_a_batch(self, front, run):
-        engine = front.engine
+        engine = front.client
         base = chat_ids(front, "Write one line about rivers and the mountains they come from.")
         params = SamplingParams(max_tokens=10, temperature=0.0, ignore_eos=True)
         engine.prefix_cache.clear()

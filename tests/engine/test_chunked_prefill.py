@@ -53,8 +53,8 @@ class TestSameOutputAsOnePass:
         ids = long_prompt(chunked)
         assert len(ids) > 6 * CHUNK
         params = greedy(12, logprobs=True, top_logprobs=2)
-        chunked.engine.prefix_cache.clear()
-        whole.engine.prefix_cache.clear()
+        chunked.client.prefix_cache.clear()
+        whole.client.prefix_cache.clear()
         a_tokens, a_end, _ = run(collect(chunked, [GenerationJob(ids, params)]))
         b_tokens, b_end, _ = run(collect(whole, [GenerationJob(ids, params)]))
         assert a_tokens[0] == b_tokens[0]
@@ -73,18 +73,18 @@ class TestSameOutputAsOnePass:
     def test_a_prefix_cache_hit_then_chunks_matches_one_pass(self, chunked, whole, run):
         base = long_prompt(chunked, repeats=4)
         longer = base + tuple(chunked.tokenizer(" And then? " + STORY * 3, add_special_tokens=False).input_ids)
-        chunked.engine.prefix_cache.clear()
+        chunked.client.prefix_cache.clear()
         run(collect(chunked, [GenerationJob(base, greedy(2))]))  # leaves base's cache behind
         reused, reused_end, _ = run(collect(chunked, [GenerationJob(longer, greedy(10))]))
         assert reused_end[0].cached_tokens >= len(base) - 1 and len(longer) - len(base) > CHUNK
-        whole.engine.prefix_cache.clear()
+        whole.client.prefix_cache.clear()
         fresh, fresh_end, _ = run(collect(whole, [GenerationJob(longer, greedy(10))]))
         assert fresh_end[0].cached_tokens == 0 and fresh[0] == reused[0]
 
 
 class TestInterleaving:
     def test_a_long_prompt_is_prefilled_between_decode_steps_of_a_running_stream(self, chunked, run):
-        engine = chunked.engine
+        engine = chunked.client
         engine.prefix_cache.clear()
         running = GenerationJob(chat_ids(chunked, "Count to fifty."), greedy(400))
         arriving = GenerationJob(long_prompt(chunked), greedy(2))
@@ -113,7 +113,7 @@ class TestInterleaving:
         assert steps >= len(windows) - 1, schedule
 
     def test_prompts_in_prefill_take_turns(self, chunked, run):
-        engine = chunked.engine
+        engine = chunked.client
         engine.prefix_cache.clear()
         longs = [GenerationJob(long_prompt(chunked, repeats=r), greedy(1)) for r in (7, 8)]
         short = GenerationJob(chat_ids(chunked, "Hi"), greedy(1))
@@ -138,7 +138,7 @@ class TestInterleaving:
 class TestCancelMidPrefill:
     def test_cancelling_frees_everything_and_leaves_no_partial_cache(self, loaded_model, run):
         front = front_with(loaded_model, 16)  # many small windows: the cancel lands mid-prefill
-        engine = front.engine
+        engine = front.client
         ids = long_prompt(front)
         windows = []
         hook = loaded_model.model.register_forward_hook(
@@ -183,7 +183,7 @@ class TestAdmissionByTokens:
             long_prefill_tokens=256,
             max_long_prefills=1,
         )
-        front.engine.prefix_cache.clear()
+        front.client.prefix_cache.clear()
         longs = [GenerationJob(long_prompt(front, repeats=r), greedy(1)) for r in (9, 10)]
         assert all(len(job.prompt_ids) >= 256 for job in longs)
         short = GenerationJob(chat_ids(front, "Hi"), greedy(1))

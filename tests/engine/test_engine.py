@@ -82,9 +82,9 @@ class TestEngine:
         engine.memo._items.clear()
         first, end1 = generate(max_tokens=10, temperature=0.0, text="Name a colour.")
         submitted = []
-        submit = engine.engine.submit
+        submit = engine.client.submit
         monkeypatch.setattr(
-            engine.engine, "submit", lambda jobs, stream: (submitted.append(jobs), submit(jobs, stream))
+            engine.client, "submit", lambda jobs, stream: (submitted.append(jobs), submit(jobs, stream))
         )
         second, end2 = generate(max_tokens=10, temperature=0.0, text="Name a colour.")
         assert second == first and end2.memo_hit and not end1.memo_hit
@@ -97,7 +97,7 @@ class TestEngine:
 
     def test_prefix_cache_reuses_and_matches_a_fresh_run(self, engine, generate, run):
         engine.memo._items.clear()
-        engine.engine.prefix_cache.clear()
+        engine.client.prefix_cache.clear()
         base = prompt_ids(engine, "Write one line about rivers and the mountains they come from.")
         params = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
         run(collect(engine, [GenerationJob(base, params)]))
@@ -105,7 +105,7 @@ class TestEngine:
         texts, finished = run(collect(engine, [GenerationJob(longer, params)]))
         assert finished[0].cached_tokens >= len(base) - 1
         engine.memo._items.clear()
-        engine.engine.prefix_cache.clear()
+        engine.client.prefix_cache.clear()
         fresh_texts, fresh = run(collect(engine, [GenerationJob(longer, params)]))
         assert fresh[0].cached_tokens == 0 and fresh_texts[0] == texts[0]
 
@@ -150,7 +150,7 @@ class TestPromptLogprobs:
 
         (prompt,) = [e for e in run(events()) if isinstance(e, PromptLogprobs)]
         with torch.inference_mode():
-            expected = torch.log_softmax(engine.engine.model(torch.tensor([ids])).logits[0].float(), -1)
+            expected = torch.log_softmax(engine.client.model(torch.tensor([ids])).logits[0].float(), -1)
         assert prompt.token_ids == ids and prompt.logprobs[0] is None
         for i, entry in enumerate(prompt.logprobs[1:]):
             assert abs(entry.logprob - float(expected[i, ids[i + 1]])) < 1e-4

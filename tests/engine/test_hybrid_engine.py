@@ -90,12 +90,12 @@ def test_four_concurrent_requests_equal_their_solo_runs_and_generate(loaded, run
             first.extend(getattr(event, "token_ids", ()))
         return [first] + [tokens for tokens, _ in await asyncio.gather(*others)]
 
-    front.engine.step_sizes.clear()
+    front.client.step_sizes.clear()
     batched = run(together())
-    assert max(front.engine.step_sizes) == 4, "the requests did not decode together"
+    assert max(front.client.step_sizes) == 4, "the requests did not decode together"
     assert batched == solo
     assert [tokens[:10] for tokens in solo] == [generate(loaded, p, 10) for p in prompts]
-    run(front.engine.aclose())
+    run(front.client.aclose())
 
 
 def test_a_conversation_reuses_its_saved_state_and_stays_exact(loaded, run):
@@ -110,7 +110,7 @@ def test_a_conversation_reuses_its_saved_state_and_stays_exact(loaded, run):
     # the last sampled token of turn one was never fed: the saved state holds everything before it
     assert end.cached_tokens == len(first) + len(answer) - 1
     assert tokens == generate(loaded, second)
-    run(front.engine.aclose())
+    run(front.client.aclose())
 
 
 def test_a_prompt_that_only_partly_matches_a_saved_state_does_not_use_it(loaded, run):
@@ -126,7 +126,7 @@ def test_a_prompt_that_only_partly_matches_a_saved_state_does_not_use_it(loaded,
     extended = (*first, *prompt(loaded, 4, 9))
     tokens, end = run(collect(front, [job(extended)]))
     assert end.cached_tokens == len(first) and tokens == generate(loaded, extended)
-    run(front.engine.aclose())
+    run(front.client.aclose())
 
 
 def test_the_memo_replays_a_hybrid_generation_exactly(loaded, run):
@@ -136,7 +136,7 @@ def test_the_memo_replays_a_hybrid_generation_exactly(loaded, run):
     warm, warm_end = run(collect(front, [job(ids)]))
     assert warm_end.memo_hit and not cold_end.memo_hit
     assert warm == cold == generate(loaded, ids)
-    run(front.engine.aclose())
+    run(front.client.aclose())
 
 
 def test_n_choices_share_one_prefill_of_a_hybrid_prompt(loaded, run):
@@ -157,4 +157,4 @@ def test_n_choices_share_one_prefill_of_a_hybrid_prompt(loaded, run):
     together = run(both())
     alone = [run(collect(front, [GenerationJob(ids, p)]))[0] for p in params]
     assert [together[0], together[1]] == alone and alone[0] != alone[1]
-    run(front.engine.aclose())
+    run(front.client.aclose())

@@ -79,7 +79,7 @@ def test_greedy_tokens_alone_are_the_references(loaded, oracle, run):
     for ids in (prompt(9, 1), prompt(30, 2)):
         tokens, _ = run(collect(front, [job(ids, 12)]))
         assert tokens == oracle(ids, 12)
-    run(front.engine.aclose())
+    run(front.client.aclose())
 
 
 def test_four_concurrent_requests_are_the_references(loaded, oracle, run):
@@ -98,9 +98,9 @@ def test_four_concurrent_requests_are_the_references(loaded, oracle, run):
         return [first] + [tokens for tokens, _ in await asyncio.gather(*others)]
 
     batched = run(together())
-    assert max(front.engine.step_sizes) == 4, "the requests did not decode together"
+    assert max(front.client.step_sizes) == 4, "the requests did not decode together"
     assert batched == [oracle(p, j.params.max_tokens) for p, j in zip(prompts, jobs)]
-    run(front.engine.aclose())
+    run(front.client.aclose())
 
 
 def test_chunked_prefill_is_the_references(loaded, oracle, run):
@@ -113,10 +113,10 @@ def test_chunked_prefill_is_the_references(loaded, oracle, run):
         return await asyncio.gather(collect(front, [job(short, 20)]), collect(front, [job(long, 10)]))
 
     (short_tokens, _), (long_tokens, _) = run(both())
-    prefills = [n for kind, n in front.engine.schedule if kind == "prefill"]
+    prefills = [n for kind, n in front.client.schedule if kind == "prefill"]
     assert len(prefills) >= 45 // 7 and max(prefills) <= 7
     assert long_tokens == oracle(long, 10) and short_tokens == oracle(short, 20)
-    run(front.engine.aclose())
+    run(front.client.aclose())
 
 
 def test_a_conversation_from_the_prefix_cache_is_the_references(loaded, oracle, run):
@@ -130,7 +130,7 @@ def test_a_conversation_from_the_prefix_cache_is_the_references(loaded, oracle, 
     tokens, end = run(collect(front, [job(second)]))
     assert end.cached_tokens == len(first) + len(answer) - 1
     assert tokens == oracle(second, 10)
-    run(front.engine.aclose())
+    run(front.client.aclose())
 
 
 def test_the_memo_replays_it(loaded, oracle, run):
@@ -139,7 +139,7 @@ def test_the_memo_replays_it(loaded, oracle, run):
     cold, cold_end = run(collect(front, [job(ids)]))
     warm, warm_end = run(collect(front, [job(ids)]))
     assert warm_end.memo_hit and not cold_end.memo_hit and warm == cold == oracle(ids, 10)
-    run(front.engine.aclose())
+    run(front.client.aclose())
 
 
 #: a K3 whose routed experts outweigh a small pool: 16 latent experts per layer of 0.375 MiB (float32)
@@ -178,7 +178,7 @@ def test_through_the_expert_pool_it_is_the_references(pooled_folder, run, prefet
     stats = pool.stats()
     assert stats.misses > pool.slots.count  # more reads than slots: experts were evicted and read again
     assert (stats.prefetch_reads > 0) == prefetch
-    run(front.engine.aclose())
+    run(front.client.aclose())
 
 
 def test_int8_quantizes_its_linear_layers_and_serves(folder, run):
@@ -196,4 +196,4 @@ def test_int8_quantizes_its_linear_layers_and_serves(folder, run):
     front = front_for(loaded)
     tokens, end = run(collect(front, [job(prompt(10, 14), 8)]))
     assert len(tokens) == 8 and end is not None
-    run(front.engine.aclose())
+    run(front.client.aclose())

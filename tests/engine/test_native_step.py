@@ -191,14 +191,14 @@ def test_a_repeated_long_prompt_runs_one_position_through_the_native_forward(loa
         runs.clear()
         room = loaded_model.model.__dict__["_deltafin_native_step"]._prefill_room
         copied = room.copied
-        front.engine.schedule.clear()
+        front.client.schedule.clear()
         again, finished, _ = loop.run_until_complete(collect(front, [GenerationJob(ids, params)]))
     finally:
-        loop.run_until_complete(front.engine.aclose())
+        loop.run_until_complete(front.client.aclose())
         loop.close()
     assert finished[0].cached_tokens == len(ids) - 1
     assert runs == [(len(ids) - 1, 1)]
-    assert [n for what, n in front.engine.schedule if what == "prefill"] == [1]
+    assert [n for what, n in front.client.schedule if what == "prefill"] == [1]
     assert room.copied == copied  # the cached positions stayed where they were: no copy of the whole cache
     assert again == first
 

@@ -96,8 +96,8 @@ def test_a_conversation_keeps_each_prompt_end_as_a_checkpoint(loaded, run):
     front = front_for(loaded)
     first = prompt(loaded, 21, 3)
     answer, _ = run(collect(front, first))
-    entry = front.engine.prefix_cache.entries[0]
-    assert len(front.engine.prefix_cache) == 1 and len(entry) == len(first) + len(answer) - 1
+    entry = front.client.prefix_cache.entries[0]
+    assert len(front.client.prefix_cache) == 1 and len(entry) == len(first) + len(answer) - 1
     assert sorted(entry.book.at) == [8, 16, 21]
     second = [*first, *answer, *prompt(loaded, 5, 4)]
     tokens, end = run(collect(front, second))
@@ -112,13 +112,13 @@ def test_checkpoints_come_back_from_disk_after_a_restart(loaded, run, tmp_path):
     before = front_for(loaded, tmp_path)
     first = prompt(loaded, 35, 6)
     run(collect(before, first, 2))
-    assert before.engine.prefix_cache.flush(30)
+    assert before.client.prefix_cache.flush(30)
     run(before.aclose())
     assert len(list(tmp_path.rglob("*.kvs.safetensors"))) == 4  # blocks ending at 8, 16, 24, 32 carry states
 
     after = front_for(loaded, tmp_path)
     edited = [*first[:27], *prompt(loaded, 4, 7)]
     tokens, end = run(collect(after, edited))
-    assert end.cached_tokens == 24 and after.engine.prefix_cache.stats.hits["disk"] == 1
+    assert end.cached_tokens == 24 and after.client.prefix_cache.stats.hits["disk"] == 1
     assert tokens == generate(loaded, edited)
     run(after.aclose())

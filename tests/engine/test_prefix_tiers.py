@@ -103,12 +103,12 @@ def test_a_restarted_engine_reads_the_prefix_back_and_answers_as_cold(models, pa
     before = front_for(overrides, loaded, tmp_path)
     tokens, end = run(collect(before, first_prompt))
     assert end.cached_tokens == 0 and tokens == run(collect(cold, first_prompt))[0]
-    assert before.engine.prefix_cache.flush(30)
+    assert before.client.prefix_cache.flush(30)
     run(before.aclose())
 
     after = front_for(overrides, loaded, tmp_path)  # a new process: nothing but the folder is shared
     tokens, end = run(collect(after, second_prompt))
-    stats = after.engine.prefix_cache.stats
+    stats = after.client.prefix_cache.stats
     assert end.cached_tokens == 64 and stats.hits["disk"] == 1 and stats.hit_tokens["disk"] == 64
     assert tokens == run(collect(cold, second_prompt))[0]
     # Its next turn is a RAM hit: the answer's positions too, except on int8, whose decode-step kernel computes
@@ -127,7 +127,7 @@ def test_the_ram_budget_holds_and_the_oldest_prompt_comes_back_from_disk(models,
     per_position = 2 * 30 * 3 * 64 * 4  # keys and values, 30 layers, 3 KV heads of 64, float32
     budget = 3 * 80 * per_position
     front = front_for(overrides, loaded, tmp_path, max_bytes=budget)
-    cache = front.engine.prefix_cache
+    cache = front.client.prefix_cache
     prompts = [prompt(loaded, 60, 10 + n) for n in range(8)]
     for ids in prompts:
         run(collect(front, ids, 4))
@@ -151,7 +151,7 @@ def test_a_disk_read_never_holds_up_the_running_rows(models, run, tmp_path, monk
     long_prompt, reused = prompt(loaded, 20, 20), prompt(loaded, 70, 21)
     writer = front_for(overrides, loaded, tmp_path)
     run(collect(writer, reused, 2))
-    assert writer.engine.prefix_cache.flush(30)
+    assert writer.client.prefix_cache.flush(30)
     run(writer.aclose())
 
     reading, release = threading.Event(), threading.Event()
@@ -164,7 +164,7 @@ def test_a_disk_read_never_holds_up_the_running_rows(models, run, tmp_path, monk
 
     monkeypatch.setattr(disk_tier.DiskTier, "_read", held)
     front = front_for(overrides, loaded, tmp_path, prefill_chunk=16)
-    engine = front.engine
+    engine = front.client
     extended = [*reused, *prompt(loaded, 7, 22)]
 
     async def both():
@@ -200,7 +200,7 @@ def test_n_choices_of_a_disk_hit_share_its_prefill(models, run, tmp_path):
     ids = prompt(loaded, 50, 30)
     writer = front_for(overrides, loaded, tmp_path)
     run(collect(writer, ids, 2))
-    assert writer.engine.prefix_cache.flush(30)
+    assert writer.client.prefix_cache.flush(30)
     run(writer.aclose())
     front = front_for(overrides, loaded, tmp_path)
     params = [SamplingParams(max_tokens=6, temperature=1.0, seed=s, ignore_eos=True) for s in (1, 2)]
@@ -243,12 +243,12 @@ def test_another_weights_format_or_template_never_reads_the_blocks(models, run, 
     ids = prompt(native, 50, 40)
     writer = front_for(native_overrides, native, tmp_path)
     run(collect(writer, ids, 2))
-    assert writer.engine.prefix_cache.flush(30)
+    assert writer.client.prefix_cache.flush(30)
     run(writer.aclose())
     for overrides, loaded in ((float_overrides, floating), (native_overrides, retemplated)):
         other = front_for(overrides, loaded, tmp_path)
         _, end = run(collect(other, [*ids, 5], 2))
-        assert end.cached_tokens == 0 and other.engine.prefix_cache.stats.hits["disk"] == 0
+        assert end.cached_tokens == 0 and other.client.prefix_cache.stats.hits["disk"] == 0
         run(other.aclose())
     again = front_for(native_overrides, native, tmp_path)
     assert run(collect(again, [*ids, 5], 2))[1].cached_tokens == 48  # the blocks are still there for their model
@@ -262,7 +262,7 @@ def test_damaged_blocks_cost_the_request_nothing_but_their_reuse(models, run, tm
     ids = prompt(loaded, 50, 60)
     writer = front_for(overrides, loaded, tmp_path)
     run(collect(writer, ids, 2))
-    assert writer.engine.prefix_cache.flush(30)
+    assert writer.client.prefix_cache.flush(30)
     run(writer.aclose())
     files = list(tmp_path.rglob("*.safetensors"))
     for path in files:
@@ -271,7 +271,7 @@ def test_damaged_blocks_cost_the_request_nothing_but_their_reuse(models, run, tm
         path.write_bytes(bytes(data))
     front = front_for(overrides, loaded, tmp_path)
     tokens, end = run(collect(front, [*ids, 9]))
-    stats = front.engine.prefix_cache.stats
+    stats = front.client.prefix_cache.stats
     assert end.cached_tokens == 0 and stats.disk_files_removed == 1 and stats.hits["disk"] == 0
     cold = cold_front(overrides, loaded)
     assert tokens == run(collect(cold, [*ids, 9]))[0]
@@ -285,7 +285,7 @@ def test_disabled_stores_nothing_anywhere(models, run, tmp_path):
     ids = prompt(loaded, 40, 50)
     run(collect(front, ids, 3))
     _, end = run(collect(front, [*ids, 4], 3))
-    assert end.cached_tokens == 0 and len(front.engine.prefix_cache) == 0
+    assert end.cached_tokens == 0 and len(front.client.prefix_cache) == 0
     assert not list(tmp_path.rglob("*.safetensors"))
     run(front.aclose())
 

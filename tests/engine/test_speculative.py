@@ -66,14 +66,14 @@ def front_for(loaded, method: str = "none", **settings) -> EngineFront:
 def plain(loaded_model, loop):
     front = front_for(loaded_model)
     yield front
-    loop.run_until_complete(front.engine.aclose())
+    loop.run_until_complete(front.client.aclose())
 
 
 @pytest.fixture(scope="module")
 def ngram(loaded_model, loop):
     front = front_for(loaded_model, "ngram")
     yield front
-    loop.run_until_complete(front.engine.aclose())
+    loop.run_until_complete(front.client.aclose())
 
 
 @pytest.fixture
@@ -107,7 +107,7 @@ def tokenizer(loaded_model):
 
 class TestSameOutputAsWithout:
     def test_greedy_copying_takes_drafts_and_changes_nothing(self, both, ngram, tokenizer):
-        spec = ngram.engine.speculation
+        spec = ngram.client.speculation
         before, steps_before = spec.accepted, len(spec.drafts)
         (tokens, end, _), (spec_tokens, spec_end, _) = both([greedy(tokenizer, COPY, max_tokens=120)])
         assert spec_tokens == tokens and ending(spec_end) == ending(end)
@@ -199,7 +199,7 @@ class TestBatched:
                 await asyncio.sleep(0.05)
             return [tokens for tokens, _, _ in await asyncio.gather(*tasks)]
 
-        spec = ngram.engine.speculation
+        spec = ngram.client.speculation
         spec.drafts.clear()
         assert run(together()) == solo
         mixed = [lengths for lengths in spec.drafts if len(lengths) >= 2 and len(set(lengths)) > 1]
@@ -208,13 +208,13 @@ class TestBatched:
     def test_a_prefix_cache_hit_after_speculation(self, ngram, plain, run, tokenizer):
         """A row's cache given back after speculative steps holds exactly its tokens: the next turn reuses it."""
         first = chat_ids(tokenizer, COPY)
-        ngram.engine.prefix_cache.clear()
+        ngram.client.prefix_cache.clear()
         tokens, _, _ = run(collect(ngram, [GenerationJob(first, SamplingParams(max_tokens=80, temperature=0.0))]))
         follow = first + tuple(tokens[0]) + tuple(tokenizer("\nAnd again?", add_special_tokens=False).input_ids)
         job = GenerationJob(follow, SamplingParams(max_tokens=40, temperature=0.0))
         again, end, _ = run(collect(ngram, [job]))
         assert end[0].cached_tokens >= len(first) + len(tokens[0]) - 1
-        plain.engine.prefix_cache.clear()
+        plain.client.prefix_cache.clear()
         assert again == run(collect(plain, [job]))[0]
 
 
@@ -231,9 +231,9 @@ class TestFloatWeights:
             return [tokens for tokens, _, _ in await asyncio.gather(*tasks)]
 
         assert run(together()) == solo
-        assert spec.engine.speculation.accepted > 10
-        run(plain.engine.aclose())
-        run(spec.engine.aclose())
+        assert spec.client.speculation.accepted > 10
+        run(plain.client.aclose())
+        run(spec.client.aclose())
 
 
 class RaisingGrammar:

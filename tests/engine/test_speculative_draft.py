@@ -46,7 +46,7 @@ def fronts(loaded, draft):
 
 def test_the_draft_runs_natively_and_changes_nothing(loaded_model, draft, run):
     plain, spec = fronts(loaded_model, draft)
-    speculation = spec.engine.speculation
+    speculation = spec.client.speculation
     drafter = speculation.drafter
     assert isinstance(drafter, DraftModelDrafter) and isinstance(drafter.forward, NativeForward)
     # 8 of 30 layers, but the output layer too: half the bytes of a main step per guess
@@ -76,8 +76,8 @@ def test_the_draft_runs_natively_and_changes_nothing(loaded_model, draft, run):
     # the draft batch follows the main one: every row left it
     run(collect(spec, [jobs[2]]))
     assert len(drafter._rows) <= 1
-    run(plain.engine.aclose())
-    run(spec.engine.aclose())
+    run(plain.client.aclose())
+    run(spec.client.aclose())
 
 
 def test_a_draft_with_another_tokenizer_is_refused(loaded_model, tmp_path):

@@ -92,8 +92,8 @@ def test_greedy_rows_alone_and_together_equal_none_and_generate(loaded, run):
         return [tokens[0] for tokens in await asyncio.gather(*tasks)]
 
     assert run(together()) == solo
-    run(plain.engine.aclose())
-    run(spec.engine.aclose())
+    run(plain.client.aclose())
+    run(spec.client.aclose())
 
 
 class OracleDrafter:
@@ -121,15 +121,15 @@ def test_rejected_drafts_give_the_row_its_state_back(loaded, run):
     plain, spec = front_for(loaded, "none"), front_for(loaded, "ngram")
     jobs = [greedy(repetitive_prompt(loaded, seed), n) for seed, n in ((7, 30), (8, 22))]
     solo = [run(collect(plain, [job]))[0] for job in jobs]
-    speculation = spec.engine.speculation
+    speculation = spec.client.speculation
     speculation.drafter = OracleDrafter(
         {job.prompt_ids: answer for job, answer in zip(jobs, solo)}, len(loaded.tokenizer)
     )
     assert run(collect(spec, jobs)) == {0: solo[0], 1: solo[1]}
     assert speculation.accepted > 0, "no draft was accepted"
     assert speculation.drafted > speculation.accepted, "no draft was rejected (nothing rolled back)"
-    run(plain.engine.aclose())
-    run(spec.engine.aclose())
+    run(plain.client.aclose())
+    run(spec.client.aclose())
 
 
 def test_seeded_choices_equal_none(loaded, run):
@@ -137,8 +137,8 @@ def test_seeded_choices_equal_none(loaded, run):
     ids = repetitive_prompt(loaded, 4)
     jobs = [GenerationJob(ids, SamplingParams(max_tokens=24, temperature=0.7, seed=s, ignore_eos=True)) for s in (1, 2)]
     assert run(collect(spec, jobs)) == run(collect(plain, jobs))
-    run(plain.engine.aclose())
-    run(spec.engine.aclose())
+    run(plain.client.aclose())
+    run(spec.client.aclose())
 
 
 def test_a_conversation_reuses_the_state_a_speculating_row_left(loaded, run):
@@ -150,4 +150,4 @@ def test_a_conversation_reuses_the_state_a_speculating_row_left(loaded, run):
     second = (*first, *answer, *repetitive_prompt(loaded, 6)[:7])
     stream_tokens = run(collect(spec, [greedy(second, 12)]))[0]
     assert stream_tokens == generate(loaded, second, 12)
-    run(spec.engine.aclose())
+    run(spec.client.aclose())

@@ -130,7 +130,7 @@ class Reference:
 
 def test_mtp_guesses_are_the_formulas_and_change_nothing(loaded, folder, run):
     plain, spec = front_for(loaded, "none"), front_for(loaded, "mtp")
-    drafter = spec.engine.speculation.drafter
+    drafter = spec.client.speculation.drafter
     assert isinstance(drafter, MtpDrafter)
     seen: list[tuple[list[int], list[int]]] = []
     propose = drafter.propose
@@ -143,7 +143,7 @@ def test_mtp_guesses_are_the_formulas_and_change_nothing(loaded, folder, run):
     drafter.propose = spy
     # On a tiny model the MTP layer and its output layer are most of a pass's bytes: the planner's price of a
     # guess would stop it guessing. This test checks what guessing does, so guesses are made cheap.
-    spec.engine.speculation.planner.token_cost = 0.05
+    spec.client.speculation.planner.token_cost = 0.05
     (a, b, c) = [prompt(loaded, n, seed) for n, seed in PROMPTS]
     jobs = [
         GenerationJob(a, SamplingParams(max_tokens=30, temperature=0.0, ignore_eos=True)),
@@ -159,15 +159,15 @@ def test_mtp_guesses_are_the_formulas_and_change_nothing(loaded, folder, run):
             await asyncio.sleep(0.02)
         return [tokens[0] for tokens in await asyncio.gather(*tasks)]
 
-    speculation = spec.engine.speculation
+    speculation = spec.client.speculation
     assert run(together()) == solo
     assert len(seen) > 10 and speculation.accepted > 20 and speculation.accepted < speculation.drafted
     reference = Reference(loaded, folder)
     with torch.inference_mode():
         for context, draft in seen[::3]:
             assert draft == reference.guesses(context, len(draft))
-    run(plain.engine.aclose())
-    run(spec.engine.aclose())
+    run(plain.client.aclose())
+    run(spec.client.aclose())
 
 
 def test_a_checkpoint_without_mtp_weights_is_refused(tmp_path):

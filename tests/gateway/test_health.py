@@ -100,7 +100,7 @@ def test_an_unreachable_upstream_is_noticed_by_the_probe(bundle):
     async def scenario():
         assert (await front.readiness()).ready
         upstream.fake.refuse = 10**9  # new connections refused, as when the process is gone ...
-        front.engine.pool.close()  # ... and the kept-alive ones with it
+        front.client.pool.close()  # ... and the kept-alive ones with it
         await asyncio.sleep(health_module.PROBE_EVERY_S * 2.5)
         state = await front.readiness()
         assert not state.ready and "unreachable" in state.detail

@@ -212,7 +212,7 @@ class TestSpareConnections:
     def test_each_request_finds_a_connection_opened_ahead(self, bundle, ids):
         fake = Fake(lambda b, p: Closing(llama_events(ids), tail=b""))
         front = make_front(LlamaServerAdapter, bundle, fake, spare_connections=1)
-        engine = front.engine
+        engine = front.client
         opened_before_each: list[int] = []
 
         async def scenario():
@@ -274,7 +274,7 @@ class TestSpareConnections:
 
         fake = Fake(lambda b, p: ScriptedBody(llama_events(ids), delay=0.01, tail=b""))
         front = make_front(LlamaServerAdapter, bundle, fake)
-        engine = front.engine
+        engine = front.client
 
         async def scenario():
             await collect(front, job(max_tokens=len(ids)))  # leaves a keep-alive connection idle
@@ -301,7 +301,7 @@ class TestSpareConnections:
 
         fake = Fake(lambda b, p: ScriptedBody(llama_events(ids), delay=0.01, tail=b""))
         front = make_front(LlamaServerAdapter, bundle, fake)
-        engine = front.engine
+        engine = front.client
 
         async def scenario():
             await collect(front, job(max_tokens=len(ids)))

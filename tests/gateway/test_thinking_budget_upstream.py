@@ -180,7 +180,7 @@ class TestVllm:
             False,
             False,
         ]
-        assert front.engine.adapter.native_budget is False  # later requests go without it at once
+        assert front.client.adapter.native_budget is False  # later requests go without it at once
 
 
 def test_llama_server_gets_its_own_budget_fields(k2):

@@ -54,7 +54,7 @@ class TestResponseFormatValidation:
         assert response.status_code == 200, response.text
 
     def test_an_engine_without_constrained_decoding_refuses_instead_of_ignoring(self, client, services, monkeypatch):
-        monkeypatch.setattr(services.ctx.engine, "engine", _NoGrammar(services.ctx.engine.engine))
+        monkeypatch.setattr(services.ctx.engine, "client", _NoGrammar(services.ctx.engine.client))
         response = client.post(
             CHAT, json={"messages": user(), "response_format": {"type": "json_object"}, "max_tokens": 1}
         )
