@@ -46,6 +46,8 @@ def test_small_requests_do_not_wait_behind_huge_prompts(app):
 
     (small, small_s), bulk = asyncio.run(scenario())
     assert small.status_code == 200, small.text
+    # Generous: the small request tokenizes in milliseconds, while each huge prompt takes seconds to tokenize, so
+    # waiting behind even one of them would pass this bound.
     assert small_s < 2.0
     statuses = [response.status_code for response, _ in bulk]
     # Over the lane's bound, or past the deadline, 429; a prompt that got through is over the context. (How many

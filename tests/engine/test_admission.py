@@ -125,7 +125,8 @@ class TestAdmission:
             return time.monotonic() - started, admission.waiting
 
         waited, waiting = run(scenario())
-        assert waited < 1 and waiting == 0
+        # Generous: the deadline was 0.05 s away and the queue's own timeout 30 s; 10 s tells which one ended the wait.
+        assert waited < 10 and waiting == 0
 
 
 class TestLongPrefills:

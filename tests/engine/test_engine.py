@@ -116,11 +116,13 @@ class TestEngine:
             async for _event in stream:
                 break  # the consumer leaves after the first event
             started = time.perf_counter()
-            await asyncio.wait_for(engine.admission.acquire(), timeout=2)
+            await asyncio.wait_for(engine.admission.acquire(), timeout=30)
             engine.admission.release()
             return time.perf_counter() - started
 
-        assert run(scenario()) < 1.0
+        # Generous: freed at the next token is milliseconds; the 4000 tokens the job had left take minutes on the
+        # CPU, so 10 s tells the two apart even on a loaded machine.
+        assert run(scenario()) < 10
 
     def test_n_choices_arrive_in_order(self, engine, generate, run):
         jobs = [

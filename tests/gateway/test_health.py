@@ -63,10 +63,9 @@ def test_health_follows_generations_at_once(bundle):
         failed = await collect(front, JOB)
         assert failed.start_error is not None and failed.start_error.status == 503
         probes = upstream.probes
-        down, took = await timed(front.readiness)
-        # Known from the failed generation itself: no probe, no wait, no second of stale "ok".
+        down = await front.readiness()
+        # Known from the failed generation itself: no probe sent (so no probe's timeout waited for), no stale "ok".
         assert not down.ready and "503" in down.detail and upstream.probes == probes
-        assert took < 0.5  # no probe's timeout waited for (generous: the suite shares two cores)
         upstream.state = "up"
         assert (await collect(front, JOB)).finished is not None
         assert (await front.readiness()).ready
@@ -121,7 +120,9 @@ def test_a_hung_upstream_never_makes_the_health_answer_wait(bundle):
             _, took = await timed(front.readiness)
             slowest = max(slowest, took)
             await asyncio.sleep(0.1)
-        assert slowest < 0.05
+        # Generous: an answer from the kept state takes microseconds; one that waited for the hung probe would take
+        # its 1 s connect timeout, so half of that tells the two apart on a loaded machine.
+        assert slowest < 0.5
         state = await front.readiness()
         assert not state.ready and "did not answer" in state.detail
         await front.aclose()

@@ -88,7 +88,9 @@ class TestLimits:
         started = time.perf_counter()
         with pytest.raises(TooComplex, match=says):
             check_limits(json_schema(schema))
-        assert time.perf_counter() - started < 0.5
+        # Generous: the limits walk the schema in milliseconds, while xgrammar takes minutes on these shapes; 10 s
+        # leaves room for a loaded two-core machine and still fails if a compile had started.
+        assert time.perf_counter() - started < 10
 
     def test_real_schemas_pass(self):
         check_limits(json_schema(prop({"type": "string", "pattern": r"^\d{3}-\d{4}$", "maxLength": 100000})))
