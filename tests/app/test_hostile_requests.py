@@ -63,7 +63,11 @@ class TestBodyDecoding:
 
     def test_smallest_allowed_repetition_penalty_samples(self, client):
         body = {"prompt": "Hello", "repetition_penalty": 0.01, "temperature": 1.0, "seed": 1, "max_tokens": 2}
-        assert client.post(COMPLETIONS, json=body).status_code == 200
+        response = client.post(COMPLETIONS, json=body)
+        assert response.status_code == 200, response.text
+        assert response.json()["usage"]["completion_tokens"] == 2 and response.json()["choices"][0]["text"], (
+            response.text
+        )
 
     def test_body_schema_is_published(self, client):
         schema = client.get("/schema/openapi.json").json()
@@ -102,6 +106,8 @@ class TestRequestTemplates:
         body = {"messages": user(), "max_tokens": 1, "chat_template_kwargs": {"chat_template": template}}
         started = time.monotonic()
         assert_openai_error(trusting_client.post(CHAT, json=body), 400, "chat_template")
+        # Generous: the render budget is 0.5 s; ten times it allows for a loaded machine, while a render left to run
+        # (99999 loops of output) would take minutes.
         assert time.monotonic() - started < 5
         # The prompt thread is free again: a normal request is served.
         assert trusting_client.post(COMPLETIONS, json={"prompt": "Hi", "max_tokens": 1}).status_code == 200
@@ -117,8 +123,10 @@ class TestRequestTemplates:
         thread = threading.Thread(target=lambda: statuses.append(trusting_client.post(CHAT, json=body).status_code))
         thread.start()
         time.sleep(0.1)  # the burn is rendering
-        started = time.monotonic()
-        assert trusting_client.get("/v1/models").status_code == 200
-        answered_in = time.monotonic() - started
+        models = trusting_client.get("/v1/models")
+        # Event order: /v1/models was answered while the burn still rendered (it has no answer yet). On the event
+        # loop, the burn would hold every other request until its budget cut it, and answer first.
+        burn_still_running = statuses == []
         thread.join(10)
-        assert statuses == [400] and answered_in < 0.3, answered_in
+        assert models.status_code == 200 and [m["id"] for m in models.json()["data"]], models.text
+        assert burn_still_running and statuses == [400], statuses

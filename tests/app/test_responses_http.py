@@ -116,7 +116,12 @@ class TestToolsAndRefusals:
             assert_openai_error(response, 400, param)
 
     def test_reasoning_effort_none_is_served_on_a_model_that_does_not_reason(self, client):
-        assert client.post(RESPONSES, json=ask(reasoning={"effort": "none", "summary": "auto"})).status_code == 200
+        response = client.post(RESPONSES, json=ask(reasoning={"effort": "none", "summary": "auto"}))
+        assert response.status_code == 200, response.text
+        body = response.json()
+        # answered, with no reasoning item (there is none to summarize)
+        assert [item["type"] for item in body["output"]] == ["message"], body
+        assert body["output"][0]["content"][0]["text"] and body["usage"]["output_tokens"] == 2, body
 
 
 def test_output_text_logprobs_when_included(client):

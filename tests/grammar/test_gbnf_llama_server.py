@@ -84,6 +84,7 @@ def test_every_family_grammar_is_accepted(llama, family, mode, reasoning, with_t
     grammar = structural_tag_to_gbnf(tag, special_tokens(family) if with_token_ids else None)
     response = complete(llama, grammar, "Hi", 1)
     assert response.status_code == 200, response.text
+    assert len(response.json()["tokens"]) == 1, response.text  # the grammar was read and constrained one token
 
 
 @pytest.mark.parametrize("family", ["kimi_k3", "glm47"])
@@ -113,6 +114,9 @@ def test_a_large_toolset_is_accepted_and_answers_quickly(llama, family):
     started = time.monotonic()
     response = complete(llama, grammar, "Hi", 1)
     assert response.status_code == 200, response.text
+    assert len(response.json()["tokens"]) == 1, response.text  # the one constrained token asked for
+    # Generous (one token comes back within seconds): a grammar that blew up per string argument would not
+    # answer within a minute.
     assert time.monotonic() - started < 60
 
 

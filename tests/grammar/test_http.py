@@ -52,6 +52,8 @@ class TestResponseFormatValidation:
     def test_text_is_plain_generation(self, client):
         response = client.post(CHAT, json={"messages": user(), "response_format": {"type": "text"}, "max_tokens": 1})
         assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        assert choice["finish_reason"] == "length" and response.json()["usage"]["completion_tokens"] == 1, choice
 
     def test_an_engine_without_constrained_decoding_refuses_instead_of_ignoring(self, client, services, monkeypatch):
         monkeypatch.setattr(services.ctx.engine, "client", _NoGrammar(services.ctx.engine.client))
@@ -91,6 +93,9 @@ class TestTools:
             CHAT, json={"messages": user(), "tools": [WEATHER], "tool_choice": "none", "max_tokens": 1}
         )
         assert response.status_code == 200, response.text
+        choice = response.json()["choices"][0]
+        # one token of plain text: no tool call was forced or parsed out of it
+        assert choice["finish_reason"] == "length" and not choice["message"].get("tool_calls"), choice
 
 
 class TestUnservedRoutes:
