@@ -1,8 +1,9 @@
-"""What tests and benchmarks need to run the real server: the config `python -m deltafin` would serve, a free
-loopback port, and `LiveServer`, the server as a real process.
+"""Deltafin's public testing API (docs/testing-api.md), shipped in the wheel: what tests and benchmarks need to run
+the real server: the config `python -m deltafin` would serve, a free loopback port, and `LiveServer`, the server
+as a real process. Its modules add the other servers (llama-server, vLLM), upstream fakes and test GGUF files.
 
-It lives in the package, not under tests/, so bench/ can use it without the test suite (it needs the `test` or
-`bench` extra: httpx).
+It lives in the package, not under tests/, so bench/ and projects built on Deltafin can use it without the test
+suite (it needs the `test` or `bench` extra: httpx).
 It sits on the top floor beside the entry point (tests/test_layers.py): it starts the entry point as a process
 and composes config through it, and nothing in the server imports it.
 """
