@@ -4,6 +4,11 @@ cap below the model's size.
 
     .venv/bin/python bench/experts.py                  # everything (generates the model and its GGUF once)
     .venv/bin/python bench/experts.py --only pool      # a subset: bandwidth pool int8 resident accelerate llama capped
+    .venv/bin/python bench/experts.py --only bandwidth published published-capped   # the published formats
+    # the published formats' targets alone, holding the bench lock for the whole run (not per variant):
+    flock /tmp/deltafin-bench.lock env DELTAFIN_BENCH_LOCK_HELD=1 .venv/bin/python bench/experts.py \
+        --only published-capped --variants "pool 1/8 prefetch" "bf16 pool 576MiB" "mxfp4 pool 576MiB" \
+        "int4 pool 576MiB" "fp8 pool 576MiB"
     .venv/bin/python bench/experts.py --cleanup        # delete the generated model, GGUF and offload folder
 
 The model: Qwen3-MoE (the real transformers class; llama.cpp's converter reads it too), 8 layers of 64 experts
@@ -35,6 +40,14 @@ experts, repeat every step, an easy 90% hit rate that real text does not give. T
   that file's O_DIRECT read bandwidth, capped or not.
 - "from disk": /proc/self/io read_bytes per token, what the block layer read for the process (page-cache hits
   are not in it): what a variant really takes from the disk, whatever it asked for.
+- published (`--only published published-capped`): the same model (the same float32 weights) written as a
+  bfloat16 checkpoint and in the published quantized formats (`deltafin.tiny.quantized`: compressed-tensors
+  MXFP4 and int4 routed experts, as Kimi K3 and K2-Thinking ship theirs; FP8 blocks on every Linear, as K2-Instruct),
+  each served in its own form: pools of the same MiB as the float32 1/8 pool (576 MiB: a quarter of the
+  bfloat16 experts, ~90% of the MXFP4 ones), and MXFP4 / int4 pools of an eighth of the experts (the I/O-heavy
+  case), beside the float32 pool and the int8 copy of the same run. Packed pools read misses from the copy of
+  their experts in the slots' records with O_DIRECT (written by their first run): their I/O bound is that file's
+  O_DIRECT read bandwidth; the bfloat16 pool reads its checkpoint (cold bound capped, warm uncapped).
 """
 
 from __future__ import annotations
@@ -57,6 +70,13 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 WORK = Path(os.environ.get("DELTAFIN_BENCH_DIR", "/tmp/deltafin-bench-experts"))
 MODEL = WORK / "qwen3-moe-4.8g-uniform"
+#: the same model in other checkpoint formats: name -> (format for deltafin.tiny.quantized, its modules)
+PUBLISHED = {
+    "bf16": (None, "experts"),
+    "mxfp4": ("mxfp4", "experts"),
+    "int4": ("int4", "experts"),
+    "fp8": ("fp8", "linear"),
+}
 GGUF = WORK / "qwen3-moe-4.8g-uniform-f32.gguf"
 OFFLOAD = WORK / "offload"
 #: model.cache_dir of every variant: the int8 copy of the experts (placement.quantize=int8) is written here
@@ -75,6 +95,9 @@ def shape():
 
 @contextlib.contextmanager
 def bench_lock():
+    if os.environ.get("DELTAFIN_BENCH_LOCK_HELD"):  # the caller holds it for the whole run (flock LOCK command)
+        yield
+        return
     with open(LOCK, "w") as handle:
         fcntl.flock(handle, fcntl.LOCK_EX)
         try:
@@ -130,22 +153,49 @@ def read_bandwidth(limit: int = 3 << 30) -> dict[str, float]:
 
 
 def direct_read_bandwidth() -> dict[str, float]:
-    """Sequential O_DIRECT read of the int8 copy of the experts (what the int8 pool reads, bypassing the page
-    cache), one thread, 8 MiB reads into page-aligned memory; {} before a run has written the copy."""
+    """Sequential O_DIRECT read of each copy of the experts in slot records (what the int8 and packed pools
+    read, bypassing the page cache), one thread, 8 MiB reads into page-aligned memory, up to 2 GiB of each:
+    `direct_{kind}_bytes_per_s` (int8 also as `direct_bytes_per_s`); {} before a run has written one."""
     import mmap
 
-    copies = sorted((CACHE / "experts").glob("*.bin"))
-    if not copies:
-        return {}
+    out = {}
     buffer = mmap.mmap(-1, 8 * MIB)  # page-aligned, as O_DIRECT wants
-    fd = os.open(copies[0], os.O_RDONLY | os.O_DIRECT)
-    done, started = 0, time.perf_counter()
-    try:
-        while got := os.preadv(fd, [buffer], done):
-            done += got
-    finally:
-        os.close(fd)
-    return {"direct_bytes_per_s": done / (time.perf_counter() - started)}
+    for copy in sorted((CACHE / "experts").glob("*.bin")):
+        kind = copy.name.rsplit("-", 2)[-2]
+        fd = os.open(copy, os.O_RDONLY | os.O_DIRECT)
+        done, started = 0, time.perf_counter()
+        try:
+            while done < (2 << 30) and (got := os.preadv(fd, [buffer], done)):
+                done += got
+        finally:
+            os.close(fd)
+        out[f"direct_{kind}_bytes_per_s"] = done / (time.perf_counter() - started)
+    if "direct_int8_bytes_per_s" in out:
+        out["direct_bytes_per_s"] = out["direct_int8_bytes_per_s"]
+    return out
+
+
+def published_model(name: str) -> Path:
+    return WORK / f"{MODEL.name}-{name}"
+
+
+def ensure_published() -> None:
+    """The bench model as a bfloat16 checkpoint and in each published format (written once, from float32)."""
+    import torch
+
+    from deltafin.tiny.quantized import quantize_folder
+
+    for name, (fmt, modules) in PUBLISHED.items():
+        target = published_model(name)
+        if (target / "config.json").exists():
+            continue
+        print(f"writing {target} ...", flush=True)
+        started = time.perf_counter()
+        staging = target.with_name(target.name + ".part")
+        shutil.rmtree(staging, ignore_errors=True)
+        quantize_folder(MODEL, staging, fmt, modules, cast=torch.bfloat16 if fmt is None else None)
+        staging.rename(target)
+        print(f"written in {time.perf_counter() - started:.0f} s", flush=True)
 
 
 # --- one variant, in its own process -------------------------------------------------------------------------
@@ -160,8 +210,9 @@ def child(spec: dict) -> dict:
     from deltafin.protocol.sampling import SamplingParams
     from deltafin.testing import compose_config
 
+    model = spec.get("model", str(MODEL))
     config = compose_config(
-        ["model=qwen3", f"model.path={MODEL}", "model.name=moe", f"model.cache_dir={CACHE}", *spec["overrides"]]
+        ["model=qwen3", f"model.path={model}", "model.name=moe", f"model.cache_dir={CACHE}", *spec["overrides"]]
     )
     threads = config.placement.num_threads or torch.get_num_threads()
     torch.set_num_threads(1)  # as engine.local.build.build_local_engine: only the engine thread runs torch's team
@@ -294,10 +345,17 @@ def model_files() -> list[Path]:
     dropping these, a capped offload run reads its weights from pages an earlier run left in the cache: a
     cgroup v1 cap does not charge pages another group brought in) and the GGUF."""
     extra = [*sorted(OFFLOAD.glob("*")), *sorted((CACHE / "experts").glob("*.bin")), GGUF]
+    for name in PUBLISHED:
+        extra += sorted(published_model(name).glob("*.safetensors"))
     return checkpoint_files() + [path for path in extra if path.is_file()]
 
 
+#: overrides every variant gets (--threads: placement.num_threads)
+COMMON_OVERRIDES: list[str] = []
+
+
 def run_child(spec: dict, cap: MemoryCap | None = None) -> dict:
+    spec = {**spec, "overrides": [*spec["overrides"], *COMMON_OVERRIDES]}
     drop_page_cache(model_files())
     cmd = [sys.executable, __file__, "--child", json.dumps(spec)]
     print(f"-- {spec['name']}: {' '.join(spec['overrides'])}", flush=True)
@@ -340,6 +398,56 @@ def pool_spec(fraction: float, *, prefetch: bool, tokens: int, reps: int, int8: 
             *(["placement.quantize=int8"] if int8 else []),
         ],
     }
+
+
+def published_spec(name: str, pool: str, *, tokens: int, reps: int, prefix: str = "", prefetch: bool = True) -> dict:
+    """The model as `name` (PUBLISHED), its experts pooled in `pool`: "576MiB" (the float32 1/8 pool's MiB),
+    "1/8" (an eighth of the experts, in that format's records), or "resident" (every expert, no pool)."""
+    from deltafin.engine.experts.records import PackedLayout
+    from deltafin.engine.quant.formats import PackedModule
+
+    s = shape()
+    if pool == "576MiB":
+        pool_mb = int(pool_spec(1 / 8, prefetch=True, tokens=0, reps=0)["overrides"][0].split("=")[1])
+    elif pool == "1/8":
+        fmt = PUBLISHED[name][0]
+        spec = PackedModule("m", fmt, s.intermediate, s.hidden, {}, "BF16" if fmt == "int4" else "U8", 32)
+        layout = PackedLayout(spec, (2 * s.intermediate, s.hidden), (s.hidden, s.intermediate))
+        pool_mb = -(-s.layers * s.experts * layout.stride // 8 // MIB)
+    else:
+        pool_mb = 0
+    return {
+        "name": f"{prefix}{name} {'resident' if pool == 'resident' else 'pool ' + pool}"
+        + ("" if prefetch or pool == "resident" else " no prefetch"),
+        "model": str(published_model(name)),
+        "tokens": tokens,
+        "reps": reps,
+        "overrides": [
+            f"placement.experts.pool_mb={pool_mb}",
+            f"placement.experts.prefetch={str(prefetch).lower()}",
+            # the bfloat16 pool: bfloat16 slots (twice float32's experts in the same MiB), bfloat16 compute
+            *(["placement.dtype=bfloat16"] if name == "bf16" else []),
+        ],
+    }
+
+
+def published_runs(tokens: int, reps: int, cap: MemoryCap | None, variants: list[str] | None) -> list[dict]:
+    """`variants`: only these (names without the "capped " prefix); None: all."""
+    prefix = "capped " if cap else ""
+    specs = [
+        pool_spec(1 / 8, prefetch=True, tokens=tokens, reps=reps, prefix=prefix),
+        pool_spec(1 / 8, prefetch=True, tokens=tokens, reps=reps, int8=True, prefix=prefix),
+        *(published_spec(name, "576MiB", tokens=tokens, reps=reps, prefix=prefix) for name in PUBLISHED),
+        published_spec("bf16", "576MiB", tokens=tokens, reps=reps, prefix=prefix, prefetch=False),
+        published_spec("mxfp4", "1/8", tokens=tokens, reps=reps, prefix=prefix),
+        published_spec("int4", "1/8", tokens=tokens, reps=reps, prefix=prefix),
+        published_spec("mxfp4", "1/8", tokens=tokens, reps=reps, prefix=prefix, prefetch=False),
+        published_spec("mxfp4", "resident", tokens=tokens, reps=reps, prefix=prefix),
+        published_spec("int4", "resident", tokens=tokens, reps=reps, prefix=prefix),
+    ]
+    if variants is not None:
+        specs = [spec for spec in specs if spec["name"].removeprefix(prefix) in variants]
+    return [run_child(spec, cap) for spec in specs]
 
 
 def offload_spec(tokens: int) -> dict:
@@ -474,9 +582,24 @@ def main() -> None:
     )
     parser.add_argument("--cap-gib", type=float, default=2.0, help="memory cap of the capped runs (model: 4.9 GB)")
     parser.add_argument(
-        "--only", nargs="+", default=["bandwidth", "pool", "int8", "resident", "accelerate", "llama", "capped"]
+        "--only",
+        nargs="+",
+        default=["bandwidth", "pool", "int8", "resident", "accelerate", "llama", "capped"],
+        help="also: published published-capped (the model in the published quantized formats)",
     )
     parser.add_argument("--out", type=Path, default=WORK / "results.json")
+    parser.add_argument(
+        "--threads",
+        type=int,
+        default=None,
+        help="placement.num_threads of every variant (1 on a shared machine: a team of two waits for a busy core)",
+    )
+    parser.add_argument(
+        "--variants",
+        nargs="+",
+        default=None,
+        help='published runs: only these, e.g. "bf16 pool 576MiB" "mxfp4 pool 576MiB" (default: all)',
+    )
     parser.add_argument("--cleanup", action="store_true")
     parser.add_argument("--report", action="store_true", help="print the table of the results file and stop")
     args = parser.parse_args()
@@ -491,6 +614,8 @@ def main() -> None:
         print(f"removed {WORK}")
         return
     WORK.mkdir(parents=True, exist_ok=True)
+    if args.threads:
+        COMMON_OVERRIDES.append(f"placement.num_threads={args.threads}")
     ensure_model()
     results = json.loads(args.out.read_text()) if args.out.exists() else {}
 
@@ -513,6 +638,20 @@ def main() -> None:
         keep(run_child({"name": "resident", "overrides": [], "tokens": t, "reps": r}))
     if "accelerate" in args.only:
         keep(run_child(offload_spec(args.offload_tokens)))
+    if "published" in args.only or "published-capped" in args.only:
+        ensure_published()
+    if "published" in args.only:
+        for result in published_runs(t, r, None, args.variants):
+            keep(result)
+        keep({"name": "bandwidth", **results.get("bandwidth", {}), **direct_read_bandwidth()})
+    if "published-capped" in args.only:
+        cap = MemoryCap(int(args.cap_gib * (1 << 30)))
+        try:
+            for result in published_runs(t, r, cap, args.variants):
+                keep(result)
+        finally:
+            cap.close()
+        keep({"name": "bandwidth", **results.get("bandwidth", {}), **direct_read_bandwidth()})
     if "llama" in args.only or "capped" in args.only:
         ensure_gguf()
     if "llama" in args.only:
@@ -564,9 +703,12 @@ def report(results: dict) -> None:
         if "bytes_per_token" in result:
             per_token = result["bytes_per_token"]
             # the int8 pool reads its copy with O_DIRECT: always the disk, whatever the page cache holds
+            packed = next((f for f in ("mxfp4", "int4", "fp8") if f" {f} " in f" {name} "), None)
             key = (
                 "direct_bytes_per_s"
                 if " int8 " in name
+                else f"direct_{packed}_bytes_per_s"
+                if packed
                 else "cold_bytes_per_s"
                 if name.startswith("capped")
                 else "warm_bytes_per_s"
@@ -577,15 +719,15 @@ def report(results: dict) -> None:
                 f"{per_token / MIB:.0f} MiB",
                 disk_cell,
                 f"{result['wait_s_per_token']:.3f} s",
-                f"{bound:.2f} ({key.split('_')[0]})",
-                f"{result['tokens_per_s'] / bound:.0%}" if bound else "",
+                f"{bound:.2f} ({key.split('_')[0]})" if bound != float("inf") else "",
+                f"{result['tokens_per_s'] / bound:.0%}" if bound and bound != float("inf") else "",
             ]
         else:
             cells += ["", "", disk_cell, "", "", ""]
         anon = result.get("status", {}).get("RssAnon")
         cells.append(f"{anon / MIB:.0f} MiB" if anon else "")
         print("| " + " | ".join(cells) + " |")
-    if band:
+    if "cold_bytes_per_s" in band:  # a run without --only bandwidth has only the copies' O_DIRECT figures
         print(
             f"\nsequential read of the checkpoint: cold {band['cold_bytes_per_s'] / MIB:.0f} MiB/s, "
             f"warm {band['warm_bytes_per_s'] / MIB:.0f} MiB/s; of the int8 copy with O_DIRECT: "
@@ -602,6 +744,12 @@ def report(results: dict) -> None:
             pool = results.get(f"{prefix}{variant}", {}).get("tokens_per_s")
             if offload and pool:
                 print(f"{prefix}{variant} / {prefix}accelerate offload: {pool / offload:.1f}x (target >= 10x)")
+    for prefix in ("", "capped "):
+        bf16 = results.get(f"{prefix}bf16 pool 576MiB", {}).get("tokens_per_s")
+        for name in ("mxfp4", "int4", "fp8"):
+            packed = results.get(f"{prefix}{name} pool 576MiB", {}).get("tokens_per_s")
+            if bf16 and packed:
+                print(f"{prefix}{name} pool 576MiB / {prefix}bf16 pool 576MiB: {packed / bf16:.1f}x (target >= 3x)")
     print(f"load average now: {os.getloadavg()[0]:.1f} (2 cores; figures taken on a busy machine are indicative)")
 
 

@@ -203,8 +203,15 @@ def _check_speculation(config: DeltafinConfig) -> None:
 
 def _check_expert_pool(config: DeltafinConfig) -> None:
     """The pool replaces accelerate's placement of the experts (the two do not combine), and it must hold one
-    step's experts for a full batch: checked against the model's config.json before any weight loads."""
-    from deltafin.engine.weights.loader import ModelLoadError, check_expert_pool
+    step's experts for a full batch: checked against the model's config.json before any weight loads. A
+    published quantized checkpoint's format is checked here too (one the engine does not serve, or a placement
+    that cannot serve it, is a config error naming the field)."""
+    from deltafin.engine.weights.loader import ModelLoadError, check_expert_pool, check_published_format
+
+    try:
+        check_published_format(config.model, config.placement)
+    except ModelLoadError as exc:
+        raise ConfigError(str(exc)) from None
 
     placement = config.placement
     if placement.experts.pool_mb and placement.device_map:

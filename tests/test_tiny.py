@@ -51,6 +51,40 @@ def test_command_line(tmp_path):
     assert (written["family"], written["variant"]) == ("glm", "glm47")
 
 
+def test_command_line_writes_k3_as_published(tmp_path):
+    """K3's released layout with MXFP4 routed experts: the quantization config under text_config, each
+    expert projection as weight_packed (U8) and weight_scale (E8M0 bytes), everything else as it was."""
+    from deltafin.engine.experts.checkpoint import read_header
+
+    out = tmp_path / "k3"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "deltafin.tiny",
+            "--family",
+            "kimi_k3",
+            "--quant",
+            "mxfp4",
+            "--out",
+            str(out),
+        ],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    config = json.loads((out / "config.json").read_text())
+    assert "quantization_config" not in config
+    assert config["text_config"]["quantization_config"]["format"] == "mxfp4-pack-quantized"
+    header = read_header(out / "model.safetensors")
+    expert = "language_model.model.layers.1.block_sparse_moe.experts.3.w1"
+    assert header[f"{expert}.weight_packed"]["dtype"] == header[f"{expert}.weight_scale"]["dtype"] == "U8"
+    assert f"{expert}.weight" not in header
+    assert header["language_model.model.layers.1.self_attn.q_proj.weight"]["dtype"] == "F32"
+
+
 def test_command_line_refuses_an_unknown_variant(tmp_path):
     result = subprocess.run(
         [sys.executable, "-m", "deltafin.tiny", "--family", "glm", "--variant", "glm46", "--out", str(tmp_path / "m")],

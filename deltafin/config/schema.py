@@ -306,10 +306,11 @@ class ExpertsConfig:
     policy: ExpertPolicy = ExpertPolicy.lru  # which expert leaves a full pool (lfru: frequency-weighted recency)
     prefetch: bool = True  # read the next layer's predicted experts while this layer computes
     readers: int = ranged(4, 1, 256)  # threads reading experts from the checkpoint (parallel reads keep a disk busy)
-    # with placement.quantize=int8: write the experts' int8 copy once to model.cache_dir and read misses from it
-    # (a quarter of float32's bytes); false = read the checkpoint and quantize each miss
+    # write the experts once to model.cache_dir as the slots' records and read each miss from there in one read:
+    # placement.quantize=int8's int8 copy (a quarter of float32's bytes), or a published quantized checkpoint's
+    # packed records (lossless, as large as its experts); false = read the checkpoint (int8: quantize each miss)
     quantized_copy: bool = True
-    # read the int8 copy with O_DIRECT (no page-cache copy or page cache; false = through the page cache)
+    # read that copy with O_DIRECT (no page-cache copy or page cache; false = through the page cache)
     direct_io: bool = True
 
 

@@ -46,7 +46,7 @@ TEXT_CONFIG: dict[str, Any] = {
     "num_experts": 8,
     "num_experts_per_token": 2,
     "num_shared_experts": 2,
-    "moe_intermediate_size": 24,
+    "moe_intermediate_size": 32,  # expert widths multiples of 32, as the released MXFP4 experts' groups need
     "routed_scaling_factor": 1.0,
     "first_k_dense_replace": 1,
     "moe_layer_freq": 1,

@@ -277,7 +277,7 @@ class TestGreedyTokens:
             assert on_fill_pool.compute_threads(2) == 1 and on_fill_pool.compute_threads(1) == 1  # a core to copy
             assert copy_pool.compute_threads(2) == (2 if copy_pool.source.direct else 1)
             copy = copy_pool.source
-            assert type(copy).__name__ == "Int8Copy" and copy.path.parent == tmp_path / "experts"
+            assert type(copy).__name__ == "RecordCopy" and copy.path.parent == tmp_path / "experts"
             written = copy.path.stat().st_mtime_ns
             tokens = greedy(from_copy)
             assert torch.equal(tokens, greedy(on_fill))

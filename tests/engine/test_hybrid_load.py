@@ -91,20 +91,40 @@ class TestRefusedAtLoad:
         )
 
     @pytest.mark.parametrize("where", ["text_config", "top level"])
-    def test_the_released_mxfp4_experts(self, k3_folder, tmp_path, where):
-        """The released K3 stores its routed experts as compressed-tensors MXFP4, which Deltafin does not read
-        yet: the quantization_config (in text_config, or only at the wrapper's top level) is refused by name."""
-        mxfp4 = {"quant_method": "compressed-tensors", "format": "mxfp4-pack-quantized"}
+    def test_a_quantization_format_not_served(self, k3_folder, tmp_path, where):
+        """A K3 whose quantization_config (in text_config, or only at the wrapper's top level) names a format
+        Deltafin does not serve in its own form is refused in one line naming the field and its value, before
+        any weight is read (this folder has none)."""
+        nvfp4 = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
 
         def quantized(config):
-            (config["text_config"] if where == "text_config" else config)["quantization_config"] = mxfp4
+            (config["text_config"] if where == "text_config" else config)["quantization_config"] = nvfp4
 
         with pytest.raises(ModelLoadError) as refused:
             load("kimi_k3", with_config(k3_folder, tmp_path / "k3", quantized))
         message = str(refused.value)
         assert "\n" not in message
-        assert message.startswith("model.path: KimiK3ForConditionalGeneration (kimi_k3) cannot run on the local")
-        assert "quantized weights (quantization_config)" in message
+        place = "text_config.quantization_config" if where == "text_config" else "quantization_config"
+        assert message.startswith(f'model.path: config.json {place}.format="nvfp4-pack-quantized"')
+
+    @pytest.mark.parametrize("where", ["text_config", "top level"])
+    def test_the_released_mxfp4_experts_pass_the_own_models_check(self, k3_folder, where):
+        """The released K3's MXFP4 experts (in text_config, or only at the wrapper's top level) are a format
+        Deltafin serves: K3's own class takes the checkpoint (tests/engine/test_published.py serves it), while
+        another format is refused by the own model's check too."""
+        from deltafin.engine.weights import architecture
+        from deltafin.tiny.quantized import quantization_config
+
+        config = json.loads((k3_folder / "config.json").read_text())
+        holder = config["text_config"] if where == "text_config" else config
+        holder["quantization_config"] = quantization_config("mxfp4", "experts")
+        source, problem = architecture.model_source(config)
+        assert problem is None and source is not None and source.name == "Kimi K3"
+        holder["quantization_config"] = {"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized"}
+        assert architecture.model_source(config)[1] == (
+            "it uses quantized weights in a format not served (quantization_config), which Deltafin's Kimi K3 "
+            "does not implement"
+        )
 
     def test_a_multimodal_checkpoint_without_its_language_model_config(self, k3_folder, tmp_path):
         folder = with_config(k3_folder, tmp_path / "k3", lambda config: config.pop("text_config"))

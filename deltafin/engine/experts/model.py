@@ -16,6 +16,9 @@ import torch
 from torch import nn
 
 from deltafin.engine.models import ModelSource
+from deltafin.engine.quant.formats import PublishedFormat
+from deltafin.engine.quant.formats.linear import packed_linear
+from deltafin.engine.quant.formats.tensors import check_shape
 
 
 class NotPoolable(ValueError):
@@ -79,16 +82,29 @@ def model_class(config: Any, folder: Path, trust_remote_code: bool) -> Any:
         raise NotPoolable(f"{type(config).__name__} has no causal-LM class in transformers") from None
 
 
+@dataclass(frozen=True)
+class CheckpointView:
+    """How a folder's weights are read: how its model is built (`ModelSource`: an own class, a multimodal
+    checkpoint's language model under its key renaming; None: transformers' Auto classes on the folder), and the
+    published quantized format they are stored in (None: float)."""
+
+    source: ModelSource | None = None
+    published: PublishedFormat | None = None
+
+
 def meta_model(
     folder: Path, *, dtype: torch.dtype, trust_remote_code: bool, source: ModelSource | None = None
-) -> tuple[Any, Any, Any]:
+) -> tuple[Any, Any, nn.Module]:
     """(config, class, the model built on the meta device: shapes only, no memory). `source`: the config and
-    class to build (None: read from the folder by transformers' Auto classes)."""
+    class to build (None: read from the folder by transformers' Auto classes). The config never carries a
+    quantization config: the weights are read here, never by transformers' quantizers."""
     from transformers import AutoConfig
 
     config = source.config if source is not None and source.config is not None else None
     if config is None:
         config = AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
     cls: Any = source.model_class if source is not None else None
     if cls is None:
         cls = model_class(config, folder, trust_remote_code)
@@ -113,37 +129,63 @@ def model_shape(model: Any, experts: dict[str, Any]) -> ModelShape:
 
 
 def load_dense(
-    folder: Path, *, dtype: torch.dtype, trust_remote_code: bool, source: ModelSource | None = None
-) -> tuple[nn.Module, dict[str, nn.Module], Any, ModelShape]:
+    folder: Path, *, dtype: torch.dtype, trust_remote_code: bool, view: CheckpointView | None = None
+) -> tuple[nn.Module, dict[str, nn.Module], Any, ModelShape | None]:
     """The model with every weight loaded except the routed experts, which hold no memory; its experts
-    modules; the index of where the experts lie in the checkpoint (`checkpoint.ExpertIndex`); its shape.
+    modules; the index of where the experts lie in the checkpoint (`checkpoint.ExpertIndex`); its shape (None:
+    a model without routed experts, possible for a published quantized checkpoint).
 
     transformers' own loader runs (`from_pretrained`, with its renamings and conversions for the dense
-    weights) on a state dict of lazy slices of the dense tensors, plus one zero-stride tensor of the fused
-    shape for each expert parameter: it is accepted as loaded, so nothing allocates or initializes [E, 2I, H]
-    floats; the pool's forward never reads it, and it is then replaced by an empty tensor. `source` as for
-    `meta_model`, its key renaming and ignored prefixes applied to the checkpoint's keys."""
+    weights) on a state dict of lazy slices of the dense float tensors, plus one zero-stride tensor of the
+    fused shape for each expert parameter: it is accepted as loaded, so nothing allocates or initializes
+    [E, 2I, H] floats; the pool's forward never reads it, and it is then replaced by an empty tensor. A
+    quantized dense Linear gets such a placeholder weight too, then becomes the module of its format over its
+    stored tensors (`deltafin.engine.quant.formats.linear`). The view's source as for `meta_model`, its key
+    renaming and ignored prefixes applied to the checkpoint's keys."""
     from safetensors import safe_open
     from transformers import GenerationConfig
 
     from deltafin.engine.experts.checkpoint import build_index
 
+    view = view or CheckpointView()
+    source = view.source
     config, cls, meta = meta_model(folder, dtype=dtype, trust_remote_code=trust_remote_code, source=source)
     meta_experts = experts_modules(meta)
-    shape = model_shape(meta, meta_experts)
+    shape = model_shape(meta, meta_experts) if meta_experts or view.published is None else None
     key_mapping = source.key_mapping if source is not None else None
-    index = build_index(folder, meta, meta_experts, key_mapping=key_mapping, ignored=source.ignored if source else ())
+    index = build_index(
+        folder,
+        meta,
+        meta_experts,
+        key_mapping=key_mapping,
+        ignored=source.ignored if source else (),
+        published=view.published,
+    )
     handles = {path: safe_open(str(path), framework="pt", device="cpu") for path in index.files}
     try:
         located = {}
         for handle in handles.values():
             located.update(dict.fromkeys(handle.keys(), handle))
-        state: dict[str, Any] = {key: located[key].get_slice(key) for key in index.dense_keys}
+
+        def tensor(key: str) -> torch.Tensor:
+            return located[key].get_tensor(key)
+
+        state: dict[str, Any] = {
+            key: located[key].get_slice(key) for key in index.dense_keys
+        }
         for name in index.layers:
             module = meta.get_submodule(name)
             for part in ("gate_up_proj", "down_proj"):
                 state[f"{name}.{part}"] = torch.zeros((), dtype=dtype).expand(getattr(module, part).shape)
+        for name, spec in index.dense_packed.items():
+            state[f"{name}.weight"] = torch.zeros((), dtype=dtype).expand(spec.out_features, spec.in_features)
         model = cls.from_pretrained(None, config=config, state_dict=state, dtype=dtype, key_mapping=key_mapping)
+        for spec, _entry in index.shape_checks:
+            check_shape(spec, tensor(spec.keys["shape"]))
+        for name, spec in index.dense_packed.items():
+            if "shape" in spec.keys:
+                check_shape(spec, tensor(spec.keys["shape"]))
+            _swap(model, name, packed_linear(spec, tensor(spec.keys["codes"]), tensor(spec.keys["scales"])))
     finally:
         for handle in handles.values():
             handle.__exit__(None, None, None)
@@ -154,3 +196,13 @@ def load_dense(
     if (folder / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(folder)
     return model, experts, index, shape
+
+
+def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
+    """Replace the Linear `name` of `model` with `new`, keeping its bias."""
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    old = getattr(parent, child)
+    if getattr(old, "bias", None) is not None:
+        new.bias = nn.Parameter(old.bias.detach().float(), requires_grad=False)
+    setattr(parent, child, new)

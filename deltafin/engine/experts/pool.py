@@ -28,6 +28,7 @@ import torch
 from deltafin.engine.experts.checkpoint import ExpertIndex
 from deltafin.engine.experts.policy import EvictionPolicy
 from deltafin.engine.experts.reader import MISS, PREFETCH, ReadQueue
+from deltafin.engine.experts.routing import combine, run_pairs
 
 log = structlog.get_logger("deltafin.engine")
 
@@ -88,7 +89,7 @@ class ExpertPool:
         self.prefetch = prefetch
         #: routers[layer]: the router of MoE layer `layer` (None: that layer is never prefetched)
         self._routers = list(routers)
-        #: where a miss reads from (`store.CheckpointSource` or `store.Int8Copy`)
+        #: where a miss reads from (`store.CheckpointSource` or `store.RecordCopy`)
         self.source = source
         self._queue = ReadQueue(readers)
         count = slots.count
@@ -166,8 +167,7 @@ class ExpertPool:
                 for slot in slot_of.values():
                     self._pins[slot] -= 1
         assert out is not None
-        # as transformers' grouped_mm: a deterministic sum over each token's k choices
-        return out.view(tokens, k, -1).sum(dim=1).to(hidden.dtype)
+        return combine(out, tokens, k, hidden.dtype)
 
     def _run(
         self,
@@ -182,16 +182,7 @@ class ExpertPool:
         """Compute the (token, choice) pairs routed to the experts in `slot_of` into `out` [T * k, H]."""
         lut = torch.full((self.index.experts,), -1, dtype=torch.long, device=ids.device)
         lut[torch.tensor(list(slot_of), device=ids.device)] = torch.tensor(list(slot_of.values()), device=ids.device)
-        pair_slots = lut[ids]  # [T * k]: the slot of each pair's expert, -1 if not in this group
-        chosen = (pair_slots >= 0).nonzero().squeeze(1)
-        slots_sorted, order = torch.sort(pair_slots[chosen])
-        rows = chosen[order]
-        projected = self.slots.project(module, hidden[rows // k], slots_sorted)  # [n, H]
-        weighted = projected * weights[rows].unsqueeze(-1)
-        if out is None:
-            out = weighted.new_empty((ids.numel(), weighted.shape[-1]))
-        out[rows] = weighted
-        return out
+        return run_pairs(self.slots, module, hidden, ids, weights, k, lut, out)
 
     # Slots.
 

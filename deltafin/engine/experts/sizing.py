@@ -39,9 +39,18 @@ class PoolPlan:
 
 
 def plan_pool(
-    shape: ModelShape, *, pool_mb: int, prefetch: bool, dtype: torch.dtype, quantize: str, max_batch: int
+    shape: ModelShape,
+    *,
+    pool_mb: int,
+    prefetch: bool,
+    dtype: torch.dtype,
+    quantize: str,
+    max_batch: int,
+    slot_bytes: int | None = None,
 ) -> PoolPlan:
-    slot_bytes = slots_class(quantize).slot_bytes(shape.gate_up_shape, shape.down_shape, dtype)
+    """`slot_bytes`: a packed record's size (a published quantized checkpoint), else the slots' of `quantize`."""
+    if slot_bytes is None:
+        slot_bytes = slots_class(quantize).slot_bytes(shape.gate_up_shape, shape.down_shape, dtype)
     total = shape.layers * shape.experts
     slots = min(pool_mb * MIB // slot_bytes, total)  # more slots than experts would never be used
     per_layer = min(shape.experts, max_batch * shape.top_k)

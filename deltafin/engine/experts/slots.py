@@ -5,6 +5,9 @@ matmul covers every slot a layer uses, through transformers' own `_grouped_linea
 experts implementation runs), so a pooled expert's output is the resident one's, bit for bit.
 `Int8Slots` keep int8 weights with one scale per output row (`placement.quantize=int8`, quantized as the expert
 enters its slot), and run each slot's expert with the int8 module of the dense layers.
+`PackedSlots` keep a published quantized checkpoint's experts as stored (int4, MXFP4, FP8 blocks: one record
+per slot, `records.PackedLayout`), filled with the checkpoint's bytes unchanged, and run each slot's expert with
+the packed-weight kernels the dense layers of those checkpoints use (`deltafin.engine.quant.formats.linear`).
 
 `fill` runs on the pool's reader threads; it writes only its own slot, which no step reads until the read
 is done (the pool's futures order the two).
@@ -22,6 +25,9 @@ import torch
 from deltafin.engine.experts import int8
 from deltafin.engine.experts.checkpoint import Piece
 from deltafin.engine.experts.reader import ExpertReader
+from deltafin.engine.experts.records import PackedLayout
+from deltafin.engine.quant.formats import FP8, MXFP4, PackedModule, UnsupportedQuantization
+from deltafin.engine.quant.formats.linear import grouped_matmul
 
 #: bytes a slot's int8 tensors are aligned to (the int8 kernel's vector loads fault on unaligned rows)
 _ALIGN = 64
@@ -76,7 +82,7 @@ class FloatSlots:
 
 class Int8Slots:
     """One slot is one record: int8 gate_up and down with their float32 row scales, each tensor 64-byte aligned,
-    the record page-aligned (`_PAGE`), so the int8 copy of the experts on disk (`store.Int8Copy`), which holds
+    the record page-aligned (`_PAGE`), so the int8 copy of the experts on disk (`store.RecordCopy`), which holds
     the same records, is read into a slot in one direct (O_DIRECT) read, with no copy and no conversion."""
 
     kind = "int8"
@@ -175,6 +181,107 @@ class Int8Slots:
             out[rows] = down(module._apply_gate(gate_up(x[rows])))
             start += count
         return out
+
+
+class PackedSlots:
+    """Slots of packed records (int4, MXFP4 or FP8 experts, as the checkpoint stores them)."""
+
+    def __init__(
+        self,
+        count: int,
+        gate_up_shape: tuple[int, int],
+        down_shape: tuple[int, int],
+        spec: PackedModule,
+        device: torch.device,
+    ) -> None:
+        self.count = count
+        self.layout = PackedLayout(spec, tuple(gate_up_shape), tuple(down_shape))  # type: ignore[arg-type]
+        self.kind = spec.format
+        self.stride = self.layout.stride
+        self.intermediate, self.hidden = gate_up_shape[0] // 2, down_shape[0]
+        # torch.empty: a slot's pages are touched (and counted in the process's memory) when an expert fills it
+        self._memory = torch.empty(count * self.stride + _PAGE, dtype=torch.uint8, device=device)
+        self._base = (-self._memory.data_ptr()) % _PAGE
+        self._views: list[dict[str, torch.Tensor] | None] = [None] * count
+        self._planes = {(plane.part, plane.role): plane for plane in self.layout.planes()}
+
+    def record(self, slot: int) -> torch.Tensor:
+        """The slot's bytes, uint8 [stride] (page-aligned)."""
+        start = self._base + slot * self.stride
+        return self._memory[start : start + self.stride]
+
+    def encode(self, pieces: Sequence[Piece], reader: ExpertReader, record: torch.Tensor) -> None:
+        """Gather an expert's pieces from the checkpoint into `record` (the copy's writer: every scale checked)."""
+        self._read(pieces, reader, record)
+        check_record(self.layout, record, codes=True)
+
+    def _read(self, pieces: Sequence[Piece], reader: ExpertReader, record: torch.Tensor) -> None:
+        for piece in pieces:
+            plane = self._planes[(piece.part, piece.role)]
+            start = plane.offset + piece.rows[0] * plane.row_bytes
+            end = plane.offset + piece.rows[1] * plane.row_bytes
+            if end - start != piece.nbytes:
+                raise ValueError(f"a {piece.part} {piece.role} piece of {piece.nbytes} bytes for {end - start}")
+            reader.read_into(piece, _bytes_of(record[start:end]))
+
+    def fill(self, slot: int, pieces: Sequence[Piece], reader: ExpertReader) -> None:
+        """Read an expert's pieces from the checkpoint straight into its slot's planes (its scales checked)."""
+        self._read(pieces, reader, self.record(slot))
+        check_record(self.layout, self.record(slot), codes=False)
+        self.bind(slot)
+
+    def load(self, slot: int, read: Callable[[memoryview], None]) -> None:
+        """Fill the slot with a record `read` writes (from the copy of the experts on disk)."""
+        read(_bytes_of(self.record(slot)))
+        self.bind(slot)
+
+    def bind(self, slot: int) -> None:
+        self._views[slot] = self.layout.views(self.record(slot))
+
+    def views(self, slot: int) -> dict[str, torch.Tensor]:
+        views = self._views[slot]
+        assert views is not None, "a slot is computed only once filled"
+        return views
+
+    def project(self, module: Any, x: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
+        """x: [n, H] rows sorted by slot_ids [n] -> the experts' outputs [n, H] float32 (before routing weights):
+        one kernel call for every slot's gate_up, the activation over all rows, one for every slot's down."""
+        rows_in = x.float().contiguous()
+        slots, counts = torch.unique_consecutive(slot_ids, return_counts=True)
+        views = [self.views(slot) for slot in slots.tolist()]
+        sizes = counts.tolist()
+        spec = self.layout.spec
+        shared = (self.kind, spec.group, spec.block)
+        gate_up = torch.empty((x.shape[0], 2 * self.intermediate), dtype=torch.float32, device=x.device)
+        grouped_matmul(
+            rows_in,
+            sizes,
+            [(v["codes_gate_up"], v["scales_gate_up"]) for v in views],
+            *shared,
+            self.intermediate,
+            gate_up,
+        )
+        hidden = module._apply_gate(gate_up).contiguous()
+        out = torch.empty((x.shape[0], self.hidden), dtype=torch.float32, device=x.device)
+        grouped_matmul(hidden, sizes, [(v["codes_down"], v["scales_down"]) for v in views], *shared, self.hidden, out)
+        return out.to(x.dtype)
+
+
+def check_record(layout: PackedLayout, record: torch.Tensor, *, codes: bool) -> None:
+    """Refuse values the formats leave undefined: an E8M0 scale byte 255 (NaN in OCP MX), a scale that is not
+    finite, and (with `codes`: a pass over every weight byte, done where an expert is read once, not per miss)
+    an FP8 NaN code."""
+    views = layout.views(record)
+    for name in ("scales_gate_up", "scales_down"):
+        scales = views[name]
+        if layout.format == MXFP4 and bool((scales == 255).any()):
+            raise UnsupportedQuantization(name, 255, "an E8M0 scale byte 255 is NaN in OCP MX")
+        if layout.format != MXFP4 and not bool(torch.isfinite(scales).all()):
+            raise UnsupportedQuantization(name, "nan/inf", "a scale that is not a finite number")
+    if codes and layout.format == FP8:
+        for name in ("codes_gate_up", "codes_down"):
+            if bool(((views[name] & 0x7F) == 0x7F).any()):
+                raise UnsupportedQuantization(name, "0x7F", "an FP8 e4m3fn NaN code in the weights")
 
 
 def slots_class(quantize: str) -> type[FloatSlots] | type[Int8Slots]:

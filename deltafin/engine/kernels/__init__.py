@@ -19,6 +19,9 @@ Libraries:
   and whole Llama forward passes (a batch's decode step, a prefill window). The same bits in every variant (see
   ggml_quants.c).
 - `int8_matvec`: the int8 weight-only kernel of `placement.quantize=int8`.
+- `packed` (`packed_quants.c`): published checkpoints' quantized weights in their stored form (compressed-tensors
+  int4 and MXFP4 codes with their group scales, DeepSeek-V3 FP8 blocks) times float32 activations, and their
+  dequantization. The same bits in every variant (see packed_quants.c).
 """
 
 from __future__ import annotations
@@ -68,6 +71,7 @@ COMMON = ["-O3", "-fopenmp", "-shared", "-fPIC", "-fno-math-errno"]
 LIBRARIES: dict[str, tuple[list[str], list[str]]] = {
     "ggml": (["llama_step.c", "ggml_quants.c"], ["-ffp-contract=off"]),
     "int8_matvec": (["int8_matvec.c"], ["-fassociative-math", "-fno-signed-zeros", "-fno-trapping-math"]),
+    "packed": (["packed_quants.c"], ["-ffp-contract=off"]),
 }
 
 #: (x [M, K] float32, w [N, K] int8, scale [N] float32, bias [N] float32 | None) -> y [M, N] float32
@@ -173,6 +177,24 @@ def ggml() -> ctypes.CDLL | None:
     _int(library.deltafin_kernel_variant, I32, [])
     _int(library.deltafin_llama_forward, I32, [P, P, P, P, P, P, I64, I64, I64, P, P, P, P, P, I64, I32])
     log.info("kernel_variant", variant=variant(), cpu_features=cpu_features())
+    return library
+
+
+@functools.cache
+def packed() -> ctypes.CDLL | None:
+    """The kernels of published quantized formats (int4, MXFP4, FP8 blocks; variant `variant()`), or None."""
+    if not _enabled():
+        return None
+    library = _load("packed", variant())
+    if library is None:
+        return None
+    _int(library.deltafin_packed4_matmul, I32, [P, I64, I64, I64, P, I64, P, I32, I64, I64, I32, I64, P, P, I64, I32])
+    _int(library.deltafin_packed4_dequantize, I32, [P, I64, P, I32, I64, I64, I32, I64, I64, P, I64, P])
+    _int(library.deltafin_fp8_matmul, I32, [P, I64, I64, I64, P, I64, P, I64, I64, I64, I64, I64, P, P, I64, I32])
+    _int(library.deltafin_fp8_dequantize, I32, [P, I64, P, I64, I64, I64, I64, I64, I64, P, I64, P])
+    _int(library.deltafin_packed4_grouped, I32, [I64, P, P, I64, I64, P, I64, P, I32, I64, I64, I32, I64, P, I64, I32])
+    _int(library.deltafin_fp8_grouped, I32, [I64, P, P, I64, I64, P, I64, P, I64, I64, I64, I64, I64, P, I64, I32])
+    _int(library.deltafin_packed_variant, I32, [])
     return library
 
 

@@ -25,7 +25,7 @@ from deltafin.config import ModelConfig, PlacementConfig
 from deltafin.engine.kv.cache_layers import unsupported_layers
 from deltafin.engine.models import ModelSource
 from deltafin.engine.quant import quantize
-from deltafin.engine.weights import architecture
+from deltafin.engine.weights import architecture, published
 from deltafin.engine.weights.file_key import file_digest
 
 # (the light module's: the command line checks a path without importing torch; tests and bench import them here too)
@@ -122,13 +122,18 @@ def check_expert_pool(model_cfg: ModelConfig, placement: PlacementConfig, *, max
         path = cache_dir / gguf_cache_key(path, cache_dir)
     if not (path / "config.json").is_file():
         return
+    raw = architecture.read_config(path)
     try:
-        source, problem = architecture.model_source(architecture.read_config(path))
+        source, problem = architecture.model_source(raw)
     except ValueError as exc:
         raise ModelLoadError(f"model.path: {exc}") from None
     if problem is not None:
         return  # the load refuses it, with its own line
+    found = published.published_format(raw)
+    if found is not None and (problem := published.refusal(found, placement)):
+        raise ModelLoadError(problem)
     from deltafin.engine import experts as expert_pool
+    from deltafin.engine.quant.formats import UnsupportedQuantization
 
     try:
         expert_pool.check_pool(
@@ -137,8 +142,10 @@ def check_expert_pool(model_cfg: ModelConfig, placement: PlacementConfig, *, max
             dtype=_DTYPES[_dtype_name(model_cfg, placement)],
             trust_remote_code=model_cfg.trust_remote_code,
             max_batch=max_batch,
-            model_source=source,
+            view=expert_pool.CheckpointView(source=source, published=found),
         )
+    except UnsupportedQuantization as exc:
+        raise ModelLoadError(f"model.path: {exc}") from None
     except (
         expert_pool.PoolTooSmall,
         expert_pool.NotPoolable,
@@ -147,6 +154,17 @@ def check_expert_pool(model_cfg: ModelConfig, placement: PlacementConfig, *, max
         ValueError,
     ) as exc:  # ValueError: a config transformers cannot read
         raise _pool_error(exc) from None
+
+
+def check_published_format(model_cfg: ModelConfig, placement: PlacementConfig) -> None:
+    """A checkpoint's `quantization_config` checked before anything loads: a format Deltafin does not serve, or
+    a placement that cannot serve it, is a ModelLoadError naming the field (the config file only is read)."""
+    path = local_model_path(model_cfg)
+    if path is None or not (path.is_dir() and (path / "config.json").is_file()):  # a Hub id: checked at load
+        return
+    found = published.published_format(architecture.read_config(path))
+    if found is not None and (problem := published.refusal(found, placement)):
+        raise ModelLoadError(problem)
 
 
 def _dtype_name(model_cfg: ModelConfig, placement: PlacementConfig) -> str:
@@ -183,10 +201,28 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig, *, max_batch:
     log.info(
         "model_load_start", path=str(folder), dtype=dtype_name, device=placement.device, quantize=placement.quantize
     )
+    found = published.published_format(architecture.read_config(folder))  # a format it cannot serve, first
     source = _model_source(folder, model_cfg.trust_remote_code)  # refuses what the engine cannot run, before weights
     tokenizer = AutoTokenizer.from_pretrained(folder, trust_remote_code=model_cfg.trust_remote_code)
     experts = None
-    if placement.experts.pool_mb:  # routed experts read on demand into a bounded pool, not loaded
+    if found is not None:  # a published quantized checkpoint, in its own form
+        from deltafin.engine import experts as expert_pool
+
+        log.info("published_format", format=found.title, config=found.place)
+        try:
+            model, experts = published.load(
+                folder,
+                found,
+                source,
+                placement,
+                dtype=_DTYPES[dtype_name],
+                trust_remote_code=model_cfg.trust_remote_code,
+                max_batch=max_batch,
+                cache_dir=cache_dir_of(model_cfg),
+            )
+        except (expert_pool.PoolTooSmall, expert_pool.NotPoolable, expert_pool.CheckpointLayoutError) as exc:
+            raise _pool_error(exc) from None
+    elif placement.experts.pool_mb:  # routed experts read on demand into a bounded pool, not loaded
         from deltafin.engine import experts as expert_pool
 
         try:
@@ -197,7 +233,7 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig, *, max_batch:
                 trust_remote_code=model_cfg.trust_remote_code,
                 max_batch=max_batch,
                 cache_dir=cache_dir_of(model_cfg),
-                model_source=source,
+                view=expert_pool.CheckpointView(source=source),
             )
         except (expert_pool.PoolTooSmall, expert_pool.NotPoolable, expert_pool.CheckpointLayoutError) as exc:
             raise _pool_error(exc) from None
