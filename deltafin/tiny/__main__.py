@@ -5,6 +5,7 @@ K2-Thinking's int4 or K3's MXFP4 routed experts, K2-Instruct's FP8 Linears)."""
 from __future__ import annotations
 
 import argparse
+import tempfile
 from pathlib import Path
 
 from deltafin.families import FAMILIES

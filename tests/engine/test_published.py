@@ -34,6 +34,17 @@ PROMPTS = [[5, 17, 42, 99, 3, 7, 61, 200, 11], [9, 8, 7, 6, 5, 4, 3, 2, 1]]
 MODULES = {"int4": "experts", "mxfp4": "experts", "fp8": "linear"}  # as K2-Thinking, K3, K2-Instruct publish them
 
 
+#: the tiny K3 (released layout, Deltafin's own class) with more and wider routed experts than deltafin.tiny's,
+#: so that a 1 MiB pool of their packed records evicts
+K3_EXPERTS = {"num_experts": 64, "routed_expert_hidden_size": 128, "moe_intermediate_size": 96}
+
+
+def write_k3(folder):
+    from deltafin.tiny.kimi_k3 import kimi_k3, save_k3
+
+    return write_tiny_model("kimi_k3", folder, architecture=lambda vocab: kimi_k3(vocab, **K3_EXPERTS), save=save_k3)
+
+
 @pytest.fixture(scope="session")
 def checkpoints(tmp_path_factory):
     """(arch, format) -> (quantized folder, its float32 oracle folder, the float folder it was written from);
@@ -46,7 +57,7 @@ def checkpoints(tmp_path_factory):
             source = root / f"{arch}-float"  # one float model per architecture, quantized in each format
             if not source.exists():
                 if arch == "k3":
-                    write_tiny_model("kimi_k3", source)  # the released layout, Deltafin's own K3 class
+                    write_k3(source)
                 else:
                     write_moe(arch, source, SHAPE, embedding_std=1.0)
             quantized = quantize_folder(source, root / f"{arch}-{fmt}", fmt, MODULES[fmt])
@@ -141,6 +152,8 @@ class TestServedAsPublished:
         original = oracle_run(arch, source, new_tokens=1)
         resident = load(arch, quantized)
         assert resident.experts is None
+        if arch == "k3":  # K3's language model is Deltafin's own class, its latent experts behind the same hook
+            assert type(resident.model).__name__ == "KimiK3ForCausalLM"
         experts = [m for m in resident.model.modules() if hasattr(m, "_deltafin_pool")]
         assert experts and all(m.gate_up_proj.numel() == 0 for m in experts)  # no float copy of an expert
         assert bool(_packed_modules(resident.model)) == (fmt == "fp8")  # K2-Instruct's dense layers are FP8 too

@@ -170,9 +170,7 @@ def load_dense(
         def tensor(key: str) -> torch.Tensor:
             return located[key].get_tensor(key)
 
-        state: dict[str, Any] = {
-            key: located[key].get_slice(key) for key in index.dense_keys
-        }
+        state: dict[str, Any] = {key: located[key].get_slice(key) for key in index.dense_keys}
         for name in index.layers:
             module = meta.get_submodule(name)
             for part in ("gate_up_proj", "down_proj"):
@@ -198,11 +196,17 @@ def load_dense(
     return model, experts, index, shape
 
 
-def _swap(model: nn.Module, name: str, new: nn.Module) -> None:
-    """Replace the Linear `name` of `model` with `new`, keeping its bias."""
+def _swap(model: nn.Module, name: str, new: Any) -> None:
+    """Replace the Linear `name` of `model` with `new` (a packed module), keeping its bias. A module that is
+    no Linear reads its weight itself rather than calling a projection (K3's attention-residual scores): it
+    gets the packed weight dequantized by the format's definition (`new.dequantized()`), once, at load."""
     parent_name, _, child = name.rpartition(".")
     parent = model.get_submodule(parent_name) if parent_name else model
     old = getattr(parent, child)
+    if not isinstance(old, nn.Linear):
+        weight = new.dequantized().to(old.weight.dtype).reshape(old.weight.shape)
+        old.weight = nn.Parameter(weight, requires_grad=False)
+        return
     if getattr(old, "bias", None) is not None:
         new.bias = nn.Parameter(old.bias.detach().float(), requires_grad=False)
     setattr(parent, child, new)

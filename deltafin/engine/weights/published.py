@@ -77,4 +77,3 @@ def load(
         return model, None
     except (formats.UnsupportedQuantization, expert_pool.CheckpointLayoutError) as exc:
         raise ModelLoadError(f"model.path: {exc}") from None
-
