@@ -254,19 +254,7 @@ def load_model(model_cfg: ModelConfig, placement: PlacementConfig, *, max_batch:
             raise ModelLoadError(problem)
         cache_dir = cache_dir_of(model_cfg)
         quantize.quantize_model(model, placement.quantize, source=folder, cache_dir=cache_dir)
-    context_length = model_cfg.context_length or getattr(model.config, "max_position_embeddings", None) or 2048
-    seconds = time.perf_counter() - started
-    log.info("model_load_done", seconds=round(seconds, 2), context_length=context_length)
-    return LoadedModel(
-        model=model,
-        tokenizer=tokenizer,
-        context_length=int(context_length),
-        stop_token_ids=_stop_token_ids(model, tokenizer),
-        source=folder,
-        load_seconds=seconds,
-        compile=placement.compile,
-        experts=experts,
-    )
+    return _loaded(model, tokenizer, folder, model_cfg, placement, started, experts=experts)
 
 
 def _gguf_native_refusal(model_cfg: ModelConfig, placement: PlacementConfig) -> str | None:
@@ -298,6 +286,19 @@ def _load_gguf_native(
     log.info("model_load_start", path=str(gguf), weights="gguf native", device="cpu")
     tokenizer = AutoTokenizer.from_pretrained(folder)
     model = gguf_native.load_native(gguf, folder)
+    return _loaded(model, tokenizer, folder, model_cfg, placement, started)
+
+
+def _loaded(
+    model: Any,
+    tokenizer: Any,
+    folder: Path,
+    model_cfg: ModelConfig,
+    placement: PlacementConfig,
+    started: float,
+    experts: Any = None,
+) -> LoadedModel:
+    """The loaded model with its context length (the config's, else the model's own, else 2048), logged."""
     context_length = model_cfg.context_length or getattr(model.config, "max_position_embeddings", None) or 2048
     seconds = time.perf_counter() - started
     log.info("model_load_done", seconds=round(seconds, 2), context_length=context_length)
@@ -309,6 +310,7 @@ def _load_gguf_native(
         source=folder,
         load_seconds=seconds,
         compile=placement.compile,
+        experts=experts,
     )
 
 
