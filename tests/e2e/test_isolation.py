@@ -244,7 +244,9 @@ class TestHostileSchemas:
                     response.status_code == 400
                     and response.json()["error"]["param"] == "response_format.json_schema.schema"
                 )
-            assert max(took for _, took in answers[1:]) < 1.0  # resent: the refusal comes from the cache
+            # Resent: the refusal comes from the cache. Only the first send may compile; a resend is answered
+            # well inside the compile budget (a generous bound: a loaded machine's HTTP round trip, no compile).
+            assert max(took for _, took in answers[1:]) < COMPILE_TIMEOUT_S
             assert_unfrozen(watch, start, end)
 
     def test_a_schema_past_the_compile_budget_is_killed_and_stalls_nothing(self, server):
@@ -261,7 +263,9 @@ class TestHostileSchemas:
             assert_unfrozen(watch, start, end)
             again, again_start, again_end = attack(watch, lambda: post(server, chat_with_schema(SLOW)))
             assert_too_complex(again, "response_format.json_schema.schema")
-            assert again_end - again_start < 0.5 + 1.0  # refused again from the cache, without a compile
+            # Refused again from the cache: a compile would take the whole budget before its refusal (the first
+            # attack's end - start >= COMPILE_TIMEOUT_S above); an answer inside it had no compile to wait for.
+            assert again_end - again_start < COMPILE_TIMEOUT_S
 
     def test_a_good_schema_still_compiles_and_decodes_after_the_attacks(self, server):
         schema = {
