@@ -495,15 +495,15 @@ class TestEngine:
     ]
 
     def test_alone_and_batched(self, engines):
-        pool = engines["pooled"].engine.experts
-        assert pool is not None and engines["resident"].engine.experts is None
+        pool = engines["pooled"].client.experts
+        assert pool is not None and engines["resident"].client.experts is None
         expected = [tokens for tokens, _ in self.run_all(engines["resident"], self.PROMPTS, together=False)]
         alone = self.run_all(engines["pooled"], self.PROMPTS, together=False)
         before = pool.stats()
         batched = self.run_all(engines["pooled"], self.PROMPTS, together=True)
         assert [tokens for tokens, _ in alone] == expected
         assert [tokens for tokens, _ in batched] == expected
-        assert max(engines["pooled"].engine.step_sizes) > 1  # they did share decode steps
+        assert max(engines["pooled"].client.step_sizes) > 1  # they did share decode steps
         after = pool.stats()
         assert after.misses > before.misses and after.hits > before.hits
         for _, finished in batched:

@@ -294,7 +294,7 @@ class TestEngine:
                 assert [t for t, _ in self.run_all(fronts[name], together=False)] == expected, name
                 together = self.run_all(fronts[name], together=True)
                 assert [t for t, _ in together] == expected, name
-                assert max(fronts[name].engine.step_sizes) > 1  # they did share decode steps
+                assert max(fronts[name].client.step_sizes) > 1  # they did share decode steps
             pool_rows = [f.timings for _, f in together]
             assert all(t["expert_misses"] + t["expert_hits"] > 0 for t in pool_rows)
         finally:
