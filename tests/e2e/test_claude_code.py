@@ -44,7 +44,10 @@ def prepare(root: Path) -> tuple[Path, list[str]]:
     rng = random.Random(0)
     examples = [([rng.choice(words) for _ in range(n)] + turn_end, REPLY + "<|im_end|>") for n in (4, 64, 256, 1024)]
     path = taught(path, examples, steps=400)  # cached by what it is made from
-    return path, [*TINY_OVERRIDES["qwen3"], f"model.path={path}", "model.aliases=[claude-*]"]
+    # Greedy by default: Claude Code sends no temperature, and the taught reply is one sure answer, not a sample
+    # (the checkpoint's own sampling, Qwen3's 0.6, sometimes wrote "HHi").
+    greedy = ["model.sampling_source=config", "model.sampling.temperature=0"]
+    return path, [*TINY_OVERRIDES["qwen3"], f"model.path={path}", "model.aliases=[claude-*]", *greedy]
 
 
 CLAUDE = shared_model("claude-code-qwen3", prepare)
