@@ -20,6 +20,7 @@ from deltafin.protocol.sampling import SamplingParams
 from deltafin.tiny import write_tiny_model
 from deltafin.tiny.architectures import qwen3_next
 from tests.conftest import tiny_config
+from tests.engine.test_hybrid_engine import generate  # transformers' greedy generate: the oracle
 
 MODELS = {"kimi_k3": ("kimi_k3", None), "qwen3_next": ("qwen3", qwen3_next)}
 EVERY = 8
@@ -63,20 +64,6 @@ async def collect(front, ids, n=8) -> tuple[list[int], Finished]:
         elif isinstance(event, Finished):
             finished = event
     return tokens, finished
-
-
-def generate(loaded, ids, n=8) -> list[int]:
-    with torch.inference_mode():
-        tensor = torch.tensor([list(ids)])
-        out = loaded.model.generate(
-            tensor,
-            attention_mask=torch.ones_like(tensor),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(ids) :].tolist()
 
 
 def test_a_diverging_suffix_restarts_from_the_last_checkpoint(loaded, run):

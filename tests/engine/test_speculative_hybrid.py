@@ -18,6 +18,7 @@ from deltafin.protocol.sampling import SamplingParams
 from deltafin.tiny import write_tiny_model
 from deltafin.tiny.architectures import qwen3_next
 from tests.conftest import tiny_config
+from tests.engine.test_hybrid_engine import generate  # transformers' greedy generate: the oracle
 
 MODELS = {"kimi_k3": ("kimi_k3", None), "qwen3_next": ("qwen3", qwen3_next)}
 
@@ -46,20 +47,6 @@ def repetitive_prompt(loaded, seed: int) -> tuple[int, ...]:
     piece = torch.randint(0, len(loaded.tokenizer) - 20, (12,), generator=g).tolist()
     other = torch.randint(0, len(loaded.tokenizer) - 20, (5,), generator=g).tolist()
     return tuple(piece + other + piece + other + piece[:6])
-
-
-def generate(loaded, ids, n: int) -> list[int]:
-    with torch.inference_mode():
-        tensor = torch.tensor([list(ids)])
-        out = loaded.model.generate(
-            tensor,
-            attention_mask=torch.ones_like(tensor),
-            max_new_tokens=n,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[0, len(ids) :].tolist()
 
 
 async def collect(front: EngineFront, jobs) -> dict[int, list[int]]:
