@@ -31,7 +31,9 @@ class TransportError(Exception):
 
 
 class ConnectFailed(TransportError):
-    """No connection could be opened (refused, unresolvable, or not within the connect timeout)."""
+    """The request never reached the upstream: no connection could be opened (refused, unresolvable, or not within
+    the connect timeout), or a new one was closed before a byte of answer (a dying server whose listening socket
+    outlives it: vLLM's engine process holds the API server's for a moment after a kill). Safe to send again."""
 
 
 class ReadTimedOut(TransportError):
@@ -148,7 +150,7 @@ class Response:
             data = await self._recv()
             if self._chunked is not None:
                 if not data:
-                    raise ConnectionBroken("the connection closed before the last chunk")
+                    raise self._cut("the connection closed before the last chunk")
                 body = self._chunked.feed(data)
                 if self._chunked.done:
                     self._complete = True
@@ -157,7 +159,7 @@ class Response:
                     return body
             elif self._length is not None:
                 if not data:
-                    raise ConnectionBroken("the connection closed before the end of the body")
+                    raise self._cut("the connection closed before the end of the body")
                 if len(data) >= self._length:
                     self._keep_alive = self._keep_alive and len(data) == self._length
                     data, self._complete = data[: self._length], True
@@ -188,7 +190,12 @@ class Response:
     def _broken(self, exc: BaseException) -> TransportError:
         if self._watchdog.expired:
             return ReadTimedOut("no data within the read timeout")
-        return ConnectionBroken(f"{type(exc).__name__}: {exc}")
+        return self._cut(f"{type(exc).__name__}: {exc}")
+
+    def _cut(self, reason: str) -> ConnectionBroken:
+        """The upstream dropped this response: its idle connections are suspect too (see `forget_idle`)."""
+        self._pool.forget_idle()
+        return ConnectionBroken(reason)
 
     def close(self) -> None:
         """Release the connection: back to the pool if the body was read to the end, else closed."""
@@ -296,8 +303,8 @@ class Http1Pool:
             conn.close()
         return None
 
-    async def _acquire(self) -> tuple[_Connection, bool]:
-        conn = self._take_idle()
+    async def _acquire(self, *, fresh: bool = False) -> tuple[_Connection, bool]:
+        conn = None if fresh else self._take_idle()
         if conn is not None:
             return conn, True
         self._refill()  # for the request after this one
@@ -352,12 +359,18 @@ class Http1Pool:
         else:
             conn.close()
 
+    def forget_idle(self) -> None:
+        """Close every idle connection: one of their peers died unseen (reset mid-response, or closed as it was
+        reused), and the loop may not have read the others' close yet, so a request sent on one would find the
+        upstream gone without asking it again."""
+        while self._idle:
+            self._idle.pop().close()
+
     def close(self) -> None:
         self._closed = True
         for task in list(self._background):
             task.cancel()
-        while self._idle:
-            self._idle.pop().close()
+        self.forget_idle()
 
     def _send_now(self, raw: bytes, read_timeout_s: float | None) -> tuple[_Connection, _Watchdog] | None:
         """Write `raw` on an idle connection, if there is one (see `request`)."""
@@ -377,7 +390,8 @@ class Http1Pool:
                 (conn, watchdog), reused, sent = sent, True, None
                 write: bytes | None = None
             else:
-                conn, reused = await self._acquire()
+                # the second try opens a connection: the idle ones are as old as the one that died
+                conn, reused = await self._acquire(fresh=attempt > 0)
                 watchdog = _Watchdog(loop, read_timeout_s or self._read_timeout_s, conn.writer.transport)
                 write = raw
             try:
@@ -389,9 +403,10 @@ class Http1Pool:
             except _StaleConnection:
                 watchdog.cancel()
                 conn.close()
+                self.forget_idle()
                 if reused and attempt == 0:
                     continue  # the server closed an idle connection as we reused it: one fresh try
-                raise ConnectionBroken("the upstream closed the connection without answering") from None
+                raise ConnectFailed("the upstream closed a new connection without answering") from None
             except BaseException:
                 watchdog.cancel()
                 conn.close()
