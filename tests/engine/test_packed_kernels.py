@@ -154,7 +154,8 @@ def test_rows_get_the_same_bits_alone_and_in_a_batch(fmt):
             return linear.packed4_matmul(rows, codes, scales, fmt, 32)
 
     together = run(x)
-    assert torch.equal(together, torch.cat([run(x[i : i + 1]) for i in range(x.shape[0])]))
+    for size in (1, 2, 3, 4):  # 4-bit: up to four rows are decoded in registers, a batch's rows in a buffer
+        assert torch.equal(together, torch.cat([run(x[i : i + size]) for i in range(0, x.shape[0], size)]))
     torch.set_num_threads(1)
     try:
         assert torch.equal(together, run(x))  # and with another thread count
@@ -283,7 +284,8 @@ VARIANT_PROBE = (
     "for fmt, weights in (('int4', int4_weights(37, 256, 32, torch.bfloat16)), ('int4', int4_weights(37, 256, 64, torch.float32)),\n"
     "                     ('int4', int4_weights(37, 256, 16, torch.float16)), ('mxfp4', mxfp4_weights(37, 256))):\n"
     "    codes, scales, _ = weights; group = 256 // scales.shape[1]\n"
-    "    h.update(linear.packed4_matmul(x, codes, scales, fmt, group).numpy().tobytes())\n"
+    "    for rows in (x, x[:1], x[:2], x[:3], x[:4]):  # a batch's shared decoded rows; a decode step's registers\n"
+    "        h.update(linear.packed4_matmul(rows, codes, scales, fmt, group).numpy().tobytes())\n"
     "    h.update(linear.dequantized_packed4(codes, scales, fmt, group).numpy().tobytes())\n"
     "codes, scale_inv, _ = fp8_weights(130, 203, (128, 128), 65)\n"
     "x = torch.randn(21, 203)\n"
@@ -304,7 +306,8 @@ def probe(variant: str) -> list[str]:
 
 def test_every_variant_gives_the_same_bits():
     """portable C, AVX2 and AVX-512 (those this CPU runs) decode the same exact weights and sum the same
-    products in the same 16 lanes: the same bits."""
+    products in the same 16 lanes: the same bits, for batches (decoded rows shared) and for one to four rows
+    (decoded in registers)."""
     results = {variant: probe(variant) for variant in kernels.supported_variants()}
     assert results["portable"][:2] == ["portable", "0"]
     for variant, (name, number, _) in results.items():

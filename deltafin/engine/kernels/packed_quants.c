@@ -12,16 +12,24 @@
 
    The activations are not quantized. Each weight is decoded to its exact float32 value (int4 with a 16-bit
    scale and mxfp4: the product is exact; int4 with a float32 scale and fp8: one IEEE product, the same in
-   every variant), a few rows at a time into a per-thread buffer, never a whole matrix. Then every output is
+   every variant), and every output is
 
-       y[m, n] = sum over k of w[n, k] * x[m, k]  in 16 lanes: element k goes to lane k % 16, each lane a
-                 running sum in k order of separate multiplies and adds (no FMA: built -ffp-contract=off),
-                 the lanes summed (l + l+8), then (+4), (+2), (+1)
+       y[m, n] = sum over k of w[n, k] * x[m, k]  in 16 lanes, each lane a running sum in k order of separate
+                 multiplies and adds (no FMA: built -ffp-contract=off), the lanes summed (l + l+8), then (+4),
+                 (+2), (+1);
+                 4-bit: element k goes to lane (k % 32) / 2 (the two elements of a byte share a lane, so a
+                 byte's nibbles decode in place, without a shuffle across lanes); fp8: lane k % 16
 
    one fixed order whatever the CPU variant, the thread count or the other rows of the call: the portable
    build, the AVX2 build (two 8-lane registers per 16 lanes) and the AVX-512 build (one register) give the same
    bits, and a row gets the same bits alone or in a batch. A width that is not a multiple of 16 (fp8 only)
    ends with a partial chunk whose missing lanes add 0 * 0 in every variant.
+
+   4-bit weights against a few activation rows (a decode step: one to four rows per matrix) are decoded in
+   registers and multiplied there, block by block, never stored (fused_tile); against more rows, a few weight
+   rows at a time are decoded into a per-thread buffer and shared by every activation row (tile_dot), as fp8
+   rows always are. The activations go in lane order once per call (lane_order), so both paths read them
+   with plain loads.
 
    Variants as in ggml_quants.c (DELTAFIN_VARIANT_AVX512, DELTAFIN_VARIANT_AVX2, neither: portable C); the
    SIMD builds differ only in how they decode (vpshufb table lookups, F16C conversions) and how many lanes
@@ -88,53 +96,122 @@ static inline __attribute__((always_inline)) float scale_of(const pmatrix *w, co
     }
 }
 
-/* E2M1 values doubled (0, 0.5, 1, 1.5, 2, 3, 4, 6 and their negatives, times 2) */
-static const int8_t MXFP4_DOUBLED[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 /* e4m3fn byte -> value / 256 as half bits: exact for every code, subnormals included (the NaN codes 0x7F and
    0xFF come out as +-480, which the loader refuses before they get here) */
 static inline uint16_t fp8_half_bits(uint8_t b) { return (uint16_t)(((b & 0x80u) << 8) | ((b & 0x7Fu) << 7)); }
 
-/* ---- decoding rows into float32 (the exact weights) ---- */
+/* ---- 4-bit blocks: the exact weights in lane order ---- */
 
-/* Row n's K 4-bit values, `format` and `type` constants in each instantiation below. */
+/* The decoded values indexed by the 4-bit code: int4's u - 8, MXFP4's E2M1 values doubled (0, 0.5, 1, 1.5, 2,
+   3, 4, 6 and their negatives, times 2: integers, scaled by half the MX scale); AVX2 looks them up as int8 */
+#if defined(DELTAFIN_VARIANT_AVX2) && !defined(DELTAFIN_VARIANT_AVX512)
+static const int8_t MXFP4_DOUBLED[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+#else
+static const float INT4_VALUES[16] = {-8, -7, -6, -5, -4, -3, -2, -1, 0, 1, 2, 3, 4, 5, 6, 7};
+static const float MXFP4_VALUES[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
+#endif
+
+/* A 32-value block of a 4-bit row holds element k0 + 2i in the low nibble of byte i and k0 + 2i + 1 in its
+   high nibble: lane i of the 16 lanes takes both (see the header), so a block decodes without moving a nibble
+   across lanes into `even` (lane i: element k0 + 2i) and `odd` (k0 + 2i + 1). Each is code value x scale,
+   exact (int4 with a float32 scale: one IEEE product, the same in every variant); lanes 0-7 are the block's
+   first 16 elements (scale s0), lanes 8-15 its last 16 (s1, another group where the group is 16 or 48). */
+#if defined(DELTAFIN_VARIANT_AVX512)
+typedef struct { __m512 even, odd; } block4;
+
+static inline __attribute__((always_inline)) block4 decode4_block(const pmatrix *w, const int format, const int type,
+                                                                  int64_t n, int64_t k0, const __m512 values) {
+    block4 b;
+    /* byte i in lane i: the permutes read its low 4 bits (the even element), the shifted copy its high ones */
+    const __m512i bytes = _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(w->data + n * w->stride + k0 / 2)));
+    const __m512i high = _mm512_srli_epi32(bytes, 4);
+    const int64_t g0 = k0 / w->group, g1 = (k0 + 16) / w->group;
+    if (format == PACKED_MXFP4 || g0 == g1) {
+        /* one scale: scale the 16 values once, then every lookup is a weight */
+        const __m512 scaled = _mm512_mul_ps(values, _mm512_set1_ps(scale_of(w, type, n, g0)));
+        b.even = _mm512_permutexvar_ps(bytes, scaled);
+        b.odd = _mm512_permutexvar_ps(high, scaled);
+    } else {
+        const __m512 s = _mm512_mask_blend_ps((__mmask16)0xFF00, _mm512_set1_ps(scale_of(w, type, n, g0)),
+                                              _mm512_set1_ps(scale_of(w, type, n, g1)));
+        b.even = _mm512_mul_ps(_mm512_permutexvar_ps(bytes, values), s);
+        b.odd = _mm512_mul_ps(_mm512_permutexvar_ps(high, values), s);
+    }
+    return b;
+}
+#elif defined(DELTAFIN_VARIANT_AVX2)
+typedef struct { __m256 even_lo, even_hi, odd_lo, odd_hi; } block4;
+
+static inline __attribute__((always_inline)) block4 decode4_block(const pmatrix *w, const int format, const int type,
+                                                                  int64_t n, int64_t k0, const __m128i table) {
+    block4 b;
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m128i bytes = _mm_loadu_si128((const __m128i *)(w->data + n * w->stride + k0 / 2));
+    __m128i lo = _mm_and_si128(bytes, nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
+    if (format == PACKED_INT4) {
+        lo = _mm_sub_epi8(lo, _mm_set1_epi8(8));
+        hi = _mm_sub_epi8(hi, _mm_set1_epi8(8));
+    } else {  /* the doubled E2M1 values as int8 */
+        lo = _mm_shuffle_epi8(table, lo);
+        hi = _mm_shuffle_epi8(table, hi);
+    }
+    const float s0 = scale_of(w, type, n, k0 / w->group);
+    const float s1 = format == PACKED_MXFP4 ? s0 : scale_of(w, type, n, (k0 + 16) / w->group);
+    const __m256 v0 = _mm256_set1_ps(s0), v1 = _mm256_set1_ps(s1);
+    b.even_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(lo)), v0);
+    b.even_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(lo, 8))), v1);
+    b.odd_lo = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(hi)), v0);
+    b.odd_hi = _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(hi, 8))), v1);
+    return b;
+}
+#else
+typedef struct { float even[LANES], odd[LANES]; } block4;
+
+static inline __attribute__((always_inline)) block4 decode4_block(const pmatrix *w, const int format, const int type,
+                                                                  int64_t n, int64_t k0, const float *values) {
+    block4 b;
+    const uint8_t *bytes = w->data + n * w->stride + k0 / 2;
+    const float s0 = scale_of(w, type, n, k0 / w->group);
+    const float s1 = format == PACKED_MXFP4 ? s0 : scale_of(w, type, n, (k0 + 16) / w->group);
+    for (int i = 0; i < LANES; i++) {
+        b.even[i] = values[bytes[i] & 0x0F] * (i < 8 ? s0 : s1);
+        b.odd[i] = values[bytes[i] >> 4] * (i < 8 ? s0 : s1);
+    }
+    return b;
+}
+#endif
+
+/* the decode table of a format: a register where the variant has one */
+#if defined(DELTAFIN_VARIANT_AVX512)
+typedef __m512 table4;
+static inline table4 table_of(const int format) { return _mm512_loadu_ps(format == PACKED_INT4 ? INT4_VALUES : MXFP4_VALUES); }
+#elif defined(DELTAFIN_VARIANT_AVX2)
+typedef __m128i table4;
+static inline table4 table_of(const int format) { (void)format; return _mm_loadu_si128((const __m128i *)MXFP4_DOUBLED); }
+#else
+typedef const float *table4;
+static inline table4 table_of(const int format) { return format == PACKED_INT4 ? INT4_VALUES : MXFP4_VALUES; }
+#endif
+
+/* Row n's K 4-bit values in lane order (block k0: its even elements at k0 .. k0 + 15, its odd ones at
+   k0 + 16 .. k0 + 31), for the rows a batch of many activation rows shares. */
 static inline __attribute__((always_inline)) void decode4_row(const pmatrix *w, const int format, const int type,
                                                               int64_t n, float *out) {
-    const uint8_t *codes = w->data + n * w->stride;
-#ifdef PACKED_SIMD
-    const __m128i nibble = _mm_set1_epi8(0x0F), eight = _mm_set1_epi8(8);
-    const __m128i table = _mm_loadu_si128((const __m128i *)MXFP4_DOUBLED);
-#endif
+    const table4 table = table_of(format);
     for (int64_t k0 = 0; k0 < w->cols; k0 += 32) {
-        const float s0 = scale_of(w, type, n, k0 / w->group), s1 = scale_of(w, type, n, (k0 + 16) / w->group);
-#ifdef PACKED_SIMD
-        /* the 32 codes in element order (byte j: element 2j low, 2j + 1 high), then their int8 values */
-        const __m128i bytes = _mm_loadu_si128((const __m128i *)(codes + k0 / 2));
-        const __m128i lo = _mm_and_si128(bytes, nibble), hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), nibble);
-        __m128i a = _mm_unpacklo_epi8(lo, hi), b = _mm_unpackhi_epi8(lo, hi);
-        if (format == PACKED_INT4) {
-            a = _mm_sub_epi8(a, eight);
-            b = _mm_sub_epi8(b, eight);
-        } else {
-            a = _mm_shuffle_epi8(table, a);
-            b = _mm_shuffle_epi8(table, b);
-        }
-#ifdef DELTAFIN_VARIANT_AVX512
-        _mm512_storeu_ps(out + k0, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(a)), _mm512_set1_ps(s0)));
-        _mm512_storeu_ps(out + k0 + 16, _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(b)), _mm512_set1_ps(s1)));
+        const block4 b = decode4_block(w, format, type, n, k0, table);
+#if defined(DELTAFIN_VARIANT_AVX512)
+        _mm512_storeu_ps(out + k0, b.even);
+        _mm512_storeu_ps(out + k0 + 16, b.odd);
+#elif defined(DELTAFIN_VARIANT_AVX2)
+        _mm256_storeu_ps(out + k0, b.even_lo);
+        _mm256_storeu_ps(out + k0 + 8, b.even_hi);
+        _mm256_storeu_ps(out + k0 + 16, b.odd_lo);
+        _mm256_storeu_ps(out + k0 + 24, b.odd_hi);
 #else
-        const __m256 v0 = _mm256_set1_ps(s0), v1 = _mm256_set1_ps(s1);
-        _mm256_storeu_ps(out + k0, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(a)), v0));
-        _mm256_storeu_ps(out + k0 + 8, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(a, 8))), v0));
-        _mm256_storeu_ps(out + k0 + 16, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(b)), v1));
-        _mm256_storeu_ps(out + k0 + 24, _mm256_mul_ps(_mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_srli_si128(b, 8))), v1));
-#endif
-#else
-        for (int i = 0; i < 32; i++) {
-            const int u = (codes[(k0 + i) / 2] >> (4 * (i & 1))) & 0x0F;
-            const int v = format == PACKED_INT4 ? u - 8 : MXFP4_DOUBLED[u];
-            out[k0 + i] = (float)v * (i < 16 ? s0 : s1);
-        }
+        memcpy(out + k0, b.even, sizeof b.even);
+        memcpy(out + k0 + 16, b.odd, sizeof b.odd);
 #endif
     }
 }
@@ -143,6 +220,17 @@ static void decode_int4_bf16(const pmatrix *w, int64_t n, float *out) { decode4_
 static void decode_int4_f16(const pmatrix *w, int64_t n, float *out) { decode4_row(w, PACKED_INT4, SCALE_F16, n, out); }
 static void decode_int4_f32(const pmatrix *w, int64_t n, float *out) { decode4_row(w, PACKED_INT4, SCALE_F32, n, out); }
 static void decode_mxfp4(const pmatrix *w, int64_t n, float *out) { decode4_row(w, PACKED_MXFP4, SCALE_E8M0, n, out); }
+
+/* Activation rows in the 4-bit lane order (each block of 32: its even elements, then its odd ones): rows
+   `ldx` apart in, `k` apart out. */
+static void lane_order(const float *x, int64_t m_rows, int64_t ldx, int64_t k, float *out) {
+    for (int64_t m = 0; m < m_rows; m++)
+        for (int64_t k0 = 0; k0 < k; k0 += 32)
+            for (int i = 0; i < 16; i++) {
+                out[m * k + k0 + i] = x[m * ldx + k0 + 2 * i];
+                out[m * k + k0 + 16 + i] = x[m * ldx + k0 + 2 * i + 1];
+            }
+}
 
 /* the block-grid row of weight row n (parts of part_rows rows, each its own grid) */
 static inline int64_t fp8_grid_row(const pmatrix *w, int64_t n) {
@@ -285,6 +373,123 @@ static void tile_41(const float *w, int64_t kp, const float *x, int64_t ldx, int
 static void tile_14(const float *w, int64_t kp, const float *x, int64_t ldx, int64_t k, float *out) { tile_dot(1, 4, w, kp, x, ldx, k, out); }
 static void tile_11(const float *w, int64_t kp, const float *x, int64_t ldx, int64_t k, float *out) { tile_dot(1, 1, w, kp, x, ldx, k, out); }
 
+/* ---- 4-bit rows times a few activation rows, decoded in registers ---- */
+
+/* out[i * MB + j] = 4-bit row n0 + i . activation row j (lane order, `ldx` apart), for i < NB, j < MB: each
+   block decoded into registers and multiplied there (the decode step's case, a row or a few per expert,
+   where a decoded row would be stored and loaded once for one use). The same products added to the same
+   lanes in the same order as tile_dot over decode4_row's rows: the same bits. */
+static inline __attribute__((always_inline)) void fused_tile(const pmatrix *w, const int format, const int type,
+                                                             const int NB, const int MB, int64_t n0, const float *x,
+                                                             int64_t ldx, float *out) {
+    const table4 table = table_of(format);
+#if defined(DELTAFIN_VARIANT_AVX512)
+    __m512 acc[TILE][TILE];
+    for (int i = 0; i < NB; i++)
+        for (int j = 0; j < MB; j++) acc[i][j] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < w->cols; k0 += 32) {
+        __m512 xe[TILE], xo[TILE];
+        for (int j = 0; j < MB; j++) {
+            xe[j] = _mm512_loadu_ps(x + j * ldx + k0);
+            xo[j] = _mm512_loadu_ps(x + j * ldx + k0 + 16);
+        }
+        for (int i = 0; i < NB; i++) {
+            const block4 b = decode4_block(w, format, type, n0 + i, k0, table);
+            for (int j = 0; j < MB; j++) {
+                acc[i][j] = _mm512_add_ps(acc[i][j], _mm512_mul_ps(b.even, xe[j]));
+                acc[i][j] = _mm512_add_ps(acc[i][j], _mm512_mul_ps(b.odd, xo[j]));
+            }
+        }
+    }
+    for (int i = 0; i < NB; i++)
+        for (int j = 0; j < MB; j++) {
+            float l[LANES];
+            _mm512_storeu_ps(l, acc[i][j]);
+            out[i * MB + j] = total_of_lanes(l);
+        }
+#elif defined(DELTAFIN_VARIANT_AVX2)
+    __m256 lo[TILE][TILE], hi[TILE][TILE];
+    for (int i = 0; i < NB; i++)
+        for (int j = 0; j < MB; j++) lo[i][j] = hi[i][j] = _mm256_setzero_ps();
+    for (int64_t k0 = 0; k0 < w->cols; k0 += 32) {
+        for (int i = 0; i < NB; i++) {
+            const block4 b = decode4_block(w, format, type, n0 + i, k0, table);
+            for (int j = 0; j < MB; j++) {
+                const float *xj = x + j * ldx + k0;
+                lo[i][j] = _mm256_add_ps(lo[i][j], _mm256_mul_ps(b.even_lo, _mm256_loadu_ps(xj)));
+                hi[i][j] = _mm256_add_ps(hi[i][j], _mm256_mul_ps(b.even_hi, _mm256_loadu_ps(xj + 8)));
+                lo[i][j] = _mm256_add_ps(lo[i][j], _mm256_mul_ps(b.odd_lo, _mm256_loadu_ps(xj + 16)));
+                hi[i][j] = _mm256_add_ps(hi[i][j], _mm256_mul_ps(b.odd_hi, _mm256_loadu_ps(xj + 24)));
+            }
+        }
+    }
+    for (int i = 0; i < NB; i++)
+        for (int j = 0; j < MB; j++) {
+            float l[LANES];
+            _mm256_storeu_ps(l, lo[i][j]);
+            _mm256_storeu_ps(l + 8, hi[i][j]);
+            out[i * MB + j] = total_of_lanes(l);
+        }
+#else
+    float acc[TILE][TILE][LANES];
+    for (int i = 0; i < NB; i++)
+        for (int j = 0; j < MB; j++)
+            for (int l = 0; l < LANES; l++) acc[i][j][l] = 0.0f;
+    for (int64_t k0 = 0; k0 < w->cols; k0 += 32)
+        for (int i = 0; i < NB; i++) {
+            const block4 b = decode4_block(w, format, type, n0 + i, k0, table);
+            for (int j = 0; j < MB; j++)
+                for (int l = 0; l < LANES; l++) {
+                    acc[i][j][l] = acc[i][j][l] + b.even[l] * x[j * ldx + k0 + l];
+                    acc[i][j][l] = acc[i][j][l] + b.odd[l] * x[j * ldx + k0 + 16 + l];
+                }
+        }
+    for (int i = 0; i < NB; i++)
+        for (int j = 0; j < MB; j++) out[i * MB + j] = total_of_lanes(acc[i][j]);
+#endif
+}
+
+/* fused_tile for nb (<= TILE) rows and mb (1 .. TILE) activation rows, `format` and `type` constants */
+static inline __attribute__((always_inline)) void fused_rows(const pmatrix *w, const int format, const int type,
+                                                             int nb, int mb, int64_t n0, const float *x, int64_t ldx,
+                                                             float *out) {
+    if (nb == TILE) {
+        switch (mb) {
+        case 1: fused_tile(w, format, type, TILE, 1, n0, x, ldx, out); return;
+        case 2: fused_tile(w, format, type, TILE, 2, n0, x, ldx, out); return;
+        case 3: fused_tile(w, format, type, TILE, 3, n0, x, ldx, out); return;
+        default: fused_tile(w, format, type, TILE, 4, n0, x, ldx, out); return;
+        }
+    }
+    for (int i = 0; i < nb; i++) switch (mb) {
+        case 1: fused_tile(w, format, type, 1, 1, n0 + i, x, ldx, out + i * mb); break;
+        case 2: fused_tile(w, format, type, 1, 2, n0 + i, x, ldx, out + i * mb); break;
+        case 3: fused_tile(w, format, type, 1, 3, n0 + i, x, ldx, out + i * mb); break;
+        default: fused_tile(w, format, type, 1, 4, n0 + i, x, ldx, out + i * mb); break;
+        }
+}
+
+static void fused_int4_bf16(const pmatrix *w, int nb, int mb, int64_t n0, const float *x, int64_t ldx, float *out) { fused_rows(w, PACKED_INT4, SCALE_BF16, nb, mb, n0, x, ldx, out); }
+static void fused_int4_f16(const pmatrix *w, int nb, int mb, int64_t n0, const float *x, int64_t ldx, float *out) { fused_rows(w, PACKED_INT4, SCALE_F16, nb, mb, n0, x, ldx, out); }
+static void fused_int4_f32(const pmatrix *w, int nb, int mb, int64_t n0, const float *x, int64_t ldx, float *out) { fused_rows(w, PACKED_INT4, SCALE_F32, nb, mb, n0, x, ldx, out); }
+static void fused_mxfp4(const pmatrix *w, int nb, int mb, int64_t n0, const float *x, int64_t ldx, float *out) { fused_rows(w, PACKED_MXFP4, SCALE_E8M0, nb, mb, n0, x, ldx, out); }
+
+/* 4-bit rows n0 .. n0 + nb against m_rows <= TILE activation rows (lane order), no row decoded to memory */
+static void rows_times_fused(const pmatrix *w, int64_t n0, int nb, const float *x, int64_t m_rows, int64_t ldx,
+                             const float *bias, float *y, int64_t ldy) {
+    float out[TILE * TILE];
+    const int mb = (int)m_rows;
+    if (w->format == PACKED_MXFP4) fused_mxfp4(w, nb, mb, n0, x, ldx, out);
+    else if (w->scale_type == SCALE_BF16) fused_int4_bf16(w, nb, mb, n0, x, ldx, out);
+    else if (w->scale_type == SCALE_F16) fused_int4_f16(w, nb, mb, n0, x, ldx, out);
+    else fused_int4_f32(w, nb, mb, n0, x, ldx, out);
+    for (int i = 0; i < nb; i++)
+        for (int j = 0; j < mb; j++) {
+            y[j * ldy + n0 + i] = out[i * mb + j];
+            if (bias) y[j * ldy + n0 + i] += bias[n0 + i];
+        }
+}
+
 /* Weight rows n0 .. n0 + nb (nb <= TILE) against every activation row; `scratch` holds TILE decoded rows. */
 static void rows_times(const pmatrix *w, int64_t n0, int nb, const float *x, int64_t m_rows, int64_t ldx,
                        const float *bias, float *y, int64_t ldy, float *scratch, int64_t kp) {
@@ -348,6 +553,25 @@ static int matmul_groups(const pmatrix *shape, int64_t groups, const uint8_t *co
     }
     if (rows_in == 0 || shape->rows == 0) return 0;
     const int64_t kp = padded(shape->cols), blocks = (shape->rows + TILE - 1) / TILE;
+    const int four_bit = shape->format != PACKED_FP8;
+    /* 4-bit: every group's activation rows in lane order, `cols` apart (pointers per group) */
+    float *lanes = NULL;
+    const float **xs = NULL;
+    if (four_bit) {
+        const size_t bytes = (size_t)(rows_in * shape->cols) * sizeof(float);
+        lanes = aligned_alloc(64, (bytes + 63) / 64 * 64);
+        xs = malloc((size_t)groups * sizeof *xs);
+        if (!lanes || !xs) {
+            free(lanes);
+            free(xs);
+            return -2;
+        }
+        for (int64_t g = 0, at = 0; g < groups; at += m_rows[g], g++) {
+            xs[g] = lanes + at * shape->cols;
+            lane_order(x[g], m_rows[g], ldx, shape->cols, lanes + at * shape->cols);
+        }
+    }
+    const int64_t ldx_in = four_bit ? shape->cols : ldx;
     if ((double)rows_in * (double)shape->rows * (double)shape->cols < PARALLEL_WORK) threads = 1;
     int failed = 0;
     #pragma omp parallel num_threads(threads) if (threads > 1)
@@ -366,10 +590,16 @@ static int matmul_groups(const pmatrix *shape, int64_t groups, const uint8_t *co
             w.data = data[g];
             w.scales = scales[g];
             const int nb = w.rows - n0 < TILE ? (int)(w.rows - n0) : TILE;
-            rows_times(&w, n0, nb, x[g], m_rows[g], ldx, bias, y[g], ldy, scratch, kp);
+            const float *xg = four_bit ? xs[g] : x[g];
+            if (four_bit && m_rows[g] <= TILE)
+                rows_times_fused(&w, n0, nb, xg, m_rows[g], ldx_in, bias, y[g], ldy);
+            else
+                rows_times(&w, n0, nb, xg, m_rows[g], ldx_in, bias, y[g], ldy, scratch, kp);
         }
         free(scratch);
     }
+    free(lanes);
+    free(xs);
     return failed ? -2 : 0;
 }
 
@@ -387,7 +617,16 @@ static int dequantize(const pmatrix *w, const int64_t *ids, int64_t count, float
     for (int64_t r = 0; r < count; r++) {
         if (ids[r] < 0 || ids[r] >= w->rows) { free(row); return -1; }
         decode_row(w, ids[r], row);
-        memcpy(out + r * w->cols, row, (size_t)w->cols * sizeof(float));
+        float *to = out + r * w->cols;
+        if (w->format == PACKED_FP8) {
+            memcpy(to, row, (size_t)w->cols * sizeof(float));
+            continue;
+        }
+        for (int64_t k0 = 0; k0 < w->cols; k0 += 32)  /* lane order back to element order */
+            for (int i = 0; i < 16; i++) {
+                to[k0 + 2 * i] = row[k0 + i];
+                to[k0 + 2 * i + 1] = row[k0 + 16 + i];
+            }
     }
     free(row);
     return 0;
