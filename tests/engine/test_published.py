@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from deltafin.engine import EngineFront, Finished, GenerationJob, TextDelta
+from deltafin.engine.experts import routing
 from deltafin.engine.local.engine import LocalEngine
 from deltafin.engine.quant import formats
 from deltafin.engine.weights.loader import ModelLoadError, load_model
@@ -180,6 +181,31 @@ class TestServedAsPublished:
             assert_matches_oracle(run(pooled.model), oracle_run(arch, oracle_folder), original)
         finally:
             pooled.experts.close()
+
+    @pytest.mark.parametrize("pool_mb", [0, 1])
+    def test_a_call_of_many_pairs_gives_each_token_the_bits_of_its_own_call(self, checkpoints, pool_mb):
+        """Calls of more than routing.FEW_PAIRS (token, choice) pairs group them by slot with torch ops, a decode
+        step's few pairs are grouped in Python: a token's output is the same bits either way, resident and
+        pooled (the pool here in waves: more experts than slots)."""
+        quantized, _, _ = checkpoints("qwen3_moe", "mxfp4")
+        loaded = load("qwen3_moe", quantized, pool_mb=pool_mb)
+        try:
+            module = next(m for m in loaded.model.modules() if hasattr(m, "_deltafin_pool"))
+            experts, layer = module._deltafin_pool
+            tokens = routing.FEW_PAIRS // SHAPE.top_k + 5
+            g = torch.Generator().manual_seed(0)
+            hidden = torch.randn(tokens, SHAPE.hidden, generator=g)
+            index = torch.stack([torch.randperm(SHAPE.experts, generator=g)[: SHAPE.top_k] for _ in range(tokens)])
+            weights = torch.rand(tokens, SHAPE.top_k, generator=g)
+            with torch.inference_mode():
+                together = experts.forward(layer, module, hidden, index, weights)
+                alone = [experts.forward(layer, module, hidden[t : t + 1], index[t : t + 1], weights[t : t + 1])
+                         for t in range(tokens)]  # fmt: skip
+            assert torch.equal(together, torch.cat(alone))
+            assert len(set(index.reshape(-1).tolist())) > (experts.stats().slots if pool_mb else 0)
+        finally:
+            if loaded.experts is not None:
+                loaded.experts.close()
 
 
 class TestPoolReads:

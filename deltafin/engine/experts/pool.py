@@ -28,7 +28,7 @@ import torch
 from deltafin.engine.experts.checkpoint import ExpertIndex
 from deltafin.engine.experts.policy import EvictionPolicy
 from deltafin.engine.experts.reader import MISS, PREFETCH, ReadQueue
-from deltafin.engine.experts.routing import combine, run_pairs
+from deltafin.engine.experts.routing import FEW_PAIRS, combine, run_listed_pairs, run_pairs
 
 log = structlog.get_logger("deltafin.engine")
 
@@ -143,7 +143,9 @@ class ExpertPool:
         tokens, k = top_k_index.shape
         ids = top_k_index.reshape(-1)  # [T * k], one entry per (token, choice) pair
         weights = top_k_weights.reshape(-1)
-        needed = torch.unique(ids).tolist()  # the one host sync of the call
+        # the one host sync of the call: a few pairs' experts as a list (grouped in Python), else their union
+        pair_experts = ids.tolist() if ids.numel() <= FEW_PAIRS else None
+        needed = sorted(set(pair_experts)) if pair_experts is not None else torch.unique(ids).tolist()
         size = self.slots.count
         waves = [needed[at : at + size] for at in range(0, len(needed), size)]
         out: torch.Tensor | None = None
@@ -157,12 +159,11 @@ class ExpertPool:
                     self._prefetch_next(layer, hidden if router_input is None else router_input)
                 ready = {e: s for e, s in slot_of.items() if s not in pending}
                 if ready:  # computed while the misses read
-                    out = self._run(module, hidden, ids, weights, k, ready, out)
+                    out = self._run(module, hidden, ids, pair_experts, weights, k, ready, out)
                 if pending:
                     self._wait(pending)
-                    out = self._run(
-                        module, hidden, ids, weights, k, {e: s for e, s in slot_of.items() if s in pending}, out
-                    )
+                    rest = {e: s for e, s in slot_of.items() if s in pending}
+                    out = self._run(module, hidden, ids, pair_experts, weights, k, rest, out)
             finally:
                 for slot in slot_of.values():
                     self._pins[slot] -= 1
@@ -174,12 +175,16 @@ class ExpertPool:
         module: Any,
         hidden: torch.Tensor,
         ids: torch.Tensor,
+        pair_experts: list[int] | None,
         weights: torch.Tensor,
         k: int,
         slot_of: dict[int, int],
         out: torch.Tensor | None,
     ) -> torch.Tensor:
-        """Compute the (token, choice) pairs routed to the experts in `slot_of` into `out` [T * k, H]."""
+        """Compute the (token, choice) pairs routed to the experts in `slot_of` into `out` [T * k, H]
+        (`pair_experts`: `ids` as a list, for a call of a few pairs)."""
+        if pair_experts is not None:
+            return run_listed_pairs(self.slots, module, hidden, pair_experts, weights, k, slot_of, out)
         lut = torch.full((self.index.experts,), -1, dtype=torch.long, device=ids.device)
         lut[torch.tensor(list(slot_of), device=ids.device)] = torch.tensor(list(slot_of.values()), device=ids.device)
         return run_pairs(self.slots, module, hidden, ids, weights, k, lut, out)
@@ -299,8 +304,13 @@ class ExpertPool:
         if router is None:
             return
         chosen = router(hidden)[2]  # (logits, weights, indices) -> [T, k]
-        experts, counts = torch.unique(chosen, return_counts=True)
-        for expert in experts[counts.argsort(descending=True, stable=True)].tolist():  # most wanted first
+        if chosen.numel() <= FEW_PAIRS:  # a decode step's few choices: counted in Python
+            picks = chosen.reshape(-1).tolist()
+            wanted = sorted(set(picks), key=lambda e: (-picks.count(e), e))
+        else:
+            experts, counts = torch.unique(chosen, return_counts=True)
+            wanted = experts[counts.argsort(descending=True, stable=True)].tolist()
+        for expert in wanted:  # most wanted first (ties: the lower number)
             key = (target, expert)
             if key in self._where:
                 continue

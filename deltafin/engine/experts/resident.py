@@ -13,7 +13,7 @@ import torch
 
 from deltafin.engine.experts.checkpoint import ExpertIndex
 from deltafin.engine.experts.reader import ExpertReader
-from deltafin.engine.experts.routing import combine, run_pairs
+from deltafin.engine.experts.routing import FEW_PAIRS, combine, run_listed_pairs, run_pairs
 from deltafin.engine.experts.slots import PackedSlots
 from deltafin.engine.quant.formats import UnsupportedQuantization
 
@@ -49,6 +49,13 @@ class ResidentExperts:
         """hidden: [T, H]; top_k_index, top_k_weights: [T, k] -> the routed experts' output [T, H]."""
         tokens, k = top_k_index.shape
         ids = top_k_index.reshape(-1)
+        if ids.numel() <= FEW_PAIRS:  # a decode step: its few pairs grouped in Python
+            pair_experts = ids.tolist()
+            slot_of = {expert: layer * self.index.experts + expert for expert in set(pair_experts)}
+            out = run_listed_pairs(
+                self.slots, module, hidden, pair_experts, top_k_weights.reshape(-1), k, slot_of, None
+            )
+            return combine(out, tokens, k, hidden.dtype)
         lut = torch.arange(self.index.experts, device=ids.device) + layer * self.index.experts
         out = run_pairs(self.slots, module, hidden, ids, top_k_weights.reshape(-1), k, lut, None)
         return combine(out, tokens, k, hidden.dtype)

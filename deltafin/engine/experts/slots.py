@@ -246,10 +246,13 @@ class PackedSlots:
     def project(self, module: Any, x: torch.Tensor, slot_ids: torch.Tensor) -> torch.Tensor:
         """x: [n, H] rows sorted by slot_ids [n] -> the experts' outputs [n, H] float32 (before routing weights):
         one kernel call for every slot's gate_up, the activation over all rows, one for every slot's down."""
-        rows_in = x.float().contiguous()
         slots, counts = torch.unique_consecutive(slot_ids, return_counts=True)
-        views = [self.views(slot) for slot in slots.tolist()]
-        sizes = counts.tolist()
+        return self.project_runs(module, x, slots.tolist(), counts.tolist())
+
+    def project_runs(self, module: Any, x: torch.Tensor, slots: list[int], sizes: list[int]) -> torch.Tensor:
+        """`project` with the rows' slots given as runs: sizes[i] rows for slots[i], in that order."""
+        rows_in = x.float().contiguous()
+        views = [self.views(slot) for slot in slots]
         spec = self.layout.spec
         shared = (self.kind, spec.group, spec.block)
         gate_up = torch.empty((x.shape[0], 2 * self.intermediate), dtype=torch.float32, device=x.device)
