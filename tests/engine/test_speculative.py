@@ -118,6 +118,18 @@ class TestSameOutputAsWithout:
         timings = spec_end[0].timings
         assert timings["spec_accepted_tokens"] == accepted and timings["spec_draft_tokens"] >= accepted
 
+    def test_the_price_of_a_guess_comes_from_the_passes_the_engine_ran(self, both, ngram, tokenizer):
+        """Every pass is timed; a line through them (fixed cost, cost per token) prices the planner's guesses."""
+        cost = ngram.client.speculation.planner.cost
+        passes = cost.passes
+        (tokens, _, _), (spec_tokens, _, _) = both([greedy(tokenizer, COPY, max_tokens=60)])
+        assert spec_tokens == tokens
+        assert cost.passes > passes and cost.line is not None
+        fixed, per_token = cost.line
+        # both parts of a pass are there (the weights read once, the compute per token), whatever the machine
+        assert fixed > 0 and per_token > 0 and 0 < cost.relative < 1
+        assert cost.pinned is None and ngram.client.speculation.planner.token_cost == cost.relative
+
     def test_open_ended_text(self, both, tokenizer):
         (tokens, _, _), (spec_tokens, _, _) = both([greedy(tokenizer, OPEN, max_tokens=120)])
         assert spec_tokens == tokens and len(tokens[0]) > 50

@@ -8,6 +8,7 @@ from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
 from deltafin.engine.kv.batch import BatchKV
+from deltafin.engine.local.speculative.cost import TokenCost
 from deltafin.engine.local.speculative.ngram import NgramIndex
 from deltafin.engine.local.speculative.planner import PRIOR, DraftPlanner
 
@@ -56,7 +57,8 @@ class TestDraftPlanner:
         for _ in range(6):
             planner.record(good, 8, 8)
             planner.record(bad, 0, 1)
-        assert planner.rate(good) > 0.9 and planner.rate(bad) < 0.25
+        # the bad row's rate is pulled toward all rows' acceptance (its prior), the good row's guesses included
+        assert planner.rate(good) > 0.9 and planner.rate(bad) < 0.35
         good_limit, bad_limit = planner.limits([good, bad], [100, 100])
         assert good_limit >= 8 and bad_limit == 0
 
@@ -66,9 +68,23 @@ class TestDraftPlanner:
         for _ in range(6):
             planner.record(row, 0, 1)
         assert planner.limits([row], [100]) == [0]
-        for _ in range(90):  # steps without guesses: the rate drifts back to the prior
+        for _ in range(90):  # steps without guesses: the rate drifts back up (its own, and all rows' as its prior)
             planner.record(row, 0, 0)
-        assert abs(planner.rate(row) - PRIOR) < 0.05 and planner.limits([row], [100])[0] >= 1
+        assert planner.limits([row], [100])[0] >= 1
+        for _ in range(400):
+            planner.record(row, 0, 0)
+        assert abs(planner.rate(row) - PRIOR) < 0.05
+
+    def test_a_new_row_starts_from_what_the_others_guesses_are_worth(self):
+        """Eight rows: a guess must yield more than at one row (each row's own token already pays the pass), so a
+        row that knows nothing drafts only where the batch's guesses have been accepted."""
+        copying, failing = DraftPlanner(16, 0.25), DraftPlanner(16, 0.25)
+        for _ in range(20):
+            copying.record(Row(), 9, 10)
+            failing.record(Row(), 1, 10)
+        assert copying.prior > 0.85 and failing.prior < 0.3
+        assert min(copying.limits([Row() for _ in range(8)], [100] * 8)) >= 1
+        assert failing.limits([Row() for _ in range(8)], [100] * 8) == [0] * 8
 
     def test_room_caps_the_drafts(self):
         planner = DraftPlanner(8, 0.01)
@@ -85,6 +101,63 @@ class TestDraftPlanner:
         alone = planner.limits(rows[:1], [100])[0]
         batch = planner.limits(rows, [100] * 8)
         assert max(batch) < alone
+
+
+def _passes(cost: TokenCost, fixed: float, per_token: float, tokens=range(8, 25), times: int = 1) -> None:
+    """Passes of 8 to 24 tokens (8 rows, some drafting) that took fixed + per_token * tokens seconds."""
+    for _ in range(times):
+        for count in tokens:
+            cost.record(count, fixed + per_token * count)
+
+
+class TestTokenCost:
+    def test_the_line_through_the_passes_gives_a_tokens_share_of_a_step(self):
+        cost = TokenCost(0.25)
+        _passes(cost, 0.004, 0.002, times=20)
+        a, b = cost.line
+        assert abs(a - 0.004) < 2e-4 and abs(b - 0.002) < 1e-4
+        assert abs(cost.relative - 0.002 / 0.006) < 0.01
+
+    def test_passes_all_of_one_size_keep_the_prior(self):
+        cost = TokenCost(0.25)
+        _passes(cost, 0.004, 0.002, tokens=[8], times=100)
+        a, b = cost.line
+        assert abs(cost.relative - 0.25) < 1e-6 and abs(a + 8 * b - 0.02) < 1e-6
+
+    def test_a_stalled_pass_barely_moves_it(self):
+        cost = TokenCost(0.25)
+        _passes(cost, 0.004, 0.002, times=10)
+        before = cost.relative
+        cost.record(24, 5.0)  # preempted: 5 s instead of 52 ms
+        assert abs(cost.relative - before) < 0.02
+
+    def test_nonsense_is_ignored(self):
+        cost = TokenCost(0.25)
+        cost.record(0, 0.01)
+        cost.record(8, 0.0)
+        cost.record(8, float("nan"))
+        assert cost.passes == 0 and cost.relative == 0.25
+
+
+class TestMeasuredCostInThePlanner:
+    def test_drafting_stops_when_tokens_are_measured_expensive_and_resumes_when_cheap(self):
+        planner = DraftPlanner(16, 0.25)
+        rows = [Row() for _ in range(8)]
+        for row in rows:
+            planner.record(row, 9, 10)
+        assert min(planner.limits(rows, [100] * 8)) >= 1  # the prior cost: every row guesses
+        _passes(planner.cost, 0.0005, 0.004, times=40)  # a token costs nearly a whole step
+        assert planner.token_cost > 0.85
+        assert planner.limits(rows, [100] * 8) == [0] * 8
+        _passes(planner.cost, 0.02, 0.0002, times=200)  # the weights' read is all a step costs
+        assert planner.token_cost < 0.03
+        assert min(planner.limits(rows, [100] * 8)) >= 8
+
+    def test_a_pinned_cost_overrides_the_measurements(self):
+        planner = DraftPlanner(16, 0.25)
+        _passes(planner.cost, 0.0005, 0.004, times=40)
+        planner.token_cost = 0.05
+        assert planner.token_cost == 0.05 and planner.cost.passes == 40 * 17
 
 
 def _cache(length: int, value: float) -> DynamicCache:

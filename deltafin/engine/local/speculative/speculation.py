@@ -25,6 +25,7 @@ placement.compile); the native step always runs its many-token pass, which write
 from __future__ import annotations
 
 import collections
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -36,6 +37,7 @@ from deltafin.engine.kv import states
 from deltafin.engine.kv.batch import BatchKV, Placement
 from deltafin.engine.kv.cache_layers import cache_of, exact_length_only, single_row
 from deltafin.engine.local.row import Row
+from deltafin.engine.local.speculative.cost import TokenCost
 from deltafin.engine.local.speculative.forward import ManyTokenForward
 from deltafin.engine.local.speculative.planner import DraftPlanner
 
@@ -84,7 +86,9 @@ class Speculation:
         self.decode = decode
         self.cache_arg = cache_arg
         self.device = device
-        self.planner = DraftPlanner(most, forward.relative_cost + drafter.cost_per_token)
+        self.planner = DraftPlanner(most, TokenCost(forward.relative_cost + drafter.cost_per_token))
+        #: whether a pass's time is known when `run` returns (on an accelerator it is queued, not done)
+        self._timed = device.type == "cpu"
         #: totals since start (tests and benchmarks read them; requests get theirs on their log line)
         self.drafted = 0
         self.accepted = 0
@@ -93,6 +97,7 @@ class Speculation:
 
     def verify(self, rows: list[Row], kv: BatchKV) -> Verification:
         """Drafts, then one forward pass over every row's pending token and draft."""
+        started = time.perf_counter()
         room = [max(0, row.max_new - row.decoder.count - 1) for row in rows]
         drafts = self.drafter.propose(rows, self.planner.limits(rows, room))
         drafts = [draft[:limit] for draft, limit in zip(drafts, room)]
@@ -104,7 +109,10 @@ class Speculation:
         width = kv.width
         placement = kv.place([len(f) for f in fed], own_columns=self.forward.own_columns)
         logits = self.forward.run(kv, fed, placement)
-        return Verification(rows, fed, logits, self._argmax(rows, logits), placement, saved, width)
+        argmax = self._argmax(rows, logits)
+        if self._timed:  # drafting, the pass and its transfer: what the planner prices a token from
+            self.planner.cost.record(sum(placement.fed), time.perf_counter() - started)
+        return Verification(rows, fed, logits, argmax, placement, saved, width)
 
     def joined(self, rows: list[Row], work: Any) -> None:
         """Rows joined the batch from the prompt `work` (a PromptPrefill; a drafter that reads the model's
