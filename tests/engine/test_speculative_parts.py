@@ -75,6 +75,17 @@ class TestDraftPlanner:
             planner.record(row, 0, 0)
         assert abs(planner.rate(row) - PRIOR) < 0.05
 
+    def test_in_a_full_batch_a_row_it_knows_little_of_tries_one_guess(self):
+        """At 8 rows a guess at the prior rate (0.7) does not pay (it must yield 0.25 * 8 / 2.75 = 0.73 of a
+        token): each row tries one anyway, to learn whether it copies, and stops once its guesses fail."""
+        planner = DraftPlanner(16, 0.25)
+        rows = [Row() for _ in range(8)]
+        assert planner.limits(rows, [100] * 8) == [1] * 8
+        for _ in range(3):
+            for row in rows:
+                planner.record(row, 0, 1)
+        assert planner.limits(rows, [100] * 8) == [0] * 8
+
     def test_a_new_row_starts_from_what_the_others_guesses_are_worth(self):
         """Eight rows: a guess must yield more than at one row (each row's own token already pays the pass), so a
         row that knows nothing drafts only where the batch's guesses have been accepted."""
@@ -146,8 +157,8 @@ class TestMeasuredCostInThePlanner:
         for row in rows:
             planner.record(row, 9, 10)
         assert min(planner.limits(rows, [100] * 8)) >= 1  # the prior cost: every row guesses
-        _passes(planner.cost, 0.0005, 0.004, times=40)  # a token costs nearly a whole step
-        assert planner.token_cost > 0.85
+        _passes(planner.cost, 0.0, 0.004, times=40)  # a token costs a whole step: a guess cannot pay
+        assert planner.token_cost > 0.9
         assert planner.limits(rows, [100] * 8) == [0] * 8
         _passes(planner.cost, 0.02, 0.0002, times=200)  # the weights' read is all a step costs
         assert planner.token_cost < 0.03

@@ -9,9 +9,10 @@ decode step feeding that token would give, and leaves their keys and values in t
 - the fused torch step and transformers' forward append the same number of columns to every row (rows with
   fewer tokens are padded), and match a decode step up to float reassociation.
 
-`relative_cost`: what one more token in the pass costs, relative to a one-token decode step (the planner's
-price of a guess). Measured on the default model on 2 cores (docs/benchmarks.md, bench/speculative.py): a pass
-of 8 tokens costs about 2.5 decode steps on the native step, so a token about a quarter of a step.
+`relative_cost`: what one more token in the pass costs, relative to a one-token decode step: the planner's
+price of a guess until the passes it times say otherwise (deltafin.engine.local.speculative.cost). On the
+default model on 2 cores, a native pass of 8 tokens costs about 2.3 one-token passes, a token 0.2-0.25 of one
+in the engine, whether the tokens are one row's draft or eight rows' next tokens.
 """
 
 from __future__ import annotations
@@ -26,8 +27,9 @@ from deltafin.engine.llama.fused import FusedLlamaStep
 from deltafin.engine.llama.fused_static import StaticFusedStep
 from deltafin.engine.llama.native import NativeLlamaStep
 
-#: a token's share of a decode step's cost on the CPU (see the module docstring); on an accelerator a step is
-#: bound by reading the weights, whatever the token count
+#: a token's share of a decode step's cost on the CPU, before any pass is timed (see the module docstring); on
+#: an accelerator a step is bound by reading the weights, whatever the token count (passes there are not timed:
+#: they are queued, not done, when the call returns)
 CPU_TOKEN_COST = 0.25
 ACCELERATOR_TOKEN_COST = 0.05
 

@@ -13,11 +13,15 @@ A row's rate is the share of its recent guesses accepted, older steps weighing l
 `PRIOR_WEIGHT` guesses: the share of all rows' recent guesses accepted (`PRIOR` before any), so a row that joins
 a batch of rows copying their prompts starts where they are, and one joining rows whose guesses fail starts low.
 A row that stopped guessing drifts back toward that prior, so it tries again after a while: text that starts
-repeating itself is noticed.
+repeating itself is noticed. What is known of a rate is uncertain while it rests on few guesses, and a guess that
+does not pay on average can still pay by what it teaches: a row's first guess of a step is judged by its rate
+plus its standard error (`EXPLORE`), so a new row in a full batch tries one guess (where its rate alone would
+keep it from guessing, and the batch would never learn it copies), and a row whose guesses keep failing stops.
 """
 
 from __future__ import annotations
 
+import math
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -31,6 +35,10 @@ PRIOR_WEIGHT = 2.0
 DECAY = 0.8
 #: ... and at each step without (the rate drifts back toward the prior)
 IDLE_DECAY = 0.95
+#: a row's first guess of a step is judged by its rate plus this many standard errors of it: a row the planner
+#: knows little about (new, or idle a while) tries one guess where its rate alone would not pay, so a batch
+#: of rows that copy their prompts finds out, and a row whose guesses fail stops trying once its rate is known
+EXPLORE = 1.0
 #: how much all rows' earlier guesses still weigh at each row's next step (the prior of every row)
 OVERALL_DECAY = 0.99
 
@@ -71,22 +79,29 @@ class DraftPlanner:
 
     def limits(self, rows: Sequence[Any], room: Sequence[int]) -> list[int]:
         """Guesses each row may draft this step; `room[i]`: the most row i can use (its budget, the context)."""
-        rates = [self.rate(row) for row in rows]
+        prior = self.prior
+        rates, hopes = [], []
+        for row in rows:
+            found = self._rates.get(row) or _Rate()
+            rate = found.value(prior)
+            rates.append(rate)
+            hopes.append(min(1.0, rate + EXPLORE * math.sqrt(rate * (1 - rate) / (found.tested + PRIOR_WEIGHT))))
         token_cost = self.token_cost
         limits = [0] * len(rows)
         yielded, cost = float(len(rows)), 1.0 + token_cost * (len(rows) - 1)
-        # each row's next guess yields rate^(j+1); take the best one while it pays at the current throughput
+        # each row's next guess yields rate^(j+1) (its first is judged by its hope); take the best one while it
+        # pays at the current throughput
         while True:
-            best, gain = -1, 0.0
+            best, gain, expected = -1, 0.0, 0.0
             for i, rate in enumerate(rates):
                 if limits[i] < min(self.most, room[i]):
-                    candidate = rate ** (limits[i] + 1)
+                    candidate = rate ** (limits[i] + 1) if limits[i] else hopes[i]
                     if candidate > gain:
-                        best, gain = i, candidate
+                        best, gain, expected = i, candidate, rate ** (limits[i] + 1)
             if best < 0 or gain <= token_cost * yielded / cost:
                 return limits
             limits[best] += 1
-            yielded += gain
+            yielded += expected
             cost += token_cost
 
     def record(self, row: Any, accepted: int, tested: int) -> None:

@@ -66,6 +66,8 @@ class Verification:
     saved: states.Snapshot | None = None
     #: the cache width before the pass
     width: int = 0
+    #: when the step began (time.perf_counter): `settle` prices a token from the whole step's time
+    started: float = 0.0
 
 
 class Speculation:
@@ -109,10 +111,7 @@ class Speculation:
         width = kv.width
         placement = kv.place([len(f) for f in fed], own_columns=self.forward.own_columns)
         logits = self.forward.run(kv, fed, placement)
-        argmax = self._argmax(rows, logits)
-        if self._timed:  # drafting, the pass and its transfer: what the planner prices a token from
-            self.planner.cost.record(sum(placement.fed), time.perf_counter() - started)
-        return Verification(rows, fed, logits, argmax, placement, saved, width)
+        return Verification(rows, fed, logits, self._argmax(rows, logits), placement, saved, width, started)
 
     def joined(self, rows: list[Row], work: Any) -> None:
         """Rows joined the batch from the prompt `work` (a PromptPrefill; a drafter that reads the model's
@@ -182,6 +181,8 @@ class Speculation:
                         self._refeed(kv, checked, i, checked.fed[i][:keep])
             if kv.holes >= max(HOLES_MIN, HOLES_SHARE * kv.width * kv.rows):
                 kv.compact()
+            if self._timed:  # the whole step (drafting, the pass, taking the tokens): what a token is priced from
+                self.planner.cost.record(sum(checked.placement.fed), time.perf_counter() - checked.started)
         return finished
 
     def _take(self, row: Row, fed: list[int], logits: torch.Tensor, argmax: list[int] | None) -> tuple[int, int, bool]:
