@@ -143,7 +143,7 @@ def main() -> None:
     args = parser.parse_args()
     common = ["server.memo.entries=0", "server.queue.timeout_s=3600", "server.queue.max_waiting=64"]
     deltafins = {
-        "deltafin none": LiveServer(common),
+        "deltafin none": LiveServer([*common, "engine.speculative.method=none"]),
         "deltafin ngram": LiveServer([*common, "engine.speculative.method=ngram"]),
     }
     llamas: dict[str, tuple] = {}

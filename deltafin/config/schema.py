@@ -271,7 +271,9 @@ class ModelConfig:
     path: str = MISSING
     # with a Hub id in `path`: its branch, tag or commit (null: the default branch)
     revision: Optional[str] = checked(_revision, default=None)
-    aliases: list[str] = checked(_served_names, default_factory=list)  # other names clients may send for this model (one with `*` is a pattern: claude-*)
+    aliases: list[str] = checked(
+        _served_names, default_factory=list
+    )  # other names clients may send for this model (one with `*` is a pattern: claude-*)
     variant: Optional[str] = None  # a variant of the family (GLM: glm45 | glm47); null = the family's default
     # vLLM / SGLang parser names (`model.tool_parser=glm47`), accepted for familiarity: a family or variant name,
     # which only selects the variant; the family owns its parsers
@@ -280,7 +282,9 @@ class ModelConfig:
     # prompt + completion tokens; null = the checkpoint's max_position_embeddings
     context_length: Optional[int] = ranged(None, 1, 1 << 30)
     chat_format: ChatFormatName = ChatFormatName.template  # who renders the prompt
-    content_format: ContentFormat = ContentFormat.string  # how the template reads message content (a string, or OpenAI's parts)
+    content_format: ContentFormat = (
+        ContentFormat.string
+    )  # how the template reads message content (a string, or OpenAI's parts)
     thinking_kwarg: Optional[str] = None  # the chat_template_kwargs key that turns thinking on/off (/parse reads it)
     trust_remote_code: bool = False  # run the checkpoint's own model and tokenizer code
     dtype: ModelDtype = ModelDtype.auto  # the weights' dtype; auto = placement.dtype
@@ -344,8 +348,12 @@ class QueueConfig:
     # a request that waited this long (for a prompt thread, then the engine) gets 429; 8 rows of 64-token answers
     # take ~9 s on 2 cores, so 16 waiters fit (docs/benchmarks.md)
     timeout_s: float = ranged(30.0, 0, 86400)
-    large_body_bytes: int = ranged(65536, 1, 1 << 40)  # bodies this large have their prompt worked on in a lane of their own ...
-    max_large_prompts: int = ranged(2, 1, 1 << 20)  # ... which holds at most this many (queued or running); past that, 429
+    large_body_bytes: int = ranged(
+        65536, 1, 1 << 40
+    )  # bodies this large have their prompt worked on in a lane of their own ...
+    max_large_prompts: int = ranged(
+        2, 1, 1 << 20
+    )  # ... which holds at most this many (queued or running); past that, 429
     # smaller bodies have their prompt rendered on the event loop itself (~0.1 ms, less than the hop to a prompt
     # thread and back); 0 sends every prompt to a thread
     inline_body_bytes: int = ranged(8192, 0, 1 << 40)
@@ -367,7 +375,9 @@ def _folder(path: Any) -> str | None:
 class PrefixCacheConfig:
     """The prefix cache (docs/prefix-cache.md): RAM under a byte budget, then an optional disk tier."""
 
-    enabled: bool = True  # reuse the KV cache of an earlier request's shared prefix (multi-turn, agents); false stores nothing
+    enabled: bool = (
+        True  # reuse the KV cache of an earlier request's shared prefix (multi-turn, agents); false stores nothing
+    )
     min_tokens: int = ranged(16, 1, 1 << 30)  # shorter shared prefixes are recomputed
     # bytes of RAM the cached attention positions, recurrent states and checkpoints take at most (least recently
     # used entries leave first, those never reused before those reused); the process may exceed it by the running
@@ -375,7 +385,9 @@ class PrefixCacheConfig:
     max_bytes: int = ranged(2 << 30, 0, 1 << 50)
     # a folder for the disk tier (survives restarts; several processes may share it); null = no disk tier
     disk_dir: Optional[str] = checked(_folder, default=None)
-    disk_max_bytes: int = ranged(16 << 30, 0, 1 << 56)  # bytes of block files the disk folder holds at most (oldest go first)
+    disk_max_bytes: int = ranged(
+        16 << 30, 0, 1 << 56
+    )  # bytes of block files the disk folder holds at most (oldest go first)
     # prompt positions per block file; a prompt is reused from disk in whole blocks
     disk_block_tokens: int = ranged(64, 1, 1 << 20)
     # hybrid models (linear-attention layers): copy the recurrent and convolution states every N prompt tokens, so a
@@ -389,8 +401,12 @@ class PrefixCacheConfig:
 
 @dataclass
 class TemplateConfig:
-    trust_request_chat_template: bool = False  # true lets a request's chat_template_kwargs.chat_template replace the model's
-    render_timeout_s: float = ranged(2.0, 0.01, 600)  # a chat template render (the model's or a request's) past this is a 400
+    trust_request_chat_template: bool = (
+        False  # true lets a request's chat_template_kwargs.chat_template replace the model's
+    )
+    render_timeout_s: float = ranged(
+        2.0, 0.01, 600
+    )  # a chat template render (the model's or a request's) past this is a 400
     max_rendered_chars: int = ranged(8 * 1024 * 1024, 1, 1 << 34)  # a rendered prompt larger than this is a 400
 
 
@@ -427,7 +443,9 @@ class ResponsesConfig:
     # each API key's records at most (past it its own oldest leave); null = an equal share of max_entries among
     # server.api_keys (all of it without keys), so one key's responses never push out another's
     max_entries_per_key: Optional[int] = ranged(None, 0, 1 << 30)
-    max_bytes_per_key: Optional[int] = ranged(None, 0, 1 << 40)  # each API key's bytes at most; null = an equal share of max_bytes
+    max_bytes_per_key: Optional[int] = ranged(
+        None, 0, 1 << 40
+    )  # each API key's bytes at most; null = an equal share of max_bytes
     # hosted tools (web_search, file_search, ...): drop (named in x-deltafin-dropped-tools) | reject (400)
     unsupported_tools: UnsupportedTools = UnsupportedTools.drop
 
@@ -462,7 +480,9 @@ class ServerConfig:
     # routes served without an API key when api_keys is set: a subset of /health, /metrics, /schema (/schema
     # covers /schema/openapi.json and the UIs); every other route, unknown paths included, needs the key
     open_routes: list[str] = checked(_open_routes, default_factory=lambda: list(OPENABLE_ROUTES))
-    shutdown_grace_s: float = ranged(10.0, 0, 3600)  # SIGTERM/SIGINT: in-flight generations get this long, then end with an error event
+    shutdown_grace_s: float = ranged(
+        10.0, 0, 3600
+    )  # SIGTERM/SIGINT: in-flight generations get this long, then end with an error event
     templates: TemplateConfig = field(default_factory=TemplateConfig)
     connections: ConnectionsConfig = field(default_factory=ConnectionsConfig)
     responses: ResponsesConfig = field(default_factory=ResponsesConfig)
@@ -486,10 +506,13 @@ class SpeculativeConfig:
     guesses in the same pass that computes its next token, so a step can give several tokens for one read of the
     weights. Lossless: greedy output is token for token what `none` gives; sampled output too for a given seed."""
 
-    # none | ngram (guesses copied from the prompt and the text so far) | draft (a smaller model with the same
-    # tokenizer guesses: draft_path) | mtp (the checkpoint's own multi-token-prediction layers guess)
-    method: SpeculativeMethod = SpeculativeMethod.none
-    tokens: int = ranged(16, 1, 64)  # most tokens guessed for a row in one step (each row's count adapts to its acceptance)
+    # ngram (guesses copied from the prompt and the text so far; rows whose guesses do not pay stop guessing) |
+    # none | draft (a smaller model with the same tokenizer guesses: draft_path) | mtp (the checkpoint's own
+    # multi-token-prediction layers guess); docs/benchmarks.md says why ngram is the default
+    method: SpeculativeMethod = SpeculativeMethod.ngram
+    tokens: int = ranged(
+        16, 1, 64
+    )  # most tokens guessed for a row in one step (each row's count adapts to its acceptance)
     ngram_min: int = ranged(2, 1, 64)  # ngram: shortest run of the latest tokens looked up earlier in the text
     ngram_max: int = ranged(8, 1, 64)  # ngram: longest such run (longer matches are tried first)
     # draft: the draft model, a HF folder, .gguf file or pkg:PACKAGE/FILE served by the same engine kinds as the
@@ -504,7 +527,9 @@ class EngineConfig:
 
     # who generates: a callable `(config) -> EngineClient` (the local torch engine, or an upstream's builder)
     _target_: str = "deltafin.engine.local.build.build_local_engine"
-    max_batch: int = ranged(8, 1, 1024)  # local: rows (choices of requests) decoded together in one step; more wait in the queue
+    max_batch: int = ranged(
+        8, 1, 1024
+    )  # local: rows (choices of requests) decoded together in one step; more wait in the queue
     # local: prompt positions prefilled between two decode steps (chunked prefill): a running stream waits about one
     # chunk plus one step for its next token while a long prompt prefills; smaller chunks make that wait shorter and
     # a long prefill slower (docs/benchmarks.md: 64 prefills a 3k prompt as fast as 128, with half the wait)
@@ -514,17 +539,25 @@ class EngineConfig:
     # turn holds no row and shorter ones pass it, so short requests start while long prompts prefill (vLLM's
     # long_prefill_token_threshold, max_long_partial_prefills); null: every prompt alike
     long_prefill_tokens: Optional[int] = ranged(1024, 1, 1 << 30)
-    max_long_prefills: int = ranged(2, 1, 1024)  # local: long prefills at once (a row is always left for other requests)
+    max_long_prefills: int = ranged(
+        2, 1, 1024
+    )  # local: long prefills at once (a row is always left for other requests)
     # local: speculative decoding (engine.speculative.method=ngram, ...); docs/benchmarks.md has its figures
     speculative: SpeculativeConfig = checked(_speculation, default_factory=SpeculativeConfig)
     url: Optional[str] = checked(_http_url, default=None)  # upstream: its base URL, e.g. http://gpu-node:8000
     api: UpstreamApi = UpstreamApi.auto  # vLLM upstream: its route (auto: /inference/v1/generate, else /v1/completions)
     model: Optional[str] = None  # upstream: the `model` field sent; null leaves it out (the upstream serves one model)
     api_key: Optional[str] = None  # upstream: sent as `Authorization: Bearer <key>` when set
-    max_inflight: int = ranged(64, 1, 1 << 16)  # upstream: generations (choices) in flight at once; the queue holds the rest
-    connect_timeout_s: float = ranged(5.0, 0.001, 3600)  # upstream: TCP connect (and write) timeout; a failed connect is 503
+    max_inflight: int = ranged(
+        64, 1, 1 << 16
+    )  # upstream: generations (choices) in flight at once; the queue holds the rest
+    connect_timeout_s: float = ranged(
+        5.0, 0.001, 3600
+    )  # upstream: TCP connect (and write) timeout; a failed connect is 503
     read_timeout_s: float = ranged(600.0, 0.001, 86400)  # upstream: longest silence between two stream events; then 504
-    retry_after_s: int = ranged(2, 0, 3600)  # upstream: Retry-After sent with 503s (and 429s when the upstream names none)
+    retry_after_s: int = ranged(
+        2, 0, 3600
+    )  # upstream: Retry-After sent with 503s (and 429s when the upstream names none)
     spare_connections: int = ranged(1, 0, 64)  # upstream: connections opened ahead of need (0: connect on demand)
 
 

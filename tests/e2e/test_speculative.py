@@ -1,6 +1,6 @@
-"""Speculative decoding over HTTP with the openai client: the default model with n-gram speculation answers
-exactly as the same model without it, streamed or not; its request log line says how many guesses were kept,
-and /metrics counts them by model."""
+"""Speculative decoding over HTTP with the openai client: the default model with n-gram speculation (the default
+method) answers exactly as the same model without it, streamed or not; its request log line says how many
+guesses were kept, and /metrics counts them by model."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from tests.shared_server import shared_model
 
 pytestmark = pytest.mark.e2e
 
-#: the default model with n-gram speculation, memo off (every request really runs), beside the shared server's main
-#: model: the same model without speculation
-NGRAM = shared_model("ngram", lambda root: (None, ["engine.speculative.method=ngram", "server.memo.entries=0"]))
-PLAIN = "smollm2"
+#: the default model with n-gram speculation (the default method), memo off (every request really runs), beside
+#: the same model without speculation
+NGRAM = shared_model("ngram", lambda root: (None, ["server.memo.entries=0"]))
+NONE = shared_model("no-speculation", lambda root: (None, ["engine.speculative.method=none"]))
 
 
 def ask(client: openai.OpenAI, model: str, *, stream: bool, request_id: str | None = None) -> str:
@@ -39,7 +39,7 @@ def counter(metrics: str, name: str, model: str) -> float:
 
 def test_the_same_answer_with_guesses_kept_logged_and_counted(local_server: LiveServer):
     client = openai.OpenAI(base_url=f"{local_server.base_url}/v1", api_key="x", max_retries=0, timeout=300)
-    plain = ask(client, PLAIN, stream=False)
+    plain = ask(client, NONE.name, stream=False)
     before = httpx.get(f"{local_server.base_url}/metrics").text
     request_id = uuid.uuid4().hex
     assert ask(client, NGRAM.name, stream=True, request_id=request_id) == plain
@@ -51,7 +51,7 @@ def test_the_same_answer_with_guesses_kept_logged_and_counted(local_server: Live
     after = httpx.get(f"{local_server.base_url}/metrics").text
     for name in ("deltafin_spec_draft_tokens_total", "deltafin_spec_accepted_tokens_total"):
         assert counter(after, name, NGRAM.name) - counter(before, name, NGRAM.name) > 2 * 10
-        assert counter(after, name, PLAIN) == 0
+        assert counter(after, name, NONE.name) == 0
     plain_id = uuid.uuid4().hex
-    ask(client, PLAIN, stream=True, request_id=plain_id)
+    ask(client, NONE.name, stream=True, request_id=plain_id)
     assert "spec_draft_tokens" not in local_server.request_log(plain_id)
