@@ -12,7 +12,7 @@ import pytest
 from deltafin.config import SpeculativeConfig
 from deltafin.engine import EngineFront, Finished, GenerationJob, TextDelta
 from deltafin.engine.local.engine import LocalEngine
-from deltafin.protocol.sampling import Constraint, SamplingParams
+from deltafin.protocol.sampling import Constraint, ReasoningBudget, SamplingParams
 from tests.grammar.decoding import grammar_compiler
 
 FUNCTION = '''def summarize_orders(orders, tax_rate, discount_codes):
@@ -175,6 +175,19 @@ class TestSameOutputAsWithout:
         jobs = [GenerationJob(ids, SamplingParams(max_tokens=50, temperature=0.8, seed=s)) for s in (5, 6, 7)]
         (tokens, _, _), (spec_tokens, _, _) = both(jobs)
         assert spec_tokens == tokens and len({tuple(t) for t in tokens.values()}) == 3
+
+    @pytest.mark.parametrize("budget", [0, 9, 30])
+    def test_a_thinking_budget_forcing_its_end_inside_a_draft(self, both, ngram, tokenizer, budget):
+        # The prompt's output counts as reasoning from its first token; at the budget the end is forced, where a
+        # copying row's draft (and greedy's argmax) says otherwise.
+        end = "</reasoning>"
+        forced = tuple(tokenizer(end, add_special_tokens=False).input_ids)
+        reasoning = ReasoningBudget(tokens=budget, ends=(end,), forced=forced, forced_text=end, opened="<think>")
+        job = greedy(tokenizer, COPY, max_tokens=60, ignore_eos=True, reasoning_budget=reasoning)
+        drafted = ngram.client.speculation.drafted
+        (tokens, _, _), (spec_tokens, _, _) = both([job])
+        assert spec_tokens == tokens and tuple(tokens[0][budget : budget + len(forced)]) == forced
+        assert ngram.client.speculation.drafted > drafted
 
     def test_a_grammar_row(self, both, tokenizer, loaded_model):
         ready = grammar_compiler(tokenizer, ngram_vocab(loaded_model), loaded_model.stop_token_ids)

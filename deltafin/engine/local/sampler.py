@@ -79,8 +79,9 @@ class Sampler:
     @property
     def plain_greedy(self) -> bool:
         """Greedy with nothing to apply: the token is the argmax of the raw float32 logits, so a caller may take
-        the argmax of many positions at once (speculative verification) and get what `sample` would."""
-        return self._plain_greedy
+        the argmax of many positions at once (speculative verification) and get what `sample` would. Not while
+        the row's thinking budget may still force the end of reasoning: a forced token is no argmax."""
+        return self._plain_greedy and (self.reasoning is None or self.reasoning.over)
 
     def observe(self, token_id: int) -> None:
         """The row emitted `token_id`: update penalty state and advance the constraint."""

@@ -45,6 +45,11 @@ class ReasoningTracker:
         self._at = 0  # the next forced id's index
         self._forced_text = ""
 
+    @property
+    def over(self) -> bool:
+        """The budgeted reasoning is behind this choice: nothing will be forced any more."""
+        return self.state == DONE
+
     def next_forced(self) -> int | None:
         """The id this choice must take next (the forced end of reasoning), or None: it samples freely."""
         if self.state == COUNTING and self.tokens >= self.budget.tokens:
