@@ -288,6 +288,37 @@ static inline float total_of_lanes(const float *l) {
     return t2[0] + t2[1];
 }
 
+/* The tiles' last step: out[i * MB + j] = the total of accumulator (i, j)'s 16 lanes (AVX2 keeps them as two
+   halves of 8), the same order in every variant. */
+#if defined(DELTAFIN_VARIANT_AVX512)
+static inline __attribute__((always_inline)) void lane_totals(const int NB, const int MB, __m512 acc[TILE][TILE],
+                                                              float *out) {
+    for (int i = 0; i < NB; i++)
+        for (int j = 0; j < MB; j++) {
+            float l[LANES];
+            _mm512_storeu_ps(l, acc[i][j]);
+            out[i * MB + j] = total_of_lanes(l);
+        }
+}
+#elif defined(DELTAFIN_VARIANT_AVX2)
+static inline __attribute__((always_inline)) void lane_totals(const int NB, const int MB, __m256 lo[TILE][TILE],
+                                                              __m256 hi[TILE][TILE], float *out) {
+    for (int i = 0; i < NB; i++)
+        for (int j = 0; j < MB; j++) {
+            float l[LANES];
+            _mm256_storeu_ps(l, lo[i][j]);
+            _mm256_storeu_ps(l + 8, hi[i][j]);
+            out[i * MB + j] = total_of_lanes(l);
+        }
+}
+#else
+static inline __attribute__((always_inline)) void lane_totals(const int NB, const int MB,
+                                                              float acc[TILE][TILE][LANES], float *out) {
+    for (int i = 0; i < NB; i++)
+        for (int j = 0; j < MB; j++) out[i * MB + j] = total_of_lanes(acc[i][j]);
+}
+#endif
+
 /* out[i * mb + j] = decoded row i . activation row j, for i < NB, j < MB (constants at each call site).
    `w` rows are `kp` floats (zero-padded); x rows are `k` floats, `ldx` apart. */
 static inline __attribute__((always_inline)) void tile_dot(const int NB, const int MB, const float *w, int64_t kp,
@@ -307,12 +338,7 @@ static inline __attribute__((always_inline)) void tile_dot(const int NB, const i
             for (int j = 0; j < MB; j++) acc[i][j] = _mm512_add_ps(acc[i][j], _mm512_mul_ps(wv, xv[j]));
         }
     }
-    for (int i = 0; i < NB; i++)
-        for (int j = 0; j < MB; j++) {
-            float l[LANES];
-            _mm512_storeu_ps(l, acc[i][j]);
-            out[i * MB + j] = total_of_lanes(l);
-        }
+    lane_totals(NB, MB, acc, out);
 #elif defined(DELTAFIN_VARIANT_AVX2)
     const int64_t full = k / LANES * LANES;
     __m256 lo[TILE][TILE], hi[TILE][TILE];
@@ -343,13 +369,7 @@ static inline __attribute__((always_inline)) void tile_dot(const int NB, const i
             }
         }
     }
-    for (int i = 0; i < NB; i++)
-        for (int j = 0; j < MB; j++) {
-            float l[LANES];
-            _mm256_storeu_ps(l, lo[i][j]);
-            _mm256_storeu_ps(l + 8, hi[i][j]);
-            out[i * MB + j] = total_of_lanes(l);
-        }
+    lane_totals(NB, MB, lo, hi, out);
 #else
     float acc[TILE][TILE][LANES];
     for (int i = 0; i < NB; i++)
@@ -363,8 +383,7 @@ static inline __attribute__((always_inline)) void tile_dot(const int NB, const i
             for (int j = 0; j < MB; j++)
                 for (int l = 0; l < LANES; l++) acc[i][j][l] = acc[i][j][l] + w[i * kp + c + l] * xv[j][l];
     }
-    for (int i = 0; i < NB; i++)
-        for (int j = 0; j < MB; j++) out[i * MB + j] = total_of_lanes(acc[i][j]);
+    lane_totals(NB, MB, acc, out);
 #endif
 }
 
@@ -413,12 +432,7 @@ static inline __attribute__((always_inline)) void fused_tile(const pmatrix *w, c
             }
         }
     }
-    for (int i = 0; i < NB; i++)
-        for (int j = 0; j < MB; j++) {
-            float l[LANES];
-            _mm512_storeu_ps(l, acc[i][j]);
-            out[i * MB + j] = total_of_lanes(l);
-        }
+    lane_totals(NB, MB, acc, out);
 #elif defined(DELTAFIN_VARIANT_AVX2)
     __m256 lo[TILE][TILE], hi[TILE][TILE];
     for (int i = 0; i < NB; i++)
@@ -436,13 +450,7 @@ static inline __attribute__((always_inline)) void fused_tile(const pmatrix *w, c
             }
         }
     }
-    for (int i = 0; i < NB; i++)
-        for (int j = 0; j < MB; j++) {
-            float l[LANES];
-            _mm256_storeu_ps(l, lo[i][j]);
-            _mm256_storeu_ps(l + 8, hi[i][j]);
-            out[i * MB + j] = total_of_lanes(l);
-        }
+    lane_totals(NB, MB, lo, hi, out);
 #else
     float acc[TILE][TILE][LANES];
     for (int i = 0; i < NB; i++)
@@ -459,8 +467,7 @@ static inline __attribute__((always_inline)) void fused_tile(const pmatrix *w, c
                 }
         }
     }
-    for (int i = 0; i < NB; i++)
-        for (int j = 0; j < MB; j++) out[i * MB + j] = total_of_lanes(acc[i][j]);
+    lane_totals(NB, MB, acc, out);
 #endif
 }
 
