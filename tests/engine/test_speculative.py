@@ -256,7 +256,16 @@ class TestFloatWeights:
             return [tokens for tokens, _, _ in await asyncio.gather(*tasks)]
 
         assert run(together()) == solo
-        assert spec.client.speculation.accepted > 10
+        speculation = spec.client.speculation
+        assert speculation.accepted > 10
+        # where no guess pays, every step is the plain decode step, and each is still timed: the price of a
+        # guess keeps being measured, so one measured too high can come down
+        speculation.planner.token_cost = 1.0
+        steps, passes = len(speculation.drafts), speculation.planner.cost.passes
+        assert run(collect(spec, [jobs[0]]))[0] == solo[0]
+        steps = len(speculation.drafts) - steps
+        assert steps > 70 and set(speculation.drafts[-1]) == {0}
+        assert speculation.planner.cost.passes - passes == steps
         run(plain.client.aclose())
         run(spec.client.aclose())
 

@@ -142,6 +142,17 @@ class TestTokenCost:
         cost.record(24, 5.0)  # preempted: 5 s instead of 52 ms
         assert abs(cost.relative - before) < 0.02
 
+    def test_a_stall_among_the_first_passes_is_clipped_and_later_passes_bring_the_price_down(self):
+        """A first call's allocations can make an early pass many times slower: counted whole, one such pass
+        put c at 1, where no guess pays and the steps (all of one size then) never moved it again."""
+        cost = TokenCost(0.25)
+        cost.record(2, 0.05)
+        cost.record(17, 1.0)  # a warm-up stall: ~0.2 s expected
+        assert cost.relative < 0.9
+        for _ in range(50):  # plain one-token steps at their usual 40 ms
+            cost.record(1, 0.04)
+        assert cost.relative < 0.6
+
     def test_nonsense_is_ignored(self):
         cost = TokenCost(0.25)
         cost.record(0, 0.01)

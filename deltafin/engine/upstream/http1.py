@@ -33,7 +33,9 @@ class TransportError(Exception):
 class ConnectFailed(TransportError):
     """The request never reached the upstream: no connection could be opened (refused, unresolvable, or not within
     the connect timeout), or a new one was closed before a byte of answer (a dying server whose listening socket
-    outlives it: vLLM's engine process holds the API server's for a moment after a kill). Safe to send again."""
+    outlives it: vLLM's engine process holds the API server's for a moment after a kill). Most likely never read,
+    so it is reported as unavailable (a retryable 503), though a server that died of this very request looks
+    the same from here."""
 
 
 class ReadTimedOut(TransportError):
@@ -403,6 +405,7 @@ class Http1Pool:
             except _StaleConnection:
                 watchdog.cancel()
                 conn.close()
+                # its siblings went idle at about the same time: an idle timeout or a restart took them too
                 self.forget_idle()
                 if reused and attempt == 0:
                     continue  # the server closed an idle connection as we reused it: one fresh try

@@ -7,14 +7,18 @@ machine, the model, the kind of step and how busy the cores are (on the 2-core m
 it is about 0.2-0.25 whether 1 or 8 rows are in the pass: a pass of several tokens is compute-bound), so it is
 fitted to the passes the engine runs: a least-squares line through (tokens, seconds), older passes weighing
 less, pulled toward the prior c0 (the kind of step's constant) by `PRIOR_WEIGHT` passes' worth. The tokens a
-pass is fed vary with the rows in the batch as well as with the drafts, so the line is found even while no row
-drafts; while they do not vary at all, c stays at the prior.
+pass is fed vary with the rows in the batch as well as with the drafts, and the steps without a draft are timed
+too, so the line is found (and kept up to date) even while no row drafts; while the tokens do not vary at all, c
+stays at the prior.
 
 A pass much slower than the line predicts (the process preempted, a cache reallocated) would move the line far:
 at 8 rows the passes lie at 8 to 24 tokens, and a is the line carried back to 0. So a pass counts as at most
 `CLIP` times the passes' usual distance from the line (and at least `LEAST` of the prediction) away from it: one
 stall does not make guesses look expensive for the next hundred passes, and a machine that really became slower
-moves the line a step at a time.
+moves the line a step at a time. Until that distance is measured it is taken as `FIRST_SPREAD` (worth
+`FIRST_SPREAD_WEIGHT` passes in its mean), so a stall
+among the first passes (a first call's allocations, the process starting up) is clipped too: unclipped, one
+such pass could put c at 1, where no guess pays and the line then learns only from steps of one size.
 """
 
 from __future__ import annotations
@@ -27,8 +31,9 @@ PRIOR_WEIGHT = 4.0
 CLIP = 3.0
 #: ... or this share of the prediction, whichever is more ...
 LEAST = 0.05
-#: ... once this many passes' worth are in the fit
-CLIP_AFTER = 8.0
+#: the usual distance assumed before passes have measured it (passes on a shared 2-core machine vary ~10-20%),
+#: worth this many passes in its running mean
+FIRST_SPREAD, FIRST_SPREAD_WEIGHT = 0.2, 8.0
 #: the range c is kept in (a fit on few, noisy passes can say anything)
 LOWEST, HIGHEST = 0.01, 1.0
 
@@ -41,7 +46,7 @@ class TokenCost:
         self._sums = [0.0] * 5  # decayed sums of 1, T, T^2, y, T y
         self._line: tuple[float, float] | None = None  # (a, b) seconds
         self._relative = self.prior
-        self._spread = 0.0  # decayed mean of |seconds / predicted - 1|
+        self._spread = FIRST_SPREAD  # decayed mean of |seconds / predicted - 1|
         #: a value set by hand (tests): the measurements are still recorded but not used
         self.pinned: float | None = None
         #: passes recorded (tests read it)
@@ -62,12 +67,13 @@ class TokenCost:
             return
         self.passes += 1
         n, t1, t2, y1, ty = self._sums
-        if self._line is not None and n >= CLIP_AFTER:
+        if self._line is not None:
             a, b = self._line
             predicted = a + b * tokens
             if predicted > 0:
                 off = seconds / predicted - 1
-                self._spread = self._spread * DECAY + (1 - DECAY) * min(abs(off), 1.0)
+                weight = max(1 - DECAY, 1 / (self.passes + FIRST_SPREAD_WEIGHT))
+                self._spread = self._spread * (1 - weight) + weight * min(abs(off), 1.0)
                 most = max(CLIP * self._spread, LEAST)
                 seconds = predicted * (1 + min(max(off, -most), most))
         self._sums = [

@@ -106,7 +106,7 @@ class Speculation:
         fed = [[row.pending, *draft] for row, draft in zip(rows, drafts)]
         self.drafts.append(tuple(len(draft) for draft in drafts))
         if max(len(f) for f in fed) == 1 and not self.forward.own_columns:
-            return self._plain(rows, kv, fed)
+            return self._plain(rows, kv, fed, started)
         saved = states.snapshot(kv.cache) if exact_length_only(kv.cache) and max(map(len, fed)) > 1 else None
         width = kv.width
         placement = kv.place([len(f) for f in fed], own_columns=self.forward.own_columns)
@@ -120,14 +120,15 @@ class Speculation:
         if hook is not None:
             hook(rows, work)
 
-    def _plain(self, rows: list[Row], kv: BatchKV, fed: list[list[int]]) -> Verification:
-        """No row drafted: the engine's own decode step."""
+    def _plain(self, rows: list[Row], kv: BatchKV, fed: list[list[int]], started: float) -> Verification:
+        """No row drafted: the engine's own decode step (timed too: it is what a guess is priced against, and
+        the price keeps being measured while nothing is guessed, so a price once measured high can come down)."""
         tokens = torch.tensor(fed, device=self.device)  # [B, 1]
         mask, positions = kv.step_inputs()
         logits = self.decode(self.model, tokens, mask, positions, kv.cache, cache_arg=self.cache_arg)  # [B, V]
         kv.advanced(mask)
         per_row = [logits[i : i + 1] for i in range(len(rows))]
-        return Verification(rows, fed, per_row, self._argmax(rows, per_row), None)
+        return Verification(rows, fed, per_row, self._argmax(rows, per_row), None, started=started)
 
     @staticmethod
     def _argmax(rows: Sequence[Row], logits: list[torch.Tensor]) -> list[list[int] | None]:
@@ -181,8 +182,9 @@ class Speculation:
                         self._refeed(kv, checked, i, checked.fed[i][:keep])
             if kv.holes >= max(HOLES_MIN, HOLES_SHARE * kv.width * kv.rows):
                 kv.compact()
-            if self._timed:  # the whole step (drafting, the pass, taking the tokens): what a token is priced from
-                self.planner.cost.record(sum(checked.placement.fed), time.perf_counter() - checked.started)
+        if self._timed:  # the whole step (drafting, the pass, taking the tokens): what a token is priced from
+            tokens = sum(checked.placement.fed) if checked.placement is not None else len(checked.rows)
+            self.planner.cost.record(tokens, time.perf_counter() - checked.started)
         return finished
 
     def _take(self, row: Row, fed: list[int], logits: torch.Tensor, argmax: list[int] | None) -> tuple[int, int, bool]:
