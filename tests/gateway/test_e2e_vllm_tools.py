@@ -153,22 +153,24 @@ def test_a_named_tool_choice_is_enforced_by_vllm(served):
 def test_a_thinking_budget_vllm_refuses_is_held_by_deltafin(served):
     """This vLLM runs without a reasoning parser, so it answers a `thinking_token_budget` with a 400: the gateway
     asks again without it and holds the budget itself. The model writes `<think>Weather needed.</think>`
-    (`W`, `eather`, ... in the tiny vocabulary); two reasoning tokens in, the next would pass the budget, so the gateway closes that request and resumes the choice
-    in a new one whose prompt ends with the forced `</think>`, under the forced call's grammar as it reads after
-    reasoning: the named call follows the cut reasoning."""
+    (`W`, `eather`, ... in the tiny vocabulary); two reasoning tokens in, the next would pass the budget, so the
+    gateway closes that request and resumes the choice in a new one whose prompt ends with the forced `</think>`,
+    under the forced call's grammar as it reads after reasoning: the named call follows the cut reasoning. The
+    forced function takes a bounded integer: after a cut the tiny model is out of its teaching, and a free-text
+    argument (get_weather's city) can run on to max_tokens inside its string on some taught weights."""
     _, gateway = served
     forced = client(gateway).chat.completions.create(
         model=MODEL,
         messages=QUESTION,
-        tools=TOOLS,
+        tools=TOOLS + [LOCAL_TIME],
         temperature=0,
         max_tokens=200,
-        tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        tool_choice={"type": "function", "function": {"name": "local_time"}},
         extra_body={"thinking_token_budget": 2},
     )
     choice = forced.choices[0]
     assert forced.usage.completion_tokens_details.reasoning_tokens == 2
     assert choice.message.reasoning_content == "Weather" and choice.finish_reason == "tool_calls"
     (call,) = choice.message.tool_calls
-    assert call.function.name == "get_weather" and isinstance(json.loads(call.function.arguments), dict)
+    assert call.function.name == "local_time" and -12 <= json.loads(call.function.arguments)["offset"] <= 14
     assert [line for line in gateway.log_lines() if "upstream_budget_fallback" in line]
