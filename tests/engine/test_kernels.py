@@ -149,6 +149,54 @@ def reference_activations(x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return codes.reshape(x.shape), scale
 
 
+#: the formats whose rows the AVX-512 kernels keep repacked (ggml_quants.c, row_times_repacked_body)
+REPACKED_FORMATS = ["Q4_0", "Q4_1", "Q8_0"]
+REPACKED = 0x10000
+
+
+def file_layout_matmul(blocks: np.ndarray, qtype: int, k: int, x: torch.Tensor) -> torch.Tensor:
+    """The kernel's matmul over the rows as the file has them (what GGMLLinear ran before it repacked)."""
+    out = torch.empty(x.shape[0], blocks.shape[0], dtype=torch.float32)
+    rows = torch.from_numpy(np.ascontiguousarray(blocks))
+    assert not kernels.ggml().deltafin_ggml_matmul(
+        x.data_ptr(), x.shape[0], rows.data_ptr(), qtype, blocks.shape[0], k, blocks.shape[1], None, out.data_ptr(), 2
+    )
+    return out
+
+
+@pytest.mark.parametrize("name", REPACKED_FORMATS)
+@pytest.mark.parametrize("blocks", [1, 15, 16, 18, 19, 48, 50])
+def test_repacked_rows_give_the_file_layouts_bits(name, blocks):
+    """Blocks before, at and past a group of 16 (the default model's widths: 18 and 48 blocks), activation rows
+    across the 16-row chunk: the repacked rows' matmul and lookups are the file layout's, bit for bit."""
+    import gguf
+
+    qtype = int(gguf.GGMLQuantizationType[name])
+    k = 32 * blocks
+    weights = np.random.default_rng(blocks).standard_normal((13, k)).astype(np.float32)
+    file_rows = gguf.quants.quantize(weights, qtype)
+    layer = GGMLLinear(torch.from_numpy(file_rows.copy()), qtype, k)
+    repacked = kernels.variant() == "avx512"
+    assert layer.ggml_type == (qtype | REPACKED if repacked else qtype)
+    assert torch.equal(layer.blocks, torch.from_numpy(file_rows)) == (not repacked or blocks < 16)
+    for rows in (1, 2, 5, 16, 17):
+        x = torch.randn(rows, k, generator=torch.Generator().manual_seed(rows))
+        assert torch.equal(layer(x), file_layout_matmul(file_rows, qtype, k, x))
+    reference = gguf.quants.dequantize(file_rows, qtype)
+    assert np.array_equal(layer.dequantized().numpy(), reference)
+    ids = torch.tensor([12, 0, 7])
+    assert np.array_equal(layer.dequantized(ids).numpy(), reference[[12, 0, 7]])
+
+
+def test_a_layer_never_repacks_the_blocks_it_was_given():
+    import gguf
+
+    file_rows = gguf.quants.quantize(np.ones((4, 32 * 16), np.float32), gguf.GGMLQuantizationType.Q4_1)
+    given = torch.from_numpy(file_rows.copy())
+    GGMLLinear(given, int(gguf.GGMLQuantizationType.Q4_1), 32 * 16)
+    assert torch.equal(given, torch.from_numpy(file_rows))
+
+
 @pytest.mark.parametrize("name", FORMATS)
 def test_dequantization_matches_the_gguf_package(name):
     layer, reference = ggml_layer(name, 7, 32 * 9)

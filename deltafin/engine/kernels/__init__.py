@@ -174,6 +174,7 @@ def ggml() -> ctypes.CDLL | None:
     _int(library.deltafin_ggml_supported, I32, [I32])
     _int(library.deltafin_ggml_block_bytes, I64, [I32])
     _int(library.deltafin_ggml_block_values, I64, [I32])
+    _int(library.deltafin_ggml_repack, I32, [P, I32, I64, I64, I64, P])
     _int(library.deltafin_kernel_variant, I32, [])
     _int(library.deltafin_llama_forward, I32, [P, P, P, P, P, P, I64, I64, I64, P, P, P, P, P, I64, I32])
     log.info("kernel_variant", variant=variant(), cpu_features=cpu_features())

@@ -192,7 +192,30 @@ typedef struct {
     float *d;    /* [M, K / 32] */
     int32_t *s;  /* [M, K / 32]: sum of the block's codes */
     int64_t k;
+    /* [M, K] or NULL: q again, each full group of 16 blocks (512 bytes) with its blocks' 4-byte words interleaved
+       (word j of the group's block b at 64 j + 4 b; blocks past the last full group as in q): what a repacked
+       weight row (deltafin_ggml_repack) is multiplied with. Written by interleave_block as q is. */
+    int8_t *t;
 } qrows;
+
+/* Blocks in a repacked group: a vpdpbusd over one word of each gives the 16 blocks' dot products in its lanes. */
+#define GROUP 16
+/* A qmatrix type with this bit: its rows are repacked (deltafin_ggml_repack) */
+#define REPACKED 0x10000
+
+/* Block `block` of activation row `row` (rows of k values), as quantized into q, copied into t's layout (no-op
+   without t). */
+static inline void interleave_block(const qrows *r, int64_t row, int64_t k, int64_t block) {
+    if (!r->t) return;
+    const int64_t full = k / QK / GROUP * GROUP;
+    const int8_t *from = r->q + row * k + block * QK;
+    if (block >= full) {
+        memcpy(r->t + row * k + block * QK, from, QK);
+        return;
+    }
+    int8_t *to = r->t + row * k + (block / GROUP) * GROUP * QK + 4 * (block % GROUP);
+    for (int j = 0; j < QK / 4; j++) memcpy(to + 4 * GROUP * j, from + 4 * j, 4);
+}
 
 /* Rounds half to even (nearbyintf in the default rounding mode): the same in every variant, vectorized or not. */
 static void quantize_row(const float *x, int64_t k, int8_t *q, float *d, int32_t *s) {
@@ -598,6 +621,119 @@ static inline __attribute__((always_inline)) void row_times_k_body(const int typ
     }
 }
 
+/* ---- repacked rows (AVX-512): the blocks of each full group of 16 stored so that a vpdpbusd sums one 4-byte
+   word of all 16 at once ----
+
+   Why: a row in the file's layout costs, per 8 blocks and activation row, 4 vpdpbusd and then 12 operations to
+   add each block's lanes into one total (sum8_pairs) before its scales apply. Once a pass holds several tokens
+   that reduction, not the weights' read, is the row's time (a speculative draft checked, a prefill window). In a
+   group whose word j of block b sits at lane b of register j, the group's 8 vpdpbusd leave each block's total in
+   its own lane: no reduction at all. A repacked row is a permutation of the file's bytes within each full group
+   of 16 blocks:
+     Q4_0: d[16] (halves) | qs word j of block b at 32 + 64 j + 4 b, j < 4                       (288 bytes)
+     Q4_1: d[16] | m[16] | qs word j of block b at 64 + 64 j + 4 b, j < 4                         (320 bytes)
+     Q8_0: d[16] | qs word j of block b at 32 + 64 j + 4 b, j < 8                                 (544 bytes)
+   and blocks past the last full group are left as they are. A Q4 byte holds element i (low nibble) and i + 16
+   (high), so word j's low nibbles are the block's elements 4j .. 4j + 3 and its high nibbles elements
+   16 + 4j .. 16 + 4j + 3: the activation words j and j + 4 of t's layout.
+
+   The same bits as the file's layout: each block's integer dot product is exact in any order, and its float
+   term and the lane it is added to are block_term's and group_simd's, in the same order (blocks g .. g + 7, then
+   g + 8 .. g + 15, as two groups of 8). */
+
+#ifdef DELTAFIN_VARIANT_AVX512
+static inline __attribute__((always_inline)) void row_times_repacked_body(const int type, const uint8_t *row,
+        int64_t k, const qrows *x, int64_t rows, float *y, int64_t ldy) {
+    format_info f;
+    format_of(type, &f);
+    const int64_t nb = k / QK, full = nb / GROUP * GROUP;
+    const int64_t head = f.has_min ? 4 * GROUP : 2 * GROUP;  /* the group's scale bytes */
+    for (int64_t mc = 0; mc < rows; mc += ROW_CHUNK) {
+        const int64_t mcount = rows - mc < ROW_CHUNK ? rows - mc : ROW_CHUNK;
+        float acc[ROW_CHUNK][LANES];
+        for (int64_t i = 0; i < mcount; i++)
+            for (int j = 0; j < LANES; j++) acc[i][j] = 0.0f;
+        for (int64_t g = 0; g < full; g += GROUP) {
+            const uint8_t *base = row + g * f.bytes;
+            const __m512 vdw = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)base));
+            const __m512 vmw = f.has_min ? _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(base + 2 * GROUP)))
+                                         : _mm512_setzero_ps();
+            __m512i codes[8];  /* register j: word j of every block (Q8_0: |codes|, the signs in `negative`) */
+            __mmask64 negative[8] = {0};
+            if (type == GGML_Q8_0) {
+                for (int j = 0; j < 8; j++) {
+                    const __m512i w = _mm512_loadu_si512((const void *)(base + head + 64 * j));
+                    negative[j] = _mm512_movepi8_mask(w);
+                    codes[j] = _mm512_abs_epi8(w);
+                }
+            } else {
+                const __m512i low = _mm512_set1_epi8(0x0F);
+                for (int j = 0; j < 4; j++) {
+                    const __m512i w = _mm512_loadu_si512((const void *)(base + head + 64 * j));
+                    codes[j] = _mm512_and_si512(w, low);
+                    codes[j + 4] = _mm512_and_si512(_mm512_srli_epi16(w, 4), low);
+                }
+            }
+            for (int64_t i = 0; i < mcount; i++) {
+                const int64_t m = mc + i;
+                const int8_t *xt = x->t + m * k + g * QK;
+                __m512i even = _mm512_setzero_si512(), odd = _mm512_setzero_si512();
+                for (int j = 0; j < 8; j += 2) {
+                    __m512i v0 = _mm512_loadu_si512((const void *)(xt + 64 * j));
+                    __m512i v1 = _mm512_loadu_si512((const void *)(xt + 64 * (j + 1)));
+                    if (type == GGML_Q8_0) {  /* signed x signed: the weight's sign moved onto the activation */
+                        v0 = _mm512_mask_sub_epi8(v0, negative[j], _mm512_setzero_si512(), v0);
+                        v1 = _mm512_mask_sub_epi8(v1, negative[j + 1], _mm512_setzero_si512(), v1);
+                    }
+                    even = _mm512_dpbusd_epi32(even, codes[j], v0);
+                    odd = _mm512_dpbusd_epi32(odd, codes[j + 1], v1);
+                }
+                const __m512i dots = _mm512_add_epi32(even, odd);
+                const __m512 vdx = _mm512_loadu_ps(x->d + m * nb + g);
+                const __m512i s = _mm512_loadu_si512((const void *)(x->s + m * nb + g));
+                __m512 term;
+                if (f.has_min) {
+                    term = _mm512_add_ps(_mm512_mul_ps(_mm512_mul_ps(vdw, vdx), _mm512_cvtepi32_ps(dots)),
+                                         _mm512_mul_ps(_mm512_mul_ps(vmw, vdx), _mm512_cvtepi32_ps(s)));
+                } else if (f.offset) {
+                    const __m512i centred = _mm512_sub_epi32(dots, _mm512_mullo_epi32(_mm512_set1_epi32(f.offset), s));
+                    term = _mm512_mul_ps(_mm512_mul_ps(vdw, vdx), _mm512_cvtepi32_ps(centred));
+                } else {
+                    term = _mm512_mul_ps(_mm512_mul_ps(vdw, vdx), _mm512_cvtepi32_ps(dots));
+                }
+                __m256 sum = _mm256_add_ps(_mm256_loadu_ps(acc[i]), _mm512_castps512_ps256(term));
+                sum = _mm256_add_ps(sum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(term), 1)));
+                _mm256_storeu_ps(acc[i], sum);
+            }
+        }
+        int64_t g = full;  /* the blocks past the last full group, in the file's layout */
+        for (; g + LANES <= nb; g += LANES) group_simd(type, &f, row, k, x, mc, mcount, g, LANES, acc);
+        if (g < nb) group_simd(type, &f, row, k, x, mc, mcount, g, (int)(nb - g), acc);
+        for (int64_t i = 0; i < mcount; i++) y[(mc + i) * ldy] = lanes_total(acc[i]);
+    }
+}
+
+#define ROW_TIMES_REPACKED(T) \
+    static void row_times_##T##_repacked(const uint8_t *row, int64_t k, const qrows *x, int64_t rows, float *y, int64_t ldy) { \
+        row_times_repacked_body(GGML_##T, row, k, x, rows, y, ldy); \
+    }
+ROW_TIMES_REPACKED(Q4_0) ROW_TIMES_REPACKED(Q4_1) ROW_TIMES_REPACKED(Q8_0)
+#endif
+
+/* Code words per block of the repacked layout of `type`, or 0: this variant does not repack it. */
+static int repacked_words(int type) {
+#ifdef DELTAFIN_VARIANT_AVX512
+    switch (type) {
+    case GGML_Q4_0: case GGML_Q4_1: return 4;
+    case GGML_Q8_0: return 8;
+    default: return 0;
+    }
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
 #define ROW_TIMES(T) \
     static void row_times_##T(const uint8_t *row, int64_t k, const qrows *x, int64_t rows, float *y, int64_t ldy) { \
         row_times_body(GGML_##T, row, k, x, rows, y, ldy); \
@@ -613,6 +749,11 @@ typedef void (*row_fn)(const uint8_t *, int64_t, const qrows *, int64_t, float *
 
 static row_fn row_function(int type) {
     switch (type) {
+#ifdef DELTAFIN_VARIANT_AVX512
+    case GGML_Q4_0 | REPACKED: return row_times_Q4_0_repacked;
+    case GGML_Q4_1 | REPACKED: return row_times_Q4_1_repacked;
+    case GGML_Q8_0 | REPACKED: return row_times_Q8_0_repacked;
+#endif
     case GGML_Q4_0: return row_times_Q4_0;
     case GGML_Q4_1: return row_times_Q4_1;
     case GGML_Q5_0: return row_times_Q5_0;
@@ -641,32 +782,80 @@ static int qrows_alloc(qrows *r, int64_t m_rows, int64_t k) {
     r->q = malloc((size_t)(m_rows * k) + 64);
     r->d = malloc(sizeof(float) * (size_t)(m_rows * (k / QK) + 1));
     r->s = malloc(sizeof(int32_t) * (size_t)(m_rows * (k / QK) + 1));
+    r->t = NULL;
     return r->q && r->d && r->s;
 }
 
-static void qrows_free(qrows *r) { free(r->q); free(r->d); free(r->s); }
+static void qrows_free(qrows *r) { free(r->q); free(r->d); free(r->s); free(r->t); }
 
-int deltafin_ggml_supported(int type) { format_info f; return format_of(type, &f); }
+/* w's rows [rows, row_bytes] of `type` into `out` (w itself allowed) in the repacked layout (see
+   row_times_repacked_body). Returns the type to pass the repacked rows as (type | REPACKED), or 0 where this
+   variant does not repack the type or the rows are not whole blocks (out untouched). */
+int deltafin_ggml_repack(const uint8_t *w, int type, int64_t rows, int64_t k, int64_t row_bytes, uint8_t *out) {
+    format_info f;
+    const int words = repacked_words(type);
+    if (!words || !format_of(type, &f) || k % QK || row_bytes != k / QK * f.bytes) return 0;
+    const int64_t nb = k / QK, full = nb / GROUP * GROUP;
+    const int64_t scales = f.has_min ? 2 : 1, head = 2 * GROUP * scales;
+    uint8_t file[GROUP * 34];  /* one group as the file has it (Q8_0's are the largest blocks repacked) */
+    for (int64_t r = 0; r < rows; r++) {
+        const uint8_t *from = w + r * row_bytes;
+        uint8_t *to = out + r * row_bytes;
+        if (to != from) memcpy(to + full * f.bytes, from + full * f.bytes, (size_t)((nb - full) * f.bytes));
+        for (int64_t g = 0; g < full; g += GROUP) {
+            memcpy(file, from + g * f.bytes, (size_t)(GROUP * f.bytes));
+            uint8_t *group = to + g * f.bytes;
+            for (int b = 0; b < GROUP; b++) {
+                const uint8_t *block = file + b * f.bytes;
+                for (int64_t c = 0; c < scales; c++) memcpy(group + 2 * GROUP * c + 2 * b, block + 2 * c, 2);
+                for (int j = 0; j < words; j++) memcpy(group + head + 64 * j + 4 * b, block + 2 * scales + 4 * j, 4);
+            }
+        }
+    }
+    return type | REPACKED;
+}
+
+/* Block b of a repacked row as the file has it (in `room`, 34 bytes or more), or the row's own bytes for a
+   block past the last full group. */
+static const uint8_t *file_block(const uint8_t *row, int type, const format_info *f, int64_t nb, int64_t b,
+                                 uint8_t *room) {
+    if (b >= nb / GROUP * GROUP) return row + b * f->bytes;
+    const int64_t scales = f->has_min ? 2 : 1, head = 2 * GROUP * scales, lane = b % GROUP;
+    const uint8_t *group = row + (b - lane) * f->bytes;
+    for (int64_t c = 0; c < scales; c++) memcpy(room + 2 * c, group + 2 * GROUP * c + 2 * lane, 2);
+    for (int j = 0; j < repacked_words(type); j++) memcpy(room + 2 * scales + 4 * j, group + head + 64 * j + 4 * lane, 4);
+    return room;
+}
+
+
+int deltafin_ggml_supported(int type) {
+    format_info f;
+    return (type & REPACKED) ? repacked_words(type & ~REPACKED) > 0 : format_of(type, &f);
+}
 
 /* Bytes of one block of `type`, which holds deltafin_ggml_block_values(type) values (32; 256 for the K-quants'
    super-blocks): a row of K values takes K / values * bytes. 0 for an unknown type. */
-int64_t deltafin_ggml_block_bytes(int type) { format_info f; return format_of(type, &f) ? f.bytes : 0; }
+int64_t deltafin_ggml_block_bytes(int type) { format_info f; return format_of(type & ~REPACKED, &f) ? f.bytes : 0; }
 
-int64_t deltafin_ggml_block_values(int type) { format_info f; return format_of(type, &f) ? f.values : 0; }
+int64_t deltafin_ggml_block_values(int type) { format_info f; return format_of(type & ~REPACKED, &f) ? f.values : 0; }
 
 /* y [M, N] = x [M, K] . w [N, K]^T (+ bias [N]); returns 0, or -1 for an unknown type or no memory. */
 int deltafin_ggml_matmul(const float *x, int64_t m_rows, const uint8_t *w, int type, int64_t n, int64_t k,
                          int64_t row_bytes, const float *bias, float *y, int threads) {
     format_info f;
-    if (!format_of(type, &f) || k % f.values) return -1;
+    if (!deltafin_ggml_supported(type) || !format_of(type & ~REPACKED, &f) || k % f.values) return -1;
     qrows q;
-    if (!qrows_alloc(&q, m_rows, k)) { qrows_free(&q); return -1; }
+    int ok = qrows_alloc(&q, m_rows, k);
+    if (ok && (type & REPACKED)) ok = (q.t = malloc((size_t)(m_rows * k) + 64)) != NULL;
+    if (!ok) { qrows_free(&q); return -1; }
     const qmatrix mat = {w, type, n, k, row_bytes};
     #pragma omp parallel num_threads(threads)
     {
         #pragma omp for schedule(static)
-        for (int64_t m = 0; m < m_rows; m++)
+        for (int64_t m = 0; m < m_rows; m++) {
             quantize_row(x + m * k, k, q.q + m * k, q.d + m * (k / QK), q.s + m * (k / QK));
+            for (int64_t b = 0; b < k / QK; b++) interleave_block(&q, m, k, b);
+        }
         #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i++) {
             matrix_rows(&mat, i, i + 1, &q, m_rows, y, n);
@@ -682,7 +871,9 @@ int deltafin_ggml_matmul(const float *x, int64_t m_rows, const uint8_t *w, int t
 int deltafin_ggml_dequantize(const uint8_t *w, int type, int64_t k, int64_t row_bytes, const int64_t *ids,
                              int64_t count, float *out) {
     format_info f;
-    if (!format_of(type, &f) || k % f.values) return -1;
+    const int repacked = type & REPACKED;
+    type &= ~REPACKED;
+    if ((repacked && !repacked_words(type)) || !format_of(type, &f) || k % f.values) return -1;
     if (is_kquant(type)) {
         for (int64_t r = 0; r < count; r++) {
             const uint8_t *row = w + ids[r] * row_bytes;
@@ -706,7 +897,8 @@ int deltafin_ggml_dequantize(const uint8_t *w, int type, int64_t k, int64_t row_
     for (int64_t r = 0; r < count; r++) {
         const uint8_t *row = w + ids[r] * row_bytes;
         for (int64_t b = 0; b < k / QK; b++) {
-            const uint8_t *block = row + b * f.bytes;
+            uint8_t room[64];
+            const uint8_t *block = repacked ? file_block(row, type, &f, k / QK, b, room) : row + b * f.bytes;
             float d, m;
             int16_t u[QK];
             block_scales(type, block, &d, &m);

@@ -109,6 +109,13 @@ static void matrices_for(const qmatrix *const *mats, float *const *outs, int64_t
 
 static inline void quantize_block(const float *v, qrows *q, int64_t row, int64_t k, int64_t block) {
     quantize_row(v, QK, q->q + row * k + block * QK, q->d + row * (k / QK) + block, q->s + row * (k / QK) + block);
+    interleave_block(q, row, k, block);
+}
+
+/* Row `row` of a layer's input (k values) quantized into q (and t's layout, where q has one). */
+static inline void quantize_token(const float *v, qrows *q, int64_t row, int64_t k) {
+    quantize_row(v, k, q->q + row * k, q->d + row * (k / QK), q->s + row * (k / QK));
+    for (int64_t block = 0; block < k / QK; block++) interleave_block(q, row, k, block);
 }
 
 typedef struct {
@@ -119,6 +126,16 @@ typedef struct {
 } attention_args;
 
 /* Every matrix's input width is whole blocks of its type (a K-quant's: super-blocks of 256), and the type is known. */
+static int any_repacked(const llama_model *model) {
+    int any = (int)(model->head.type & REPACKED);
+    for (int64_t l = 0; l < model->layers; l++) {
+        const llama_layer *L = model->layer + l;
+        const qmatrix *m[7] = {&L->q, &L->k, &L->v, &L->o, &L->gate, &L->up, &L->down};
+        for (int i = 0; i < 7; i++) any |= (int)(m[i]->type & REPACKED);
+    }
+    return any != 0;
+}
+
 static int matrices_fit(const llama_model *model) {
     const qmatrix *all[2] = {&model->embed, &model->head};
     for (int i = 0; i < 2; i++) {
@@ -362,8 +379,13 @@ int deltafin_llama_forward(const llama_model *model, const int64_t *tokens, cons
     float *scores = malloc(sizeof(float) * threads * group * columns);
     int64_t *cols = malloc(sizeof(int64_t) * threads * columns);
     qrows q, gated;  /* a layer's quantized inputs; the gated MLP activations (written while q is read) */
-    const int ok = qrows_alloc(&q, T, widest) & qrows_alloc(&gated, T, I) && x && h && qkv && attended && gate_up
-                   && scores && cols;
+    int ok = qrows_alloc(&q, T, widest) & qrows_alloc(&gated, T, I) && x && h && qkv && attended && gate_up
+             && scores && cols;
+    if (ok && any_repacked(model)) {  /* their activations in t's layout too */
+        q.t = malloc((size_t)(T * widest) + 64);
+        gated.t = malloc((size_t)(T * I) + 64);
+        ok = q.t && gated.t;
+    }
     if (!ok) {
         free(x); free(h); free(qkv); free(attended); free(gate_up); free(scores); free(cols); qrows_free(&q); qrows_free(&gated);
         return -1;
@@ -388,7 +410,7 @@ int deltafin_llama_forward(const llama_model *model, const int64_t *tokens, cons
             #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < T; t++) {
                 rms_norm(x + t * H, L->attn_norm, H, model->eps, h + t * H);
-                quantize_row(h + t * H, H, q.q + t * H, q.d + t * (H / QK), q.s + t * (H / QK));
+                quantize_token(h + t * H, &q, t, H);
             }
             SYNC();
             {
@@ -422,7 +444,7 @@ int deltafin_llama_forward(const llama_model *model, const int64_t *tokens, cons
             #pragma omp for schedule(static) nowait
             for (int64_t t = 0; t < T; t++) {
                 rms_norm(x + t * H, L->ffn_norm, H, model->eps, h + t * H);
-                quantize_row(h + t * H, H, q.q + t * H, q.d + t * (H / QK), q.s + t * (H / QK));
+                quantize_token(h + t * H, &q, t, H);
             }
             SYNC();
             /* gate and up by blocks of 32 columns: the thread that computed a block gates and quantizes it */
@@ -454,11 +476,12 @@ int deltafin_llama_forward(const llama_model *model, const int64_t *tokens, cons
         #pragma omp for schedule(static) nowait
         for (int64_t t = first_logit; t < T; t++) {
             rms_norm(x + t * H, model->norm, H, model->eps, h + t * H);
-            quantize_row(h + t * H, H, q.q + t * H, q.d + t * (H / QK), q.s + t * (H / QK));
+            quantize_token(h + t * H, &q, t, H);
         }
         SYNC();
         {
-            const qrows wanted = {q.q + first_logit * H, q.d + first_logit * (H / QK), q.s + first_logit * (H / QK), H};
+            const qrows wanted = {q.q + first_logit * H, q.d + first_logit * (H / QK), q.s + first_logit * (H / QK), H,
+                                  q.t ? q.t + first_logit * H : NULL};
             const qmatrix *mats[1] = {&model->head};
             float *outs[1] = {logits};
             matrices_for(mats, outs, model->vocab, 1, &wanted, T - first_logit, NULL);

@@ -146,7 +146,11 @@ class Int4Linear(nn.Module):
 
 class GGMLLinear(nn.Module):
     """A linear layer over a GGUF tensor's blocks: `blocks` uint8 [N, row bytes] (one weight row per line, in
-    a 64-byte-aligned torch buffer), ggml type id `ggml_type`, float32 activations in and out."""
+    a 64-byte-aligned torch buffer), ggml type id `ggml_type`, float32 activations in and out.
+
+    Where the kernel variant repacks the type (AVX-512: Q4_0, Q4_1, Q8_0; ggml_quants.c, row_times_repacked_body)
+    the rows are kept repacked, a copy of the blocks given with each group of 16 blocks' words interleaved, and
+    `ggml_type` carries the kernels' REPACKED bit: the same bits from every kernel, fewer instructions a row."""
 
     blocks: torch.Tensor
 
@@ -157,7 +161,14 @@ class GGMLLinear(nn.Module):
         library = ggml()
         assert library is not None and library.deltafin_ggml_supported(ggml_type), "loader checks this first"
         self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, blocks.shape[0]
-        self.register_buffer("blocks", blocks.contiguous())
+        blocks = blocks.contiguous()
+        repacked = torch.empty_like(blocks)  # never in place: the caller's blocks stay as given
+        kind = library.deltafin_ggml_repack(
+            blocks.data_ptr(), ggml_type, self.out_features, in_features, blocks.shape[1], repacked.data_ptr()
+        )
+        if kind:
+            self.ggml_type, blocks = kind, repacked
+        self.register_buffer("blocks", blocks)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self._matmul = library.deltafin_ggml_matmul
 
