@@ -2,9 +2,11 @@
 
     flock /tmp/deltafin-bench.lock .venv/bin/python bench/verify_pass.py [--contexts 64 450 900] [--tokens 1 2 4 8 16]
 
-One row of the default GGUF through the native C step (deltafin/engine/kernels/llama_step.c): after a cache of C
-tokens, a window of T tokens (a speculative draft is checked as such a window), every position's logits, the
-cache cut back to C after each pass; wall time, medians of `--reps` passes. Per extra token: (pass(T_max) -
+One row of the default GGUF through the native C step (deltafin/engine/kernels/llama_step.c) as the engine's
+speculative step runs it (BatchKV.place, NativeForward.run, BatchKV.accept): after a cache of C tokens, its
+pending token and T - 1 guesses in one pass, every position's logits, the first token kept (so the context grows
+by one a pass, and the rejected columns are compacted away as in the engine); wall time, medians of `--reps`
+passes. T = 1 is the decode step `none` runs. Per extra token: (pass(T_max) -
 pass(1)) / (T_max - 1), and that as a share of a one-token pass: c, what the speculative planner prices a guess
 at (deltafin/engine/local/speculative/cost.py measures it the same way in the engine). The one-token pass grows
 with the context (its row's float32 keys and values are read from memory once a layer); extra tokens of the
@@ -24,19 +26,25 @@ from transformers import DynamicCache
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from deltafin.engine.kv.batch import BatchKV  # noqa: E402
 from deltafin.engine.llama.native import NativeLlamaStep  # noqa: E402
+from deltafin.engine.local.generator import prefill  # noqa: E402
+from deltafin.engine.local.speculative.forward import NativeForward  # noqa: E402
 from deltafin.engine.weights.loader import load_model  # noqa: E402
 from deltafin.testing import compose_config  # noqa: E402
 
 
-def pass_ms(step: NativeLlamaStep, cache: DynamicCache, tokens: int, reps: int) -> float:
+def pass_ms(forward: NativeForward, kv: BatchKV, tokens: int, reps: int) -> float:
     times = []
     for _ in range(reps):
-        window = torch.randint(100, 40000, (tokens,))
+        fed = torch.randint(100, 40000, (tokens,)).tolist()
         started = time.perf_counter()
-        step.prefill(window, cache, 0)
+        placement = kv.place([tokens], own_columns=True)
+        forward.run(kv, [fed], placement)
+        kv.accept(placement, [1])
         times.append(time.perf_counter() - started)
-        cache.crop(-tokens)
+        if kv.holes:
+            kv.compact()
     return statistics.median(times) * 1000
 
 
@@ -48,13 +56,15 @@ def main() -> None:
     args = parser.parse_args()
     config = compose_config()
     loaded = load_model(config.model, config.placement)
-    step = NativeLlamaStep(loaded.model)
+    forward = NativeForward(NativeLlamaStep(loaded.model))
     torch.manual_seed(0)
     print(f"torch threads {torch.get_num_threads()}, medians of {args.reps} passes")
     for context in args.contexts:
         cache = DynamicCache(config=loaded.model.config)
-        step.prefill(torch.randint(100, 40000, (context,)), cache, 1)
-        times = {tokens: pass_ms(step, cache, tokens, args.reps) for tokens in args.tokens}
+        prefill(loaded.model, torch.randint(100, 40000, (context,)).tolist(), cache, 0)
+        kv = BatchKV(torch.device("cpu"))
+        kv.add(cache, context)
+        times = {tokens: pass_ms(forward, kv, tokens, args.reps) for tokens in args.tokens}
         one, most = times[min(times)], max(times)
         extra = (times[most] - one) / (most - min(times))
         row = "  ".join(f"T={tokens} {ms:.2f} ms" for tokens, ms in times.items())

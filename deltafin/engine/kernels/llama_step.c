@@ -293,7 +293,21 @@ static void attend(const llama_model *model, const attention_args *a, int64_t l,
     for (int64_t h = 0; h < group; h++) {
         float *restrict own = work + h * columns;
         float top = -INFINITY;
-        for (int64_t j = 0; j < count; j++) top = own[j] > top ? own[j] : top;
+        int64_t from = 0;
+#ifdef DELTAFIN_VARIANT_AVX512
+        /* sixteen running maxima, then theirs: the same `>` as the loop below (a NaN never wins), and where the
+           order picks another zero of equal value, own[j] - top and so e^x are the same. One chain of vmaxss
+           per column was a seventh of attention's time. */
+        __m512 tops = _mm512_set1_ps(-INFINITY);
+        for (; from + ATTN_LANES <= count; from += ATTN_LANES) {
+            const __m512 v = _mm512_loadu_ps(own + from);
+            tops = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(v, tops, _CMP_GT_OQ), tops, v);
+        }
+        float maxima[ATTN_LANES];
+        _mm512_storeu_ps(maxima, tops);
+        for (int k = 0; k < ATTN_LANES; k++) top = maxima[k] > top ? maxima[k] : top;
+#endif
+        for (int64_t j = from; j < count; j++) top = own[j] > top ? own[j] : top;
         for (int64_t j = 0; j < count; j++) own[j] = exp_nonpositive(own[j] - top);
         float lanes[ATTN_LANES] = {0};
         int64_t j = 0;
@@ -311,14 +325,37 @@ static void attend(const llama_model *model, const attention_args *a, int64_t l,
     /* Eight (head, sixteen elements) outputs at a time, so eight independent chains of additions interleave
        (one output's chain alone waits on each addition's latency); the same operations per element. */
     const int64_t pieces = group * (D / ATTN_LANES);
-    for (int64_t p0 = 0; p0 + 8 <= pieces; p0 += 8) {
+    int64_t done = 0;  /* pieces [0, done) are written */
+    if (D == 4 * ATTN_LANES)  /* head_dim 64: up to three heads at a time, each value row loaded once for them */
+        for (; done < pieces; done += 12 < pieces - done ? 12 : pieces - done) {
+            const int heads = (int)((pieces - done < 12 ? pieces - done : 12) / 4);
+            __m512 acc[12];
+            const float *w[3];
+            for (int p = 0; p < 12; p++) acc[p] = _mm512_setzero_ps();
+            for (int e = 0; e < heads; e++) w[e] = work + (done / 4 + e) * columns;
+            for (int64_t j = 0; j < count; j++) {
+                const float *v = values + (cols ? cols[j] : j) * D;
+                const __m512 v0 = _mm512_loadu_ps(v), v1 = _mm512_loadu_ps(v + 16), v2 = _mm512_loadu_ps(v + 32),
+                             v3 = _mm512_loadu_ps(v + 48);
+                for (int e = 0; e < heads; e++) {
+                    const __m512 weight = _mm512_set1_ps(w[e][j]);
+                    acc[4 * e] = _mm512_add_ps(acc[4 * e], _mm512_mul_ps(weight, v0));
+                    acc[4 * e + 1] = _mm512_add_ps(acc[4 * e + 1], _mm512_mul_ps(weight, v1));
+                    acc[4 * e + 2] = _mm512_add_ps(acc[4 * e + 2], _mm512_mul_ps(weight, v2));
+                    acc[4 * e + 3] = _mm512_add_ps(acc[4 * e + 3], _mm512_mul_ps(weight, v3));
+                }
+            }
+            for (int p = 0; p < 4 * heads; p++)
+                _mm512_storeu_ps(attended + t * A + g * group * D + (done + p) * ATTN_LANES, acc[p]);
+        }
+    for (; done + 8 <= pieces; done += 8) {
         __m512 acc[8];
         const float *w[8];
         int64_t off[8];
         for (int p = 0; p < 8; p++) {
             acc[p] = _mm512_setzero_ps();
-            w[p] = work + ((p0 + p) / (D / ATTN_LANES)) * columns;
-            off[p] = ((p0 + p) % (D / ATTN_LANES)) * ATTN_LANES;
+            w[p] = work + ((done + p) / (D / ATTN_LANES)) * columns;
+            off[p] = ((done + p) % (D / ATTN_LANES)) * ATTN_LANES;
         }
         for (int64_t j = 0; j < count; j++) {
             const float *v = values + (cols ? cols[j] : j) * D;
@@ -326,9 +363,25 @@ static void attend(const llama_model *model, const attention_args *a, int64_t l,
                 acc[p] = _mm512_add_ps(acc[p], _mm512_mul_ps(_mm512_set1_ps(w[p][j]), _mm512_loadu_ps(v + off[p])));
         }
         for (int p = 0; p < 8; p++)
-            _mm512_storeu_ps(attended + t * A + g * group * D + (p0 + p) * ATTN_LANES, acc[p]);
+            _mm512_storeu_ps(attended + t * A + g * group * D + (done + p) * ATTN_LANES, acc[p]);
     }
-    const int64_t done = pieces - pieces % 8;  /* pieces [0, done) are written */
+    for (; done + 4 <= pieces; done += 4) {  /* e.g. the last of 3 heads of 64: four chains, still in registers */
+        __m512 acc[4];
+        const float *w[4];
+        int64_t off[4];
+        for (int p = 0; p < 4; p++) {
+            acc[p] = _mm512_setzero_ps();
+            w[p] = work + ((done + p) / (D / ATTN_LANES)) * columns;
+            off[p] = ((done + p) % (D / ATTN_LANES)) * ATTN_LANES;
+        }
+        for (int64_t j = 0; j < count; j++) {
+            const float *v = values + (cols ? cols[j] : j) * D;
+            for (int p = 0; p < 4; p++)
+                acc[p] = _mm512_add_ps(acc[p], _mm512_mul_ps(_mm512_set1_ps(w[p][j]), _mm512_loadu_ps(v + off[p])));
+        }
+        for (int p = 0; p < 4; p++)
+            _mm512_storeu_ps(attended + t * A + g * group * D + (done + p) * ATTN_LANES, acc[p]);
+    }
 #else
     const int64_t done = 0;
 #endif
