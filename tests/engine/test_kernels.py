@@ -165,16 +165,19 @@ def file_layout_matmul(blocks: np.ndarray, qtype: int, k: int, x: torch.Tensor) 
 
 
 @pytest.mark.parametrize("name", REPACKED_FORMATS)
-@pytest.mark.parametrize("blocks", [1, 15, 16, 18, 19, 48, 50])
+@pytest.mark.parametrize("blocks", [1, 15, 16, 18, 19, 31, 40, 48, 50])
 def test_repacked_rows_give_the_file_layouts_bits(name, blocks):
-    """Blocks before, at and past a group of 16 (the default model's widths: 18 and 48 blocks), activation rows
-    across the 16-row chunk: the repacked rows' matmul and lookups are the file layout's, bit for bit."""
+    """Blocks before, at and past a group of 16 (the default model's widths: 18 and 48 blocks; 31 and 40 leave a
+    whole group of 8 after the last 16), activation rows across the 16-row chunk: the repacked rows' matmul and
+    lookups are the file layout's, bit for bit (Q8_0 codes of -128 too, which gguf's quantizer never writes)."""
     import gguf
 
     qtype = int(gguf.GGMLQuantizationType[name])
     k = 32 * blocks
     weights = np.random.default_rng(blocks).standard_normal((13, k)).astype(np.float32)
     file_rows = gguf.quants.quantize(weights, qtype)
+    if name == "Q8_0":  # each block: 2 bytes of scale, then 32 signed codes
+        file_rows.reshape(13, blocks, 34)[:, :, 2::5] = np.uint8(0x80)
     layer = GGMLLinear(torch.from_numpy(file_rows.copy()), qtype, k)
     repacked = kernels.variant() == "avx512"
     assert layer.ggml_type == (qtype | REPACKED if repacked else qtype)

@@ -140,14 +140,14 @@ static int matrices_fit(const llama_model *model) {
     const qmatrix *all[2] = {&model->embed, &model->head};
     for (int i = 0; i < 2; i++) {
         const int64_t values = deltafin_ggml_block_values((int)all[i]->type);
-        if (!values || all[i]->cols % values) return 0;
+        if (!values || all[i]->cols % values || !deltafin_ggml_supported((int)all[i]->type)) return 0;
     }
     for (int64_t l = 0; l < model->layers; l++) {
         const llama_layer *L = model->layer + l;
         const qmatrix *m[7] = {&L->q, &L->k, &L->v, &L->o, &L->gate, &L->up, &L->down};
         for (int i = 0; i < 7; i++) {
             const int64_t values = deltafin_ggml_block_values((int)m[i]->type);
-            if (!values || m[i]->cols % values) return 0;
+            if (!values || m[i]->cols % values || !deltafin_ggml_supported((int)m[i]->type)) return 0;
         }
     }
     return 1;
@@ -363,23 +363,6 @@ static void attend(const llama_model *model, const attention_args *a, int64_t l,
                 acc[p] = _mm512_add_ps(acc[p], _mm512_mul_ps(_mm512_set1_ps(w[p][j]), _mm512_loadu_ps(v + off[p])));
         }
         for (int p = 0; p < 8; p++)
-            _mm512_storeu_ps(attended + t * A + g * group * D + (done + p) * ATTN_LANES, acc[p]);
-    }
-    for (; done + 4 <= pieces; done += 4) {  /* e.g. the last of 3 heads of 64: four chains, still in registers */
-        __m512 acc[4];
-        const float *w[4];
-        int64_t off[4];
-        for (int p = 0; p < 4; p++) {
-            acc[p] = _mm512_setzero_ps();
-            w[p] = work + ((done + p) / (D / ATTN_LANES)) * columns;
-            off[p] = ((done + p) % (D / ATTN_LANES)) * ATTN_LANES;
-        }
-        for (int64_t j = 0; j < count; j++) {
-            const float *v = values + (cols ? cols[j] : j) * D;
-            for (int p = 0; p < 4; p++)
-                acc[p] = _mm512_add_ps(acc[p], _mm512_mul_ps(_mm512_set1_ps(w[p][j]), _mm512_loadu_ps(v + off[p])));
-        }
-        for (int p = 0; p < 4; p++)
             _mm512_storeu_ps(attended + t * A + g * group * D + (done + p) * ATTN_LANES, acc[p]);
     }
 #else

@@ -33,6 +33,8 @@ INT4_INNER_K_TILES = 2
 COMPUTE = torch.bfloat16
 #: up to this many rows (a decode step's batch) run the C kernel; more rows (prefill) run int8pack
 MATVEC_ROWS = 16
+#: ggml_quants.c's bit on a GGUF type whose rows a kernel keeps repacked (deltafin_ggml_repack)
+REPACKED = 0x10000
 #: `_weight_int8pack_mm` needs the input width to be a multiple of this
 INT8PACK_K = 16
 
@@ -162,12 +164,13 @@ class GGMLLinear(nn.Module):
         assert library is not None and library.deltafin_ggml_supported(ggml_type), "loader checks this first"
         self.ggml_type, self.in_features, self.out_features = ggml_type, in_features, blocks.shape[0]
         blocks = blocks.contiguous()
-        repacked = torch.empty_like(blocks)  # never in place: the caller's blocks stay as given
-        kind = library.deltafin_ggml_repack(
-            blocks.data_ptr(), ggml_type, self.out_features, in_features, blocks.shape[1], repacked.data_ptr()
-        )
-        if kind:
-            self.ggml_type, blocks = kind, repacked
+        if library.deltafin_ggml_supported(ggml_type | REPACKED):
+            repacked = torch.empty_like(blocks)  # never in place: the caller's blocks stay as given
+            kind = library.deltafin_ggml_repack(
+                blocks.data_ptr(), ggml_type, self.out_features, in_features, blocks.shape[1], repacked.data_ptr()
+            )
+            if kind:
+                self.ggml_type, blocks = kind, repacked
         self.register_buffer("blocks", blocks)
         self.bias = None if bias is None else nn.Parameter(bias.float(), requires_grad=False)
         self._matmul = library.deltafin_ggml_matmul
