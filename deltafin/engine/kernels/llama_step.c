@@ -125,7 +125,7 @@ typedef struct {
     const float *cos, *sin;
 } attention_args;
 
-/* Every matrix's input width is whole blocks of its type (a K-quant's: super-blocks of 256), and the type is known. */
+/* Whether any matrix's rows are repacked (ggml_quants.c): its activations are then written in t's layout too. */
 static int any_repacked(const llama_model *model) {
     int any = (int)(model->head.type & REPACKED);
     for (int64_t l = 0; l < model->layers; l++) {
@@ -136,6 +136,8 @@ static int any_repacked(const llama_model *model) {
     return any != 0;
 }
 
+/* Every matrix's input width is whole blocks of its type (a K-quant's: super-blocks of 256), and its type is one this
+   kernel variant runs. */
 static int matrices_fit(const llama_model *model) {
     const qmatrix *all[2] = {&model->embed, &model->head};
     for (int i = 0; i < 2; i++) {
@@ -322,7 +324,7 @@ static void attend(const llama_model *model, const attention_args *a, int64_t l,
     /* out[i] = sum over j of weight[j] * value[j][i], in order of j, sixteen elements at a time: the sixteen
        partial outputs stay in a register instead of a store and a load per column. */
 #ifdef DELTAFIN_VARIANT_AVX512
-    /* Eight (head, sixteen elements) outputs at a time, so eight independent chains of additions interleave
+    /* Eight or more (head, sixteen elements) outputs at a time, so independent chains of additions interleave
        (one output's chain alone waits on each addition's latency); the same operations per element. */
     const int64_t pieces = group * (D / ATTN_LANES);
     int64_t done = 0;  /* pieces [0, done) are written */
