@@ -240,3 +240,57 @@ def test_every_variant_runs_the_native_forward_to_the_same_bits():
         assert name == variant
         digests[variant] = digest
     assert len(digests) >= 2 and len(set(digests.values())) == 1, digests
+
+
+#: a random Llama's attention shapes the default model does not have: kv groups of 1, 2 and 4 heads of 64 (the
+#: values of up to three heads are summed together for head_dim 64), heads of 128 and 32 (the generic loops)
+SHAPES_PROBE = (
+    "import hashlib, sys, gguf, numpy as np, torch\n"
+    "from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM\n"
+    "from deltafin.engine import kernels\n"
+    "from deltafin.engine.llama.native import NativeLlamaStep\n"
+    "from deltafin.engine.quant.linear import GGMLEmbedding, GGMLLinear\n"
+    "def blocks(linear, kind):\n"
+    "    w = linear.weight.detach().numpy().astype(np.float32)\n"
+    "    return GGMLLinear(torch.from_numpy(gguf.quants.quantize(w, kind).copy()), int(kind), w.shape[1])\n"
+    "h = hashlib.sha256()\n"
+    "for heads, kv_heads, dim in [(4, 4, 64), (4, 2, 64), (8, 2, 64), (4, 2, 128), (8, 4, 32)]:\n"
+    "    torch.manual_seed(heads * dim + kv_heads)\n"
+    "    config = LlamaConfig(vocab_size=512, hidden_size=512, intermediate_size=1024, num_hidden_layers=2,\n"
+    "                         num_attention_heads=heads, num_key_value_heads=kv_heads, head_dim=dim)\n"
+    "    model = LlamaForCausalLM(config).eval()\n"
+    "    for layer in model.model.layers:\n"
+    "        a, m = layer.self_attn, layer.mlp\n"
+    "        for owner, name in [(a, 'q_proj'), (a, 'k_proj'), (a, 'v_proj'), (a, 'o_proj'), (m, 'gate_proj'),\n"
+    "                            (m, 'up_proj'), (m, 'down_proj')]:\n"
+    "            setattr(owner, name, blocks(getattr(owner, name), gguf.GGMLQuantizationType.Q4_1))\n"
+    "    table = blocks(model.model.embed_tokens, gguf.GGMLQuantizationType.Q8_0)\n"
+    "    model.model.embed_tokens, model.lm_head = GGMLEmbedding(table), table\n"
+    "    step = NativeLlamaStep(model)\n"
+    "    cache = DynamicCache(config=config)\n"
+    "    for window in (list(range(3, 40)), list(range(40, 43))):\n"
+    "        h.update(step.prefill(torch.tensor(window), cache, 0).numpy().tobytes())\n"
+    "print(kernels.variant(), h.hexdigest())\n"
+)
+
+
+def test_every_variant_runs_other_attention_shapes_to_the_same_bits():
+    """kv groups of 1, 2 and 4 query heads of 64, heads of 128 and of 32, per CPU variant: the logits of a
+    37-token window and of 3 tokens after it (several tokens of one row attending, as a checked draft does)."""
+    import os
+    import subprocess
+    import sys
+
+    from deltafin.engine import kernels
+
+    digests = {}
+    for variant in kernels.supported_variants():
+        env = {**os.environ, "DELTAFIN_KERNEL_VARIANT": variant}
+        done = subprocess.run(
+            [sys.executable, "-c", SHAPES_PROBE], capture_output=True, text=True, env=env, timeout=600
+        )
+        assert done.returncode == 0, done.stderr[-2000:]
+        name, digest = done.stdout.strip().splitlines()[-1].split()
+        assert name == variant
+        digests[variant] = digest
+    assert len(digests) >= 2 and len(set(digests.values())) == 1, digests
