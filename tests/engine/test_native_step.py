@@ -220,9 +220,8 @@ FORWARD_PROBE = (
 )
 
 
-def test_every_variant_runs_the_native_forward_to_the_same_bits():
-    """A 47-token prompt in windows of 20 (attention over up to 47 columns, every layer), per CPU variant: the
-    logits and the cached keys."""
+def variant_digests(probe: str) -> dict[str, str]:
+    """The digest `probe` prints run under each CPU variant this machine runs, in a process of its own."""
     import os
     import subprocess
     import sys
@@ -232,13 +231,18 @@ def test_every_variant_runs_the_native_forward_to_the_same_bits():
     digests = {}
     for variant in kernels.supported_variants():
         env = {**os.environ, "DELTAFIN_KERNEL_VARIANT": variant}
-        done = subprocess.run(
-            [sys.executable, "-c", FORWARD_PROBE], capture_output=True, text=True, env=env, timeout=600
-        )
+        done = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, env=env, timeout=600)
         assert done.returncode == 0, done.stderr[-2000:]
         name, digest = done.stdout.strip().splitlines()[-1].split()
         assert name == variant
         digests[variant] = digest
+    return digests
+
+
+def test_every_variant_runs_the_native_forward_to_the_same_bits():
+    """A 47-token prompt in windows of 20 (attention over up to 47 columns, every layer), per CPU variant: the
+    logits and the cached keys."""
+    digests = variant_digests(FORWARD_PROBE)
     assert len(digests) >= 2 and len(set(digests.values())) == 1, digests
 
 
@@ -277,20 +281,5 @@ SHAPES_PROBE = (
 def test_every_variant_runs_other_attention_shapes_to_the_same_bits():
     """kv groups of 1, 2 and 4 query heads of 64, heads of 128 and of 32, per CPU variant: the logits of a
     37-token window and of 3 tokens after it (several tokens of one row attending, as a checked draft does)."""
-    import os
-    import subprocess
-    import sys
-
-    from deltafin.engine import kernels
-
-    digests = {}
-    for variant in kernels.supported_variants():
-        env = {**os.environ, "DELTAFIN_KERNEL_VARIANT": variant}
-        done = subprocess.run(
-            [sys.executable, "-c", SHAPES_PROBE], capture_output=True, text=True, env=env, timeout=600
-        )
-        assert done.returncode == 0, done.stderr[-2000:]
-        name, digest = done.stdout.strip().splitlines()[-1].split()
-        assert name == variant
-        digests[variant] = digest
+    digests = variant_digests(SHAPES_PROBE)
     assert len(digests) >= 2 and len(set(digests.values())) == 1, digests
